@@ -1,0 +1,8 @@
+"""marlin-convert: convert GPTQ safetensors checkpoints to the Marlin FP16xINT4 tile format, offline, and
+prove every layer right.
+
+The library never prints: it returns results and raises :class:`marlin_convert.errors.MarlinConvertError`
+subclasses; :mod:`marlin_convert.cli` renders both.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,489 @@
+"""The conversion pipeline: GPTQ directory in, Marlin directory out, one tensor at a time.
+
+1. :func:`build_plan` opens the checkpoint, plans and checks every layer (:mod:`marlin_convert.gptq`) and
+   declares every output tensor of every output shard (name, dtype, shape, and the job that produces it).
+   ``inspect`` / ``--dry-run`` stop here; nothing has been written.
+2. :func:`convert` writes into a temporary sibling of OUT_DIR: each shard's header first, then the tensors,
+   produced by a small thread pool (numpy releases the GIL in the repack, the hash and the I/O), each job
+   holding one tensor (or one expert slice) at a time. Tensors that pass through are copied file-to-file.
+3. Then the configs, the index, the other files and the manifest; only when all of that succeeded is the
+   temporary directory renamed to OUT_DIR. On any failure it is removed: no OUT_DIR that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import __version__, layout
+from .errors import InputError, MarlinConvertError, OutputError, UnsupportedLayerError
+from .gptq import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    QUANTIZE_CONFIG_FILE,
+    SYMMETRIC_ZERO,
+    Checkpoint,
+    LayerPlan,
+    open_checkpoint,
+    plan_layers,
+)
+from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
+from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
+
+ProgressCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Job:
+    """How one output tensor is produced: ``kind`` is "copy", "B", "s", "perm" or "g_idx"."""
+
+    kind: str
+    output: PlannedTensor
+    source: TensorInfo | None = None  # for "copy"
+    source_path: Path | None = None
+    layer: LayerPlan | None = None
+
+    @property
+    def input_bytes(self) -> int:
+        if self.kind == "copy":
+            return self.source.nbytes
+        return self.output.nbytes if self.kind in ("B", "s") else 0
+
+
+@dataclass
+class ShardPlan:
+    file_name: str
+    jobs: list[Job]
+
+    @property
+    def outputs(self) -> list[PlannedTensor]:
+        return [job.output for job in self.jobs]
+
+
+@dataclass
+class ConversionPlan:
+    """Everything :func:`convert` will do, computed from headers and small tensors only."""
+
+    checkpoint: Checkpoint
+    layers: list[LayerPlan]
+    shards: list[ShardPlan]
+    skip_incompatible: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def converted(self) -> list[LayerPlan]:
+        return [layer for layer in self.layers if layer.convertible]
+
+    @property
+    def refused(self) -> list[LayerPlan]:
+        return [layer for layer in self.layers if not layer.convertible]
+
+    @property
+    def bytes_in(self) -> int:
+        return self.checkpoint.total_bytes
+
+    @property
+    def tensor_bytes_out(self) -> int:
+        return sum(t.nbytes for shard in self.shards for t in shard.outputs)
+
+    @property
+    def work_bytes(self) -> int:
+        """Bytes the progress bar counts: every source tensor that a job reads or copies."""
+        return sum(job.input_bytes for shard in self.shards for job in shard.jobs)
+
+
+def _marlin_outputs(layer: LayerPlan) -> dict[str, PlannedTensor]:
+    """Declare the Marlin tensors of one layer (names, dtypes, shapes); stacked experts keep the leading E."""
+    lead = (layer.num_experts,) if layer.num_experts else ()
+    k, n = layer.in_features, layer.out_features
+    names = layer_outputs_names(layer.prefix, layer.act_order)
+    out = {
+        "B": PlannedTensor(names["B"], "I32", (*lead, k // layout.TILE, 2 * n)),
+        "s": PlannedTensor(names["s"], layer.scale_dtype, (*lead, layer.num_groups, n)),
+    }
+    if layer.act_order:
+        out["perm"] = PlannedTensor(names["perm"], "I32", (*lead, k))
+        out["g_idx"] = PlannedTensor(names["g_idx"], "I32", (*lead, k))
+    return out
+
+
+def _zero_format_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
+    label = checkpoint.config.zero_format_label
+    decided = sorted({layer.zero_format for layer in layers if layer.zero_format})
+    notes = []
+    for fmt in decided:
+        if fmt != label:
+            count = sum(layer.zero_format == fmt for layer in layers)
+            notes.append(
+                f"checkpoint_format says {checkpoint.config.checkpoint_format} ({label} zeros) but qzeros of {count} "
+                f"layer(s) hold {SYMMETRIC_ZERO[fmt]}, the {fmt} value for symmetric 4-bit: treated as {fmt}"
+            )
+    if decided == [label]:
+        notes.append(f"zero format {label} (qzeros hold {SYMMETRIC_ZERO[label]}), as labelled")
+    if not checkpoint.config.sym and decided:
+        notes.append("config says sym = false, but the converted layers' zero points are all the symmetric value")
+    return notes
+
+
+def build_plan(in_dir: Path, skip_incompatible: bool = False) -> ConversionPlan:
+    """Open and check ``in_dir`` and declare every output tensor. Writes nothing.
+
+    Raises :class:`InputError` for a malformed checkpoint and, unless ``skip_incompatible``,
+    :class:`UnsupportedLayerError` naming every layer that has no Marlin form and why.
+    """
+    checkpoint = open_checkpoint(Path(in_dir))
+    layers = plan_layers(checkpoint)
+    refused = [layer for layer in layers if not layer.convertible]
+    if refused and not skip_incompatible:
+        listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
+        more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+        raise UnsupportedLayerError(
+            f"{len(refused)} of {len(layers)} quantized layers cannot be converted: {listed}{more}",
+            hint="--skip-incompatible keeps such layers in GPTQ form and lists them in the manifest",
+        )
+
+    # Which converted layer consumes each source tensor, and what it becomes there.
+    role: dict[str, tuple[str, LayerPlan]] = {}
+    for layer in layers:
+        if layer.convertible:
+            for kind, name in layer.source_names.items():
+                role[name] = (kind, layer)
+
+    shards = []
+    for shard in checkpoint.shards:
+        jobs = []
+        for name, info in shard.tensors.items():
+            if name not in role:
+                jobs.append(Job("copy", PlannedTensor(name, info.dtype, info.shape), info, shard.path))
+                continue
+            kind, layer = role[name]
+            outputs = _marlin_outputs(layer)
+            if kind == "qweight":
+                jobs.append(Job("B", outputs["B"], layer=layer))
+            elif kind == "scales":
+                jobs.append(Job("s", outputs["s"], layer=layer))
+            elif kind == "g_idx" and layer.act_order:
+                jobs.append(Job("perm", outputs["perm"], layer=layer))
+                jobs.append(Job("g_idx", outputs["g_idx"], layer=layer))
+            # qzeros and a trivial g_idx carry no information Marlin needs: the manifest says how to rebuild them
+        shards.append(ShardPlan(shard.path.name, jobs))
+    return ConversionPlan(checkpoint, layers, shards, skip_incompatible, _zero_format_notes(checkpoint, layers))
+
+
+# --------------------------------------------------------------------------------------------------- jobs
+
+
+def _slices(layer: LayerPlan) -> list[int | None]:
+    return list(range(layer.num_experts)) if layer.num_experts else [None]
+
+
+class _Digests:
+    """SHA-256 of source tensors, filled from worker threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, str] = {}
+
+    def put(self, name: str, digest: "hashlib._Hash") -> None:
+        with self._lock:
+            self.values[name] = "sha256:" + digest.hexdigest()
+
+    def whole(self, checkpoint: Checkpoint, name: str) -> np.ndarray:
+        data = checkpoint.read(name)
+        self.put(name, hashlib.sha256(memoryview(data.reshape(-1).view(np.uint8))))
+        return data
+
+
+def _run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter, digests: _Digests) -> int:
+    """Produce one output tensor into ``writer``. Returns the source bytes it consumed (for progress)."""
+    if job.kind == "copy":
+        writer.copy_range(job.output.name, job.source_path, job.source.begin, job.source.nbytes)
+        return job.source.nbytes
+    layer = job.layer
+    name = job.output.name
+    if job.kind == "B":
+        source = layer.tensor("qweight")
+        digest = hashlib.sha256()
+        offset = 0
+        for index in _slices(layer):
+            qweight = checkpoint.read(source, index)
+            digest.update(memoryview(qweight.reshape(-1).view(np.uint8)))
+            perm = None
+            if layer.act_order:
+                perm, _ = layout.act_order_perm(checkpoint.read(layer.tensor("g_idx"), index))
+            marlin = layout.gptq_to_marlin_weight(qweight, perm)
+            writer.write_array(name, marlin, at=offset)
+            offset += marlin.nbytes
+        digests.put(source, digest)
+        return offset
+    if job.kind == "s":
+        # the small siblings that Marlin drops are hashed here so the manifest can prove them rebuilt
+        digests.whole(checkpoint, layer.tensor("qzeros"))
+        if layer.has_g_idx:
+            digests.whole(checkpoint, layer.tensor("g_idx"))
+        source = layer.tensor("scales")
+        digest = hashlib.sha256()
+        offset = 0
+        for index in _slices(layer):
+            scales = checkpoint.read(source, index)
+            digest.update(memoryview(scales.reshape(-1).view(np.uint8)))
+            permuted = layout.permute_scales(scales)
+            writer.write_array(name, permuted, at=offset)
+            offset += permuted.nbytes
+        digests.put(source, digest)
+        return offset
+    # "perm" / "g_idx": act-order tables, one per expert
+    offset = 0
+    for index in _slices(layer):
+        perm, sorted_g_idx = layout.act_order_perm(checkpoint.read(layer.tensor("g_idx"), index))
+        table = perm if job.kind == "perm" else sorted_g_idx
+        writer.write_array(name, table, at=offset)
+        offset += table.nbytes
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------- output
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` did; the CLI renders it as a table or JSON."""
+
+    in_dir: str
+    out_dir: str
+    layers: list[dict]
+    skipped: list[dict]
+    passthrough_tensors: int
+    shards: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    notes: list[str]
+    manifest: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _check_paths(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    src, dst = in_dir.resolve(), out_dir.resolve()
+    if dst == src or src in dst.parents:
+        raise OutputError(f"OUT_DIR {out_dir} is inside (or equal to) IN_DIR {in_dir}", hint="choose a separate directory")
+    if dst in src.parents:
+        raise OutputError(f"IN_DIR {in_dir} is inside OUT_DIR {out_dir}", hint="choose a separate directory")
+    if dst.exists():
+        if not dst.is_dir():
+            raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
+        if any(dst.iterdir()) and not overwrite:
+            raise OutputError(f"OUT_DIR {out_dir} is not empty", hint="pass --overwrite to replace it")
+
+
+def _marlin_quant_config(original: dict) -> dict:
+    updated = dict(original)
+    updated.update(quant_method="gptq", checkpoint_format="marlin", is_marlin_format=True)
+    return updated
+
+
+def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
+    checkpoint = plan.checkpoint
+    config = checkpoint.config
+    merged = {
+        "bits": config.bits,
+        "group_size": config.group_size,
+        "desc_act": config.desc_act,
+        "sym": config.sym,
+    }
+    if checkpoint.config_json is not None:
+        config_json = dict(checkpoint.config_json)
+        config_json["quantization_config"] = _marlin_quant_config(
+            {**config_json.get("quantization_config", {}), **merged}
+        )
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
+    quantize_json = _marlin_quant_config({**(checkpoint.quantize_json or {}), **merged})
+    (tmp / QUANTIZE_CONFIG_FILE).write_text(json.dumps(quantize_json, indent=2) + "\n", encoding="utf-8")
+
+
+def _copy_other_files(in_dir: Path, tmp: Path, shard_names: set[str]) -> None:
+    skip = shard_names | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
+    for entry in sorted(in_dir.iterdir()):
+        if entry.name in skip:
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, tmp / entry.name)
+        else:
+            shutil.copy2(entry, tmp / entry.name)
+
+
+def _layer_entry(layer: LayerPlan, plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> dict:
+    outputs = _marlin_outputs(layer)
+    k, n = layer.in_features, layer.out_features
+    entry = {
+        "name": layer.prefix,
+        "source": layer.source_names,
+        "outputs": {kind: t.name for kind, t in outputs.items()},
+        "shards": {kind: out_shard[t.name] for kind, t in outputs.items()},
+        "shapes": {kind: list(t.shape) for kind, t in outputs.items()},
+        "in_features": k,
+        "out_features": n,
+        "bits": layer.bits,
+        "group_size": layer.group_size,
+        "num_groups": layer.num_groups,
+        "act_order": layer.act_order,
+        "g_idx": "act_order" if layer.act_order else ("trivial" if layer.has_g_idx else "absent"),
+        "zero_format": layer.zero_format,
+        "zero_stored": SYMMETRIC_ZERO[layer.zero_format],
+        "scale_dtype": DTYPE_NAMES.get(layer.scale_dtype, layer.scale_dtype),
+        "num_experts": layer.num_experts,
+        "workspace": {"rule": layout.WORKSPACE_RULE, "ints": layer.workspace_ints},
+        "digests": {kind: digests[name] for kind, name in layer.source_names.items()},
+    }
+    if layer.num_experts:
+        entry["expert_stride_int32"] = k * n // 8
+        entry["workspace"]["per_expert"] = True
+    return entry
+
+
+def _finalize(tmp: Path, out_dir: Path) -> None:
+    """Move the finished temporary directory into place (replacing OUT_DIR's old contents if any)."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(
+    in_dir: Path,
+    out_dir: Path,
+    *,
+    overwrite: bool = False,
+    skip_incompatible: bool = False,
+    workers: int = 2,
+    progress: ProgressCallback | None = None,
+    plan: ConversionPlan | None = None,
+) -> ConversionReport:
+    """Convert the GPTQ checkpoint ``in_dir`` into a Marlin checkpoint at ``out_dir``.
+
+    ``progress`` is called from worker threads with the number of source bytes just processed (the total is
+    ``plan.work_bytes``). Raises :class:`MarlinConvertError` subclasses; on any failure nothing is left at
+    ``out_dir`` that was not there before.
+    """
+    start = time.perf_counter()
+    in_dir, out_dir = Path(in_dir), Path(out_dir)
+    _check_paths(in_dir, out_dir, overwrite)
+    if plan is None:
+        plan = build_plan(in_dir, skip_incompatible)
+    checkpoint = plan.checkpoint
+
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as exc:
+        raise OutputError(f"{out_dir.parent}: cannot create the output directory: {exc.strerror or exc}") from exc
+
+    writers: list[ShardWriter] = []
+    try:
+        digests = _Digests()
+        out_shard: dict[str, str] = {}
+        tasks = []
+        for shard in plan.shards:
+            writer = ShardWriter(tmp / shard.file_name, shard.outputs, {"format": "pt"})
+            writers.append(writer)
+            for job in shard.jobs:
+                out_shard[job.output.name] = shard.file_name
+                tasks.append((job, writer))
+        # biggest first keeps both workers busy to the end
+        tasks.sort(key=lambda task: -task[0].input_bytes)
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="marlin-convert") as pool:
+
+            def run(task: tuple[Job, ShardWriter]) -> None:
+                done = _run_job(task[0], checkpoint, task[1], digests)
+                if progress is not None and done:
+                    progress(done)
+
+            futures = [pool.submit(run, task) for task in tasks]
+            finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in finished if f.exception() is not None]
+            if failed:
+                for future in futures:
+                    future.cancel()
+                raise failed[0].exception()
+        for writer in writers:
+            writer.close()
+        writers = []
+
+        if checkpoint.index_json is not None:
+            index = {
+                "metadata": {**checkpoint.index_json.get("metadata", {}), "total_size": plan.tensor_bytes_out},
+                "weight_map": dict(sorted(out_shard.items())),
+            }
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        _write_configs(plan, tmp)
+        _copy_other_files(in_dir, tmp, {shard.file_name for shard in plan.shards})
+
+        layers = [_layer_entry(layer, plan, digests.values, out_shard) for layer in plan.converted]
+        skipped = [{"name": layer.prefix, "reason": layer.reason, "source": layer.source_names} for layer in plan.refused]
+        passthrough = sum(job.kind == "copy" for shard in plan.shards for job in shard.jobs)
+        bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        manifest = {
+            "format": "marlin-convert-manifest",
+            "version": MANIFEST_VERSION,
+            "tool": f"marlin-convert {__version__}",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": {"path": str(in_dir.resolve()), "bytes": plan.bytes_in,
+                       "quantization_config": checkpoint.config.sources},
+            "checkpoint_format": "marlin",
+            "bits": checkpoint.config.bits,
+            "group_size": checkpoint.config.group_size,
+            "desc_act": checkpoint.config.desc_act,
+            "sym": checkpoint.config.sym,
+            "notes": plan.notes,
+            "shards": [shard.file_name for shard in plan.shards],
+            "passthrough_tensors": passthrough,
+            "layers": layers,
+            "skipped": skipped,
+        }
+        write_manifest(tmp, manifest)
+        _finalize(tmp, out_dir)
+    except BaseException as exc:
+        for writer in writers:
+            writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            if exc.errno == 28:
+                raise OutputError(f"{out_dir}: no space left on device", hint="free disk space") from exc
+            raise OutputError(f"{out_dir}: cannot write: {exc.strerror or exc}") from exc
+        raise
+
+    return ConversionReport(
+        in_dir=str(in_dir),
+        out_dir=str(out_dir),
+        layers=[{key: entry[key] for key in ("name", "in_features", "out_features", "group_size", "act_order",
+                                             "num_experts", "zero_format")} for entry in layers],
+        skipped=[{"name": s["name"], "reason": s["reason"]} for s in skipped],
+        passthrough_tensors=passthrough,
+        shards=len(plan.shards),
+        bytes_in=plan.bytes_in,
+        bytes_out=bytes_out,
+        seconds=time.perf_counter() - start,
+        notes=plan.notes,
+        manifest=str(out_dir / MANIFEST_FILE),
+    )
+
+
+__all__ = ["ConversionPlan", "ConversionReport", "build_plan", "convert", "InputError", "MarlinConvertError"]

@@ -1,0 +1,49 @@
+"""Typed errors raised by the library.
+
+The library never prints. Every failure a user can cause or meet is one of these classes; the CLI turns them
+into a single ``Error:`` line (plus an optional ``Hint:``) and a non-zero exit code, in one place
+(:mod:`marlin_convert.cli.app`).
+"""
+
+from __future__ import annotations
+
+
+class MarlinConvertError(Exception):
+    """Base class: ``message`` says what went wrong and where, ``hint`` what to do about it."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class InputError(MarlinConvertError):
+    """The input directory is not a readable, consistent GPTQ checkpoint."""
+
+
+class UnsupportedLayerError(MarlinConvertError):
+    """A quantized layer is valid GPTQ but has no Marlin form here (bits, asymmetry, shape limits)."""
+
+
+class OutputError(MarlinConvertError):
+    """The output directory cannot be written (exists, is inside the input, disk full, permissions)."""
+
+
+class ManifestError(MarlinConvertError):
+    """A converted directory's manifest is missing or does not match the files beside it."""
+
+
+class VerificationFailed(MarlinConvertError):
+    """``verify`` ran and at least one layer failed; the report names them."""
+
+    exit_code = 1
+
+
+class KernelUnavailableError(MarlinConvertError):
+    """The CUDA kernel cannot be built or run here (no GPU, no nvcc, GPU too old, ...)."""
+
+
+class KernelError(MarlinConvertError):
+    """The kernel rejected its arguments (shape limits, workspace too small, wrong dtype)."""

@@ -1,0 +1,296 @@
+"""Safetensors I/O, one tensor at a time.
+
+Reading: :func:`read_header` parses and checks a file's header without touching the data; :func:`read_tensor`
+reads one tensor's bytes with a single positioned read into a fresh numpy array.
+
+Writing: :class:`ShardWriter` is told every tensor's name, dtype and shape up front, writes the header first,
+and then takes the tensors in any order at their known offsets (positioned writes), so several threads can
+fill one file and nothing larger than one tensor is ever held. Tensors that pass through unchanged are copied
+file-to-file by the kernel (``os.copy_file_range``) without entering this process's memory.
+
+File layout (the safetensors format): 8-byte little-endian header length ``L``; ``L`` bytes of JSON mapping each
+name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data start) plus an
+optional ``"__metadata__"`` string map; then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError, OutputError
+
+#: safetensors dtype name -> numpy dtype used to hold the raw bytes (bfloat16 is kept as its uint16 bits)
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+    "U16": np.dtype("<u2"),
+    "U32": np.dtype("<u4"),
+    "U64": np.dtype("<u8"),
+    "F8_E4M3": np.dtype("u1"),
+    "F8_E5M2": np.dtype("u1"),
+}
+#: the short names people use for the same dtypes (config files, the manifest)
+DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "I32": "int32", "I64": "int64"}
+
+#: a header larger than this is not a plausible safetensors header (the reference implementation uses 100 MB)
+MAX_HEADER_BYTES = 100_000_000
+#: chunk size for the copy fallback when ``copy_file_range`` is unavailable
+COPY_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: ``dtype`` is the safetensors name ("F16", "I32", ...), offsets are absolute."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class SafetensorsFile:
+    """A parsed safetensors header. ``tensors`` keeps the file's data order (by offset)."""
+
+    path: Path
+    data_start: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def read_header(path: Path) -> SafetensorsFile:
+    """Parse and check ``path``'s header: JSON, dtypes, shapes against byte counts, offsets inside the file.
+
+    Raises :class:`InputError` naming the file (and tensor) on any inconsistency, including a file shorter
+    than its header says (a truncated download).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise InputError(f"{path}: corrupt safetensors file: only {size} bytes, no header")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise InputError(
+                    f"{path}: corrupt safetensors header: it claims {header_len} header bytes in a {size}-byte file"
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{path}: corrupt safetensors header: {exc}") from exc
+
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: list[TensorInfo] = []
+    for name, entry in header.items():
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{path}: corrupt safetensors header entry for tensor '{name}': {exc!r}") from exc
+        if dtype not in NUMPY_DTYPES:
+            raise InputError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
+        expected = math.prod(shape) * NUMPY_DTYPES[dtype].itemsize
+        if end - begin != expected or begin < 0:
+            raise InputError(
+                f"{path}: corrupt safetensors header: tensor '{name}' {dtype}{list(shape)} needs {expected} bytes "
+                f"but its offsets [{begin}, {end}] span {end - begin}"
+            )
+        if data_start + end > size:
+            raise InputError(
+                f"{path}: truncated: tensor '{name}' ends at byte {data_start + end} but the file has {size} bytes",
+                hint="re-download or re-copy this shard",
+            )
+        tensors.append(TensorInfo(name, dtype, shape, data_start + begin, data_start + end))
+    tensors.sort(key=lambda t: t.begin)
+    return SafetensorsFile(path, data_start, {t.name: t for t in tensors}, dict(metadata))
+
+
+def read_tensor(file: SafetensorsFile, name: str, index: int | None = None) -> np.ndarray:
+    """Read tensor ``name`` of ``file`` into a new numpy array (bfloat16 as uint16 bits).
+
+    With ``index``, read only the slice ``tensor[index]`` along the leading dimension (one expert of a
+    stacked tensor), so memory holds one slice rather than the whole tensor.
+    """
+    info = file.tensors[name]
+    shape, begin, nbytes = info.shape, info.begin, info.nbytes
+    if index is not None:
+        if not 0 <= index < shape[0]:
+            raise IndexError(f"tensor '{name}' has {shape[0]} slices, asked for {index}")
+        nbytes //= shape[0]
+        shape, begin = shape[1:], begin + index * nbytes
+    out = np.empty(shape, dtype=NUMPY_DTYPES[info.dtype])
+    buffer = memoryview(out.reshape(-1).view(np.uint8))
+    try:
+        with open(file.path, "rb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                got = os.preadv(f.fileno(), [buffer[done:]], begin + done)
+                if got == 0:
+                    raise InputError(f"{file.path}: truncated while reading tensor '{name}'")
+                done += got
+    except OSError as exc:
+        raise InputError(f"{file.path}: cannot read tensor '{name}': {exc.strerror or exc}") from exc
+    return out
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor a writer will hold: safetensors ``dtype`` name and ``shape``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * NUMPY_DTYPES[self.dtype].itemsize
+
+
+def _os_error(path: Path, exc: OSError) -> OutputError:
+    if exc.errno == 28:  # ENOSPC
+        return OutputError(f"{path}: no space left on device", hint="free disk space or choose another OUT_DIR")
+    return OutputError(f"{path}: cannot write: {exc.strerror or exc}")
+
+
+class ShardWriter:
+    """Write one safetensors file whose tensors are all declared up front.
+
+    ``ShardWriter(path, planned, metadata)`` writes the header immediately and reserves the data area; then
+    :meth:`write_array` and :meth:`copy_range` fill each declared tensor exactly once, in any order and from
+    any thread; :meth:`close` checks that every tensor was written. Nothing is buffered in memory.
+    """
+
+    def __init__(self, path: Path, planned: list[PlannedTensor], metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for tensor in planned:
+            if tensor.name in self.offsets:
+                raise ValueError(f"tensor '{tensor.name}' declared twice for {self.path}")
+            header[tensor.name] = {
+                "dtype": tensor.dtype,
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + tensor.nbytes],
+            }
+            self.offsets[tensor.name] = (offset, offset + tensor.nbytes)
+            offset += tensor.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
+        self.data_start = 8 + len(raw)
+        self.total_bytes = self.data_start + offset
+        self._remaining = {name: end - begin for name, (begin, end) in self.offsets.items()}
+        self._lock = threading.Lock()
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if hasattr(os, "posix_fallocate") and self.total_bytes > 0:
+                # reserve the whole file now, so a full disk fails here and not halfway through
+                os.posix_fallocate(self._fd, 0, self.total_bytes)
+            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        except OSError as exc:
+            raise _os_error(self.path, exc) from exc
+
+    def _take(self, name: str, at: int, nbytes: int) -> int:
+        begin, end = self.offsets[name]
+        if at < 0 or begin + at + nbytes > end:
+            raise ValueError(f"{self.path}: {nbytes} bytes at {at} do not fit tensor '{name}' ({end - begin} bytes)")
+        with self._lock:
+            self._remaining[name] -= nbytes
+        return self.data_start + begin + at
+
+    def write_array(self, name: str, array: np.ndarray, at: int = 0) -> None:
+        """Write a numpy array's raw bytes (C order) into declared tensor ``name``, ``at`` bytes into it.
+
+        A tensor may be written in several pieces (one expert slice at a time); :meth:`close` checks that the
+        pieces added up to the whole.
+        """
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        position = self._take(name, at, data.nbytes)
+        try:
+            done = 0
+            while done < data.nbytes:
+                done += os.pwrite(self._fd, data[done:], position + done)
+        except OSError as exc:
+            raise _os_error(self.path, exc) from exc
+
+    def copy_range(self, name: str, source: Path, begin: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at absolute offset ``begin`` of file ``source`` into declared tensor ``name``."""
+        position = self._take(name, 0, nbytes)
+        try:
+            with open(source, "rb", buffering=0) as src:
+                _copy_between(src.fileno(), begin, self._fd, position, nbytes)
+        except OSError as exc:
+            raise _os_error(self.path, exc) from exc
+
+    def close(self) -> None:
+        """Flush and close; raise if a declared tensor was never written."""
+        try:
+            os.close(self._fd)
+        except OSError as exc:
+            raise _os_error(self.path, exc) from exc
+        missing = sorted(name for name, left in self._remaining.items() if left)
+        if missing:
+            raise OutputError(f"{self.path}: {len(missing)} declared tensors were not completely written "
+                              f"({', '.join(missing[:5])})")
+
+    def abort(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def _copy_between(src_fd: int, src_pos: int, dst_fd: int, dst_pos: int, nbytes: int) -> None:
+    done = 0
+    use_kernel_copy = hasattr(os, "copy_file_range")
+    while done < nbytes:
+        if use_kernel_copy:
+            try:
+                got = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_pos + done, dst_pos + done)
+            except OSError as exc:
+                if exc.errno in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: fall back to read/write
+                    use_kernel_copy = False
+                    continue
+                raise
+        else:
+            chunk = os.pread(src_fd, min(COPY_CHUNK_BYTES, nbytes - done), src_pos + done)
+            got = os.pwrite(dst_fd, chunk, dst_pos + done) if chunk else 0
+        if got == 0:
+            raise OSError(5, "source ended early while copying")
+        done += got
