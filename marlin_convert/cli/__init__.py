@@ -1,0 +1,1 @@
+"""The ``marlin-convert`` command line: thin commands that parse, call the library and render."""

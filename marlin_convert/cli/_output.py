@@ -1,0 +1,60 @@
+"""One output object: a rich table (and lines) for people, or the same data as JSON for machines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclass
+class Output:
+    """Collects a report's title, a table, summary lines and the machine-readable data.
+
+    ``render()`` prints the table for people (or, with ``as_json``, the data as JSON on stdout);
+    ``write_json(path)`` writes the data for machines beside whatever was printed.
+    """
+
+    title: str
+    data: dict
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    as_json: bool = False
+    row_styles: list[str | None] = field(default_factory=list)
+
+    def add_row(self, *cells: object, style: str | None = None) -> None:
+        self.rows.append([str(c) for c in cells])
+        self.row_styles.append(style)
+
+    def render(self, console: Console | None = None) -> None:
+        console = console or Console()
+        if self.as_json:
+            print(json.dumps(self.data, indent=2, default=str))
+            return
+        if self.rows:
+            table = Table(title=self.title, title_justify="left")
+            for column in self.columns:
+                table.add_column(column, overflow="fold")
+            for row, style in zip(self.rows, self.row_styles):
+                table.add_row(*row, style=style)
+            console.print(table)
+        elif self.title:
+            console.print(f"[bold]{self.title}[/bold]")
+        for line in self.lines:
+            console.print(line, highlight=False)
+
+    def write_json(self, path: Path | None) -> None:
+        if path is not None:
+            Path(path).write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")

@@ -1,0 +1,71 @@
+"""Convert a GPTQ checkpoint into Marlin format.
+
+Usage examples:
+    marlin-convert ./Llama-2-7B-GPTQ ./Llama-2-7B-Marlin
+    marlin-convert convert ./in ./out --overwrite --json report.json
+    marlin-convert ./in ./out --skip-incompatible          # keep unsupported layers in GPTQ form
+    marlin-convert ./in ./out --dry-run                    # only show the plan
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..convert import build_plan, convert as run_conversion
+from ._output import Output, human_bytes
+from ._progress import byte_progress
+from ._render import add_layer_rows
+from .inspect import plan_output
+
+InDirArg = Annotated[Path, typer.Argument(help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
+OutDirArg = Annotated[Path, typer.Argument(help="Where to write the Marlin checkpoint (must be empty or absent).")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists and is not empty.")]
+SkipOpt = Annotated[bool, typer.Option(
+    "--skip-incompatible", help="Keep layers with no Marlin form (8-bit, asymmetric, odd shapes) in GPTQ form and "
+    "list them, instead of stopping before anything is written.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (like 'inspect') and write nothing.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")]
+WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Threads that repack, hash and copy tensors.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+
+
+def convert(
+    in_dir: InDirArg,
+    out_dir: OutDirArg,
+    overwrite: OverwriteOpt = False,
+    skip_incompatible: SkipOpt = False,
+    dry_run: DryRunOpt = False,
+    json_file: JsonOpt = None,
+    workers: WorkersOpt = 2,
+    quiet: QuietOpt = False,
+) -> None:
+    """Repack every quantized linear of IN_DIR into Marlin tiles and write OUT_DIR with a manifest.
+
+    Every other tensor is copied bit for bit; shards keep their grouping; configs say checkpoint_format
+    "marlin". Nothing is left at OUT_DIR unless the whole conversion succeeded.
+    """
+    plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run)
+    if dry_run:
+        output = plan_output(plan)
+        output.render()
+        output.write_json(json_file)
+        return
+    with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
+        report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
+                                workers=workers, progress=advance, plan=plan)
+    output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
+    add_layer_rows(output, plan.layers)
+    rate = report.bytes_in / report.seconds / 1e9 if report.seconds else 0.0
+    output.lines += [
+        f"{len(report.layers)} layers converted, {len(report.skipped)} kept in GPTQ form, "
+        f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
+        f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "
+        f"{report.seconds:.1f} s ({rate:.2f} GB/s)",
+        *(f"note: {note}" for note in report.notes),
+        f"manifest: {report.manifest}",
+    ]
+    output.render()
+    output.write_json(json_file)

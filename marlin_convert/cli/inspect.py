@@ -1,0 +1,59 @@
+"""Show what converting a GPTQ checkpoint would do, without writing anything.
+
+Usage examples:
+    marlin-convert inspect ./Llama-2-7B-GPTQ
+    marlin-convert inspect ./Qwen3-30B-A3B-GPTQ --json plan.json
+    marlin-convert ./Llama-2-7B-GPTQ ./out --dry-run        # the same plan, from convert
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..convert import ConversionPlan, build_plan
+from ._output import Output, human_bytes
+from ._render import add_layer_rows, layer_dict
+
+InDirArg = Annotated[Path, typer.Argument(help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the plan as JSON to this file.")]
+JsonStdoutOpt = Annotated[bool, typer.Option("--json-stdout", help="Print the plan as JSON instead of a table.")]
+
+
+def plan_output(plan: ConversionPlan, as_json: bool = False) -> Output:
+    config = plan.checkpoint.config
+    data = {
+        "in_dir": str(plan.checkpoint.path),
+        "quantization_config": {"bits": config.bits, "group_size": config.group_size, "desc_act": config.desc_act,
+                                "sym": config.sym, "checkpoint_format": config.checkpoint_format,
+                                "sources": config.sources},
+        "shards": [shard.file_name for shard in plan.shards],
+        "layers": [layer_dict(layer) for layer in plan.layers],
+        "converted": len(plan.converted),
+        "kept_gptq": len(plan.refused),
+        "passthrough_tensors": sum(job.kind == "copy" for shard in plan.shards for job in shard.jobs),
+        "bytes_in": plan.bytes_in,
+        "tensor_bytes_out": plan.tensor_bytes_out,
+        "notes": plan.notes,
+    }
+    output = Output(f"Plan for {plan.checkpoint.path}", data, as_json=as_json)
+    add_layer_rows(output, plan.layers)
+    output.lines += [
+        f"{len(plan.converted)} layers to convert, {len(plan.refused)} kept in GPTQ form, "
+        f"{data['passthrough_tensors']} tensors passed through, {len(plan.shards)} shard(s)",
+        f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
+        f"quantization: {config.bits}-bit, group size {config.group_size}, desc_act {config.desc_act}, "
+        f"sym {config.sym} (from {', '.join(config.sources)})",
+        *(f"note: {note}" for note in plan.notes),
+    ]
+    return output
+
+
+def inspect(in_dir: InDirArg, json_file: JsonOpt = None, json_stdout: JsonStdoutOpt = False) -> None:
+    """Show the conversion plan: layers found, shapes, group size, what is converted or kept and why, bytes."""
+    plan = build_plan(in_dir, skip_incompatible=True)
+    output = plan_output(plan, as_json=json_stdout)
+    output.render()
+    output.write_json(json_file)
