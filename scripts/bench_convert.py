@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Benchmark the converter on a generated checkpoint: throughput, the same-run `cp -r` baseline, peak RSS.
+
+    python scripts/bench_convert.py                      # Llama-7B-shaped, ~3.5 GB, 4 shards
+    python scripts/bench_convert.py --preset qwen3-moe   # Qwen3-30B-A3B-shaped MoE slice (128 experts)
+    python scripts/bench_convert.py --preset tiny        # seconds, for a smoke run
+
+The checkpoint is generated once into --dir (kept between runs). Both the copy and the conversion run with
+the source in the page cache (the copy runs first and warms it), each as a child process whose peak resident
+set size is read from the OS (wait4's ru_maxrss). Targets (issue #2): at least 0.5 GB/s on a 2-core machine,
+and peak RSS at most twice the largest tensor plus 400 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
+
+import make_gptq_checkpoint as gen  # noqa: E402
+
+from marlin_convert.safetensors_io import read_header  # noqa: E402
+
+TARGET_GBPS = 0.5
+RSS_ALLOWANCE_BYTES = 400 << 20
+
+
+def _preset(name: str, shards: int):
+    if name == "llama-7b":
+        return gen.llama_7b(shards=shards)
+    if name == "qwen3-moe":
+        return gen.qwen3_moe(num_layers=4, num_experts=128, hidden=2048, expert_intermediate=768, shards=shards)
+    if name == "qwen3-moe-stacked":
+        return gen.qwen3_moe(num_layers=4, num_experts=128, hidden=2048, expert_intermediate=768, stacked=True,
+                             shards=shards)
+    return gen.tiny_llama(num_layers=2, shards=shards)
+
+
+def _run_child(argv: list[str]) -> tuple[float, int]:
+    """Run a child process; return (wall seconds, peak RSS bytes) as the kernel accounted them."""
+    start = time.perf_counter()
+    process = subprocess.Popen(argv)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(argv)} failed with exit code {os.waitstatus_to_exitcode(status)}")
+    return seconds, usage.ru_maxrss * 1024  # Linux reports kilobytes
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-7b", choices=["llama-7b", "qwen3-moe", "qwen3-moe-stacked", "tiny"])
+    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "marlin-convert-bench")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=2, help="conversions to time; the best is reported")
+    parser.add_argument("--keep", action="store_true", help="keep the converted output")
+    args = parser.parse_args()
+
+    source = args.dir / f"{args.preset}-gptq"
+    marker = source / ".complete"
+    if not marker.exists():
+        shutil.rmtree(source, ignore_errors=True)
+        print(f"generating {args.preset} checkpoint in {source} ...", flush=True)
+        gen.write_checkpoint(source, _preset(args.preset, args.shards))
+        marker.write_text("ok")
+    total = _dir_bytes(source)
+    largest = max(info.nbytes for p in source.glob("*.safetensors") for info in read_header(p).tensors.values())
+
+    copy_dir, out_dir = args.dir / "copy", args.dir / "out"
+    cp_seconds = []
+    for _ in range(2):  # the first copy warms the page cache for everything after it
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        seconds, _ = _run_child(["cp", "-r", str(source), str(copy_dir)])
+        cp_seconds.append(seconds)
+    shutil.rmtree(copy_dir, ignore_errors=True)
+
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        shutil.rmtree(out_dir, ignore_errors=True)
+        runs.append(_run_child([sys.executable, "-m", "marlin_convert.cli.app", str(source), str(out_dir), "-q",
+                                "--workers", str(args.workers)]))
+    out_bytes = _dir_bytes(out_dir)
+    if not args.keep:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    convert_seconds = min(r[0] for r in runs)
+    peak_rss = max(r[1] for r in runs)
+    rss_limit = 2 * largest + RSS_ALLOWANCE_BYTES
+    gbps = total / convert_seconds / 1e9
+    cp_best = min(cp_seconds[1:])
+    rows = [
+        ("preset", args.preset),
+        ("checkpoint", f"{total / 1e9:.3f} GB in {len(list(source.glob('*.safetensors')))} shard(s), "
+                       f"out {out_bytes / 1e9:.3f} GB"),
+        ("cores / workers", f"{os.cpu_count()} / {args.workers}"),
+        ("convert wall time", f"{convert_seconds:.2f} s (best of {len(runs)}: "
+                              + ", ".join(f"{r[0]:.2f}" for r in runs) + ")"),
+        ("throughput", f"{gbps:.3f} GB/s (target >= {TARGET_GBPS}) {'PASS' if gbps >= TARGET_GBPS else 'MISS'}"),
+        ("cp -r wall time", f"{cp_best:.2f} s (warm cache; cold first copy {cp_seconds[0]:.2f} s)"),
+        ("convert / cp -r", f"{convert_seconds / cp_best:.2f}x the time of a plain copy"),
+        ("largest tensor", f"{largest / 2**20:.1f} MiB"),
+        ("peak RSS", f"{peak_rss / 2**20:.1f} MiB (limit 2 x largest + 400 MiB = {rss_limit / 2**20:.1f} MiB) "
+                     f"{'PASS' if peak_rss <= rss_limit else 'MISS'}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The command line: help, the default command, reports for people and machines, verify's verdicts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, tiny_llama, write_checkpoint
+
+from marlin_convert.cli.app import COMMANDS, main
+from marlin_convert.manifest import load_manifest
+from marlin_convert.safetensors_io import read_header
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def src(tmp_path):
+    return write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, shards=2, group_size=64))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_has_help_and_is_documented_in_the_readme(capsys, command):
+    assert main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "Usage" in text and len(text) > 200
+    assert f"marlin-convert {command}" in (REPO / "README.md").read_text()
+
+
+def test_top_level_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in text
+
+
+def test_convert_is_the_default_command(tmp_path, src, capsys):
+    assert main([str(src), str(tmp_path / "a"), "-q"]) == 0
+    assert main(["convert", str(src), str(tmp_path / "b"), "-q"]) == 0
+    capsys.readouterr()
+    a = {p.name: p.read_bytes() for p in (tmp_path / "a").glob("*.safetensors")}
+    b = {p.name: p.read_bytes() for p in (tmp_path / "b").glob("*.safetensors")}
+    assert a == b and len(a) == 2
+
+
+def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
+    report_path = tmp_path / "report.json"
+    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0
+    text = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj" in text and "7 layers converted" in text
+    report = json.loads(report_path.read_text())
+    assert len(report["layers"]) == 7 and report["skipped"] == []
+    assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")
+
+
+def test_inspect_and_dry_run_write_nothing(tmp_path, src, capsys):
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["inspect", str(src), "--json", str(tmp_path / "plan.json")]) == 0
+    assert main([str(src), str(tmp_path / "out"), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "7 layers to convert" in text and "bytes in" in text
+    assert not (tmp_path / "out").exists()
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["converted"] == 7 and plan["layers"][0]["convert"] is True
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(before + ["plan.json"])
+
+
+def test_inspect_groups_experts(tmp_path, capsys):
+    linears = [LinearSpec(f"model.layers.0.mlp.experts.{e}.{p}", 128, 64) for e in range(16)
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    spec = CheckpointSpec(linears=linears, extras=[TensorSpec("model.layers.0.mlp.gate.weight", (16, 128), "float16")],
+                          group_size=64)
+    src = write_checkpoint(tmp_path / "in", spec)
+    assert main(["inspect", str(src)]) == 0
+    text = capsys.readouterr().out
+    assert "model.layers.0.mlp.experts.*.gate_proj" in text
+    assert len(re.findall(r"experts\.\*\.", text)) == 3  # one row per projection, not 48
+
+
+def test_verify_skip_kernel_passes_on_a_fresh_conversion(tmp_path, src, capsys):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q", "--json",
+                 str(tmp_path / "v.json")]) == 0
+    assert "7/7 passed" in capsys.readouterr().out
+    result = json.loads((tmp_path / "v.json").read_text())
+    assert result["ok"] is True and result["kernel_checked"] is False and result["layers_checked"] == 7
+
+
+@pytest.mark.parametrize("tensor", ["B", "s"])
+def test_a_flipped_bit_makes_verify_fail_on_that_layer(tmp_path, src, capsys, tensor):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    entry = next(e for e in load_manifest(out)["layers"] if e["name"].endswith("mlp.up_proj"))
+    shard = out / entry["shards"][tensor]
+    info = read_header(shard).tensors[entry["outputs"][tensor]]
+    data = bytearray(shard.read_bytes())
+    data[info.begin + info.nbytes // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 1
+    captured = capsys.readouterr()
+    assert "1 layer(s) failed verification: model.layers.0.mlp.up_proj" in captured.err
+    assert "digest mismatch" in captured.out
+
+
+def test_verify_on_a_directory_without_manifest(tmp_path, src, capsys):
+    assert main(["verify", str(src), "--skip-kernel"]) == 2
+    assert "no marlin_manifest.json" in capsys.readouterr().err
+
+
+def test_verify_rejects_bad_gpu_and_batch_lists(tmp_path, src, capsys):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "--gpu", "zero"]) == 2
+    assert "--gpu 'zero'" in capsys.readouterr().err
+    assert main(["verify", str(out), "--batch", "1,0"]) == 2
+    assert "--batch '1,0'" in capsys.readouterr().err
+
+
+def test_verify_without_a_gpu_says_why(tmp_path, src, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the no-GPU message is tested where there is none")
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "Error:" in err and "GPU" in err and "--skip-kernel" in err
+
+
+def test_bundled_example_converts_and_verifies(tmp_path, capsys):
+    example = REPO / "examples" / "tiny-gptq"
+    out = tmp_path / "tiny-marlin"
+    assert main([str(example), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(example), "-q"]) == 0
+    assert np.all([p.stat().st_size > 0 for p in out.iterdir()])

@@ -1,0 +1,208 @@
+"""Conversion, end to end: what a converted directory holds, tensor by tensor, and that it round-trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, tiny_llama, write_checkpoint
+from safetensors import safe_open
+
+from marlin_convert import layout
+from marlin_convert.convert import build_plan, convert
+from marlin_convert.errors import UnsupportedLayerError
+from marlin_convert.manifest import MANIFEST_FILE, load_manifest
+from marlin_convert.safetensors_io import read_header, read_tensor
+from marlin_convert.verify import verify
+
+
+def _all_tensors(directory):
+    """name -> (numpy array of raw values, safetensors dtype) over every shard of a directory."""
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        header = read_header(path)
+        for name, info in header.tensors.items():
+            out[name] = (read_tensor(header, name), info.dtype)
+    return out
+
+
+def _linear_spec(k=256, n=128, **kw):
+    return CheckpointSpec(
+        linears=[LinearSpec("model.layers.0.mlp.down_proj", k, n, bias=True)],
+        extras=[TensorSpec("model.embed_tokens.weight", (64, n), "float16")],
+        **kw,
+    )
+
+
+def test_every_output_reads_back_with_safetensors_and_matches_the_layout_functions(tmp_path):
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2, shards=3, group_size=64))
+    out = tmp_path / "out"
+    report = convert(src, out)
+    source, converted = _all_tensors(src), _all_tensors(out)
+
+    for path in out.glob("*.safetensors"):  # the reference reader accepts our streaming writer's files
+        with safe_open(str(path), "np") as f:
+            for name in f.keys():
+                assert np.array_equal(f.get_tensor(name).view(np.uint8), converted[name][0].view(np.uint8))
+
+    prefixes = [n[: -len(".qweight")] for n in source if n.endswith(".qweight")]
+    assert len(report.layers) == len(prefixes) == 14
+    for prefix in prefixes:
+        assert np.array_equal(converted[f"{prefix}.B"][0], layout.gptq_to_marlin_weight(source[f"{prefix}.qweight"][0]))
+        assert np.array_equal(converted[f"{prefix}.s"][0], layout.permute_scales(source[f"{prefix}.scales"][0]))
+        for gone in ("qweight", "qzeros", "scales", "g_idx"):
+            assert f"{prefix}.{gone}" not in converted
+    for name, (values, dtype) in source.items():
+        if not any(name.startswith(p + ".") and not name.endswith(".bias") for p in prefixes):
+            assert converted[name][1] == dtype
+            assert converted[name][0].tobytes() == values.tobytes(), name
+
+
+def test_shards_keep_their_grouping_and_the_index_is_rewritten(tmp_path):
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2, shards=3))
+    out = tmp_path / "out"
+    convert(src, out)
+    in_index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    out_index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted({*out_index["weight_map"].values()}) == sorted({*in_index.values()})
+    for name, shard in out_index["weight_map"].items():
+        assert name in read_header(out / shard).tensors
+        source_name = name[:-2] + ".qweight" if name.endswith(".B") else name[:-2] + ".scales" if name.endswith(".s") else name
+        assert in_index[source_name] == shard
+    data_bytes = sum(read_header(p).data_bytes for p in out.glob("*.safetensors"))
+    assert out_index["metadata"]["total_size"] == data_bytes
+
+
+def test_configs_say_marlin_and_keep_the_quantization_settings(tmp_path):
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, group_size=32, config_location="both"))
+    out = tmp_path / "out"
+    convert(src, out)
+    for config in (json.loads((out / "config.json").read_text())["quantization_config"],
+                   json.loads((out / "quantize_config.json").read_text())):
+        assert config["checkpoint_format"] == "marlin"
+        assert config["is_marlin_format"] is True
+        assert (config["bits"], config["group_size"], config["desc_act"], config["sym"]) == (4, 32, False, True)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+
+
+def test_quantize_config_alone_is_enough(tmp_path):
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, config_location="quantize_config"))
+    convert(src, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "quantize_config.json").read_text())["checkpoint_format"] == "marlin"
+
+
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128, 256])
+def test_group_sizes_and_group_equal_to_k(tmp_path, group_size):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(k=256, n=192, group_size=group_size))
+    out = tmp_path / "out"
+    convert(src, out)
+    entry = load_manifest(out)["layers"][0]
+    rows = 1 if group_size in (-1, 256) else 256 // group_size
+    assert entry["num_groups"] == rows
+    s = read_tensor(read_header(out / "model.safetensors"), entry["outputs"]["s"])
+    scales = read_tensor(read_header(src / "model.safetensors"), "model.layers.0.mlp.down_proj.scales")
+    assert np.array_equal(s, layout.permute_scales(scales))
+    assert verify(out, gpus=None).failures == []
+
+
+def test_act_order_stores_perm_and_sorted_g_idx(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(k=512, n=128, group_size=128, act_order=True))
+    out = tmp_path / "out"
+    convert(src, out)
+    source, converted = _all_tensors(src), _all_tensors(out)
+    p = "model.layers.0.mlp.down_proj"
+    g_idx = source[f"{p}.g_idx"][0]
+    perm, sorted_g_idx = converted[f"{p}.perm"][0], converted[f"{p}.g_idx"][0]
+    assert np.array_equal(perm, np.argsort(g_idx, kind="stable"))
+    assert np.array_equal(sorted_g_idx, g_idx[perm]) and (np.diff(sorted_g_idx) >= 0).all()
+    assert np.array_equal(converted[f"{p}.B"][0], layout.gptq_to_marlin_weight(source[f"{p}.qweight"][0], perm))
+    assert converted[f"{p}.bias"][0].tobytes() == source[f"{p}.bias"][0].tobytes()
+    entry = load_manifest(out)["layers"][0]
+    assert entry["act_order"] is True and entry["outputs"]["perm"] == f"{p}.perm"
+
+
+def test_desc_act_with_trivial_g_idx_is_not_act_order(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(act_order=False, desc_act_label=True))
+    out = tmp_path / "out"
+    convert(src, out)
+    entry = load_manifest(out)["layers"][0]
+    assert entry["act_order"] is False and entry["g_idx"] == "trivial"
+    assert "model.layers.0.mlp.down_proj.perm" not in _all_tensors(out)
+
+
+def test_bf16_extras_and_scales_keep_their_dtype(tmp_path):
+    spec = _linear_spec(scale_dtype="bfloat16")
+    spec.extras = [TensorSpec("model.norm.weight", (128,), "bfloat16"), TensorSpec("lm_head.weight", (64, 128), "float32")]
+    src = write_checkpoint(tmp_path / "in", spec)
+    out = tmp_path / "out"
+    convert(src, out)
+    converted, source = _all_tensors(out), _all_tensors(src)
+    assert converted["model.layers.0.mlp.down_proj.s"][1] == "BF16"
+    assert converted["model.norm.weight"][1] == "BF16"
+    assert converted["model.norm.weight"][0].tobytes() == source["model.norm.weight"][0].tobytes()
+    assert converted["lm_head.weight"][1] == "F32"
+    assert verify(out, gpus=None, source_dir=src).failures == []
+
+
+@pytest.mark.parametrize("label, stored, decided", [(None, "v1", "v1"), ("gptq", "v1", "v1"),
+                                                     ("gptq_v2", "v2", "v2"), ("gptq", "v2", "v2")])
+def test_zero_format_is_decided_from_the_values_and_reported(tmp_path, label, stored, decided):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(zero_format=stored, checkpoint_format_label=label))
+    plan = build_plan(src)
+    assert plan.layers[0].zero_format == decided
+    if label == "gptq" and stored == "v2":
+        assert any("treated as v2" in note for note in plan.notes)
+    else:
+        assert not any("treated as" in note for note in plan.notes)
+    out = tmp_path / "out"
+    convert(src, out)
+    assert load_manifest(out)["layers"][0]["zero_format"] == decided
+    assert verify(out, gpus=None, source_dir=src).failures == []
+
+
+def test_unsupported_layers_stop_the_run_before_anything_is_written(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(sym=False))
+    with pytest.raises(UnsupportedLayerError, match="model.layers.0.mlp.down_proj: asymmetric"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["in"]
+
+
+@pytest.mark.parametrize("spec_kw, reason", [({"sym": False}, "asymmetric"), ({"bits": 8}, "8-bit")])
+def test_skip_incompatible_keeps_layers_in_gptq_form_and_lists_them(tmp_path, spec_kw, reason):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(**spec_kw))
+    out = tmp_path / "out"
+    report = convert(src, out, skip_incompatible=True)
+    assert report.layers == [] and report.skipped[0]["name"] == "model.layers.0.mlp.down_proj"
+    assert reason in report.skipped[0]["reason"]
+    manifest = load_manifest(out)
+    assert manifest["skipped"][0]["name"] == "model.layers.0.mlp.down_proj"
+    source, converted = _all_tensors(src), _all_tensors(out)
+    assert set(converted) == set(source)
+    assert all(converted[n][0].tobytes() == source[n][0].tobytes() for n in source)
+
+
+def test_bad_layer_shape_is_refused_by_name_with_the_limit(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(k=256, n=96, group_size=128))
+    with pytest.raises(UnsupportedLayerError, match=r"down_proj: shape K = 256, N = 96: .*N % 64 == 0"):
+        build_plan(src)
+
+
+def test_manifest_records_shapes_group_workspace_and_digests(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(k=512, n=256, group_size=128))
+    out = tmp_path / "out"
+    convert(src, out)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    entry = manifest["layers"][0]
+    assert (entry["in_features"], entry["out_features"], entry["bits"], entry["group_size"]) == (512, 256, 4, 128)
+    assert entry["shapes"] == {"B": [32, 512], "s": [4, 256]}
+    assert entry["workspace"] == {"rule": "(N / 64) * 16", "ints": 64}
+    assert entry["source"]["qweight"] == "model.layers.0.mlp.down_proj.qweight"
+    import hashlib
+
+    qweight = read_tensor(read_header(src / "model.safetensors"), entry["source"]["qweight"])
+    assert entry["digests"]["qweight"] == "sha256:" + hashlib.sha256(qweight.tobytes()).hexdigest()
+    assert set(entry["digests"]) == {"qweight", "scales", "qzeros", "g_idx"}
