@@ -37,10 +37,45 @@ from .gptq import (
     open_checkpoint,
     plan_layers,
 )
+from .experts import group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
 
 ProgressCallback = Callable[[int], None]
+
+
+@dataclass
+class OutputLayer:
+    """One Marlin matrix, or one stacked set of expert matrices, in the output.
+
+    ``plan`` gives the per-expert shape. ``members`` lists the per-expert source layers when
+    ``--stack-experts`` fuses keys ``<base>.<e>.<projection>`` into one stacked ``<base>.<projection>``.
+    """
+
+    prefix: str
+    plan: LayerPlan
+    members: list[LayerPlan] | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.members) if self.members else self.plan.num_experts
+
+    @property
+    def act_order(self) -> bool:
+        return any(m.act_order for m in self.members) if self.members else self.plan.act_order
+
+    @property
+    def sources(self) -> list[LayerPlan]:
+        """The source layers whose tensors this output consumes (the members, or the plan itself)."""
+        return self.members or [self.plan]
+
+    def slices(self) -> list[tuple[LayerPlan, int | None]]:
+        """(source layer, leading index) per expert slice in output order; ``[(plan, None)]`` for a 2-D layer."""
+        if self.members:
+            return [(member, None) for member in self.members]
+        if self.plan.num_experts:
+            return [(self.plan, e) for e in range(self.plan.num_experts)]
+        return [(self.plan, None)]
 
 
 @dataclass(frozen=True)
@@ -51,7 +86,7 @@ class Job:
     output: PlannedTensor
     source: TensorInfo | None = None  # for "copy"
     source_path: Path | None = None
-    layer: LayerPlan | None = None
+    layer: OutputLayer | None = None
 
     @property
     def input_bytes(self) -> int:
@@ -76,8 +111,8 @@ class ConversionPlan:
 
     checkpoint: Checkpoint
     layers: list[LayerPlan]
+    outputs: list[OutputLayer]
     shards: list[ShardPlan]
-    skip_incompatible: bool
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -101,15 +136,19 @@ class ConversionPlan:
         """Bytes the progress bar counts: every source tensor that a job reads or copies."""
         return sum(job.input_bytes for shard in self.shards for job in shard.jobs)
 
+    @property
+    def passthrough_tensors(self) -> int:
+        return sum(job.kind == "copy" for shard in self.shards for job in shard.jobs)
 
-def _marlin_outputs(layer: LayerPlan) -> dict[str, PlannedTensor]:
-    """Declare the Marlin tensors of one layer (names, dtypes, shapes); stacked experts keep the leading E."""
+
+def marlin_outputs(layer: OutputLayer) -> dict[str, PlannedTensor]:
+    """Declare the Marlin tensors of one output layer: name, dtype, shape (a leading E for stacked experts)."""
     lead = (layer.num_experts,) if layer.num_experts else ()
-    k, n = layer.in_features, layer.out_features
+    k, n = layer.plan.in_features, layer.plan.out_features
     names = layer_outputs_names(layer.prefix, layer.act_order)
     out = {
         "B": PlannedTensor(names["B"], "I32", (*lead, k // layout.TILE, 2 * n)),
-        "s": PlannedTensor(names["s"], layer.scale_dtype, (*lead, layer.num_groups, n)),
+        "s": PlannedTensor(names["s"], layer.plan.scale_dtype, (*lead, layer.plan.num_groups, n)),
     }
     if layer.act_order:
         out["perm"] = PlannedTensor(names["perm"], "I32", (*lead, k))
@@ -135,14 +174,53 @@ def _zero_format_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[
     return notes
 
 
-def build_plan(in_dir: Path, skip_incompatible: bool = False) -> ConversionPlan:
+def _check_expert_sets(layers: list[LayerPlan]) -> None:
+    """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1."""
+    groups, _ = group_experts([layer.prefix for layer in layers])
+    for group in groups:
+        top = max(group.expert_indices) + 1
+        for projection, gaps in group.missing().items():
+            shown = ", ".join(str(e) for e in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
+            raise InputError(
+                f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
+                f"(no {group.base}.<e>.{projection}.qweight)"
+            )
+        by_prefix = {layer.prefix: layer for layer in layers}
+        for projection, per_expert in group.members.items():
+            sizes = {by_prefix[p].num_groups for p in per_expert.values()}
+            if len(sizes) > 1:
+                raise InputError(f"layer '{group.base}': experts of '{projection}' have different numbers of "
+                                 f"scale groups {sorted(sizes)} (mixed group sizes)")
+
+
+def _stack_groups(layers: list[LayerPlan], notes: list[str]) -> tuple[list[OutputLayer], set[str]]:
+    """``--stack-experts``: one OutputLayer per (expert group, projection) whose members can share a tensor."""
+    by_prefix = {layer.prefix: layer for layer in layers}
+    groups, _ = group_experts([layer.prefix for layer in layers])
+    stacked, taken = [], set()
+    for group in groups:
+        for projection, per_expert in group.members.items():
+            members = [by_prefix[per_expert[e]] for e in sorted(per_expert)]
+            kinds = {(m.in_features, m.out_features, m.num_groups, m.scale_dtype, m.num_experts) for m in members}
+            if any(not m.convertible for m in members) or len(kinds) != 1 or members[0].num_experts:
+                notes.append(f"{group.base}.*.{projection}: not stacked (experts differ in shape or some stay in "
+                             "GPTQ form); written per expert")
+                continue
+            stacked.append(OutputLayer(f"{group.base}.{projection}", members[0], members))
+            taken.update(m.prefix for m in members)
+    return stacked, taken
+
+
+def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False) -> ConversionPlan:
     """Open and check ``in_dir`` and declare every output tensor. Writes nothing.
 
     Raises :class:`InputError` for a malformed checkpoint and, unless ``skip_incompatible``,
-    :class:`UnsupportedLayerError` naming every layer that has no Marlin form and why.
+    :class:`UnsupportedLayerError` naming every layer that has no Marlin form and why. With ``stack_experts``,
+    per-expert keys ``<base>.<e>.<projection>`` become one stacked ``<base>.<projection>`` per projection.
     """
     checkpoint = open_checkpoint(Path(in_dir))
     layers = plan_layers(checkpoint)
+    _check_expert_sets(layers)
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
         listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
@@ -151,13 +229,17 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False) -> ConversionPlan:
             f"{len(refused)} of {len(layers)} quantized layers cannot be converted: {listed}{more}",
             hint="--skip-incompatible keeps such layers in GPTQ form and lists them in the manifest",
         )
+    notes = _zero_format_notes(checkpoint, layers)
+    outputs, taken = _stack_groups(layers, notes) if stack_experts else ([], set())
+    outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 
-    # Which converted layer consumes each source tensor, and what it becomes there.
-    role: dict[str, tuple[str, LayerPlan]] = {}
-    for layer in layers:
-        if layer.convertible:
-            for kind, name in layer.source_names.items():
-                role[name] = (kind, layer)
+    # Each source tensor of a converted layer is consumed by one output layer. The Marlin tensors go to the
+    # shards holding the first source's qweight (B, and perm/g_idx when it has no g_idx), scales (s) and g_idx.
+    role: dict[str, tuple[str, OutputLayer, bool]] = {}
+    for output in outputs:
+        for position, member in enumerate(output.sources):
+            for kind, name in member.source_names.items():
+                role[name] = (kind, output, position == 0)
 
     shards = []
     for shard in checkpoint.shards:
@@ -166,29 +248,27 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False) -> ConversionPlan:
             if name not in role:
                 jobs.append(Job("copy", PlannedTensor(name, info.dtype, info.shape), info, shard.path))
                 continue
-            kind, layer = role[name]
-            outputs = _marlin_outputs(layer)
+            kind, output, anchor = role[name]
+            if not anchor:
+                continue  # another expert's tensor: the anchor's jobs read it
+            declared = marlin_outputs(output)
             if kind == "qweight":
-                jobs.append(Job("B", outputs["B"], layer=layer))
-            elif kind == "scales":
-                jobs.append(Job("s", outputs["s"], layer=layer))
-            elif kind == "g_idx" and layer.act_order:
-                jobs.append(Job("perm", outputs["perm"], layer=layer))
-                jobs.append(Job("g_idx", outputs["g_idx"], layer=layer))
-            # qzeros and a trivial g_idx carry no information Marlin needs: the manifest says how to rebuild them
+                jobs.append(Job("B", declared["B"], layer=output))
+            if output.act_order and (kind == "g_idx" or (kind == "qweight" and not output.plan.has_g_idx)):
+                jobs.append(Job("perm", declared["perm"], layer=output))
+                jobs.append(Job("g_idx", declared["g_idx"], layer=output))
+            if kind == "scales":
+                jobs.append(Job("s", declared["s"], layer=output))
+            # qzeros and a trivial g_idx carry nothing Marlin needs: the manifest says how to rebuild them
         shards.append(ShardPlan(shard.path.name, jobs))
-    return ConversionPlan(checkpoint, layers, shards, skip_incompatible, _zero_format_notes(checkpoint, layers))
+    return ConversionPlan(checkpoint, layers, outputs, shards, notes)
 
 
 # --------------------------------------------------------------------------------------------------- jobs
 
 
-def _slices(layer: LayerPlan) -> list[int | None]:
-    return list(range(layer.num_experts)) if layer.num_experts else [None]
-
-
 class _Digests:
-    """SHA-256 of source tensors, filled from worker threads."""
+    """SHA-256 of source tensors, keyed by tensor name, filled from worker threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -198,10 +278,38 @@ class _Digests:
         with self._lock:
             self.values[name] = "sha256:" + digest.hexdigest()
 
-    def whole(self, checkpoint: Checkpoint, name: str) -> np.ndarray:
-        data = checkpoint.read(name)
-        self.put(name, hashlib.sha256(memoryview(data.reshape(-1).view(np.uint8))))
-        return data
+
+def _bytes(array: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _g_idx(checkpoint: Checkpoint, layer: LayerPlan, index: int | None) -> np.ndarray:
+    if layer.has_g_idx:
+        return checkpoint.read(layer.tensor("g_idx"), index)
+    return layout.trivial_g_idx(layer.in_features, layer.effective_group_size)
+
+
+def _stream_slices(job: Job, checkpoint: Checkpoint, writer: ShardWriter, digests: _Digests, kind: str,
+                   transform: Callable[[np.ndarray, LayerPlan, int | None], np.ndarray]) -> int:
+    """Read source tensor ``kind`` slice by slice (expert by expert), hash it, transform it, write it in place.
+
+    A source tensor is hashed whole: a stacked 3-D tensor across its slices, a per-expert key on its own.
+    """
+    offset = 0
+    digest, digest_name = None, None
+    for member, index in job.layer.slices():
+        name = member.tensor(kind)
+        if name != digest_name:
+            if digest is not None:
+                digests.put(digest_name, digest)
+            digest, digest_name = hashlib.sha256(), name
+        data = checkpoint.read(name, index)
+        digest.update(_bytes(data))
+        result = transform(data, member, index)
+        writer.write_array(job.output.name, result, at=offset)
+        offset += result.nbytes
+    digests.put(digest_name, digest)
+    return offset
 
 
 def _run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter, digests: _Digests) -> int:
@@ -210,44 +318,26 @@ def _run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter, digests: _Di
         writer.copy_range(job.output.name, job.source_path, job.source.begin, job.source.nbytes)
         return job.source.nbytes
     layer = job.layer
-    name = job.output.name
     if job.kind == "B":
-        source = layer.tensor("qweight")
-        digest = hashlib.sha256()
-        offset = 0
-        for index in _slices(layer):
-            qweight = checkpoint.read(source, index)
-            digest.update(memoryview(qweight.reshape(-1).view(np.uint8)))
-            perm = None
-            if layer.act_order:
-                perm, _ = layout.act_order_perm(checkpoint.read(layer.tensor("g_idx"), index))
-            marlin = layout.gptq_to_marlin_weight(qweight, perm)
-            writer.write_array(name, marlin, at=offset)
-            offset += marlin.nbytes
-        digests.put(source, digest)
-        return offset
+
+        def repack(qweight: np.ndarray, member: LayerPlan, index: int | None) -> np.ndarray:
+            perm = layout.act_order_perm(_g_idx(checkpoint, member, index))[0] if layer.act_order else None
+            return layout.gptq_to_marlin_weight(qweight, perm)
+
+        return _stream_slices(job, checkpoint, writer, digests, "qweight", repack)
     if job.kind == "s":
-        # the small siblings that Marlin drops are hashed here so the manifest can prove them rebuilt
-        digests.whole(checkpoint, layer.tensor("qzeros"))
-        if layer.has_g_idx:
-            digests.whole(checkpoint, layer.tensor("g_idx"))
-        source = layer.tensor("scales")
-        digest = hashlib.sha256()
-        offset = 0
-        for index in _slices(layer):
-            scales = checkpoint.read(source, index)
-            digest.update(memoryview(scales.reshape(-1).view(np.uint8)))
-            permuted = layout.permute_scales(scales)
-            writer.write_array(name, permuted, at=offset)
-            offset += permuted.nbytes
-        digests.put(source, digest)
-        return offset
-    # "perm" / "g_idx": act-order tables, one per expert
+        # the small tensors Marlin drops are hashed here, so verify can prove them rebuilt
+        for member in layer.sources:
+            for kind in ("qzeros", "g_idx") if member.has_g_idx else ("qzeros",):
+                digests.put(member.tensor(kind), hashlib.sha256(_bytes(checkpoint.read(member.tensor(kind)))))
+        return _stream_slices(job, checkpoint, writer, digests, "scales",
+                              lambda scales, member, index: layout.permute_scales(scales))
+    # "perm" / "g_idx": the act-order tables, one per expert slice
     offset = 0
-    for index in _slices(layer):
-        perm, sorted_g_idx = layout.act_order_perm(checkpoint.read(layer.tensor("g_idx"), index))
+    for member, index in layer.slices():
+        perm, sorted_g_idx = layout.act_order_perm(_g_idx(checkpoint, member, index))
         table = perm if job.kind == "perm" else sorted_g_idx
-        writer.write_array(name, table, at=offset)
+        writer.write_array(job.output.name, table, at=offset)
         offset += table.nbytes
     return 0
 
@@ -324,31 +414,45 @@ def _copy_other_files(in_dir: Path, tmp: Path, shard_names: set[str]) -> None:
             shutil.copy2(entry, tmp / entry.name)
 
 
-def _layer_entry(layer: LayerPlan, plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> dict:
-    outputs = _marlin_outputs(layer)
-    k, n = layer.in_features, layer.out_features
+def _source_entry(member: LayerPlan, first: int | None, stop: int | None, digests: dict[str, str]) -> dict:
+    return {
+        "name": member.prefix,
+        "tensors": member.source_names,
+        "slices": None if first is None else [first, stop],
+        "g_idx": "act_order" if member.act_order else ("trivial" if member.has_g_idx else "absent"),
+        "zero_format": member.zero_format,
+        "zero_stored": SYMMETRIC_ZERO[member.zero_format],
+        "digests": {kind: digests[name] for kind, name in member.source_names.items()},
+    }
+
+
+def _layer_entry(layer: OutputLayer, digests: dict[str, str], out_shard: dict[str, str]) -> dict:
+    """The manifest's record of one output layer (README, "The manifest")."""
+    outputs = marlin_outputs(layer)
+    plan = layer.plan
+    k, n = plan.in_features, plan.out_features
+    if layer.members:
+        sources = [_source_entry(m, e, e + 1, digests) for e, m in enumerate(layer.members)]
+    else:
+        sources = [_source_entry(plan, 0 if plan.num_experts else None, plan.num_experts or None, digests)]
     entry = {
         "name": layer.prefix,
-        "source": layer.source_names,
         "outputs": {kind: t.name for kind, t in outputs.items()},
         "shards": {kind: out_shard[t.name] for kind, t in outputs.items()},
         "shapes": {kind: list(t.shape) for kind, t in outputs.items()},
         "in_features": k,
         "out_features": n,
-        "bits": layer.bits,
-        "group_size": layer.group_size,
-        "num_groups": layer.num_groups,
+        "bits": plan.bits,
+        "group_size": plan.group_size,
+        "num_groups": plan.num_groups,
         "act_order": layer.act_order,
-        "g_idx": "act_order" if layer.act_order else ("trivial" if layer.has_g_idx else "absent"),
-        "zero_format": layer.zero_format,
-        "zero_stored": SYMMETRIC_ZERO[layer.zero_format],
-        "scale_dtype": DTYPE_NAMES.get(layer.scale_dtype, layer.scale_dtype),
+        "scale_dtype": DTYPE_NAMES.get(plan.scale_dtype, plan.scale_dtype),
         "num_experts": layer.num_experts,
-        "workspace": {"rule": layout.WORKSPACE_RULE, "ints": layer.workspace_ints},
-        "digests": {kind: digests[name] for kind, name in layer.source_names.items()},
+        "workspace": {"rule": layout.WORKSPACE_RULE, "ints": plan.workspace_ints},
+        "sources": sources,
     }
     if layer.num_experts:
-        entry["expert_stride_int32"] = k * n // 8
+        entry["expert_stride_int32"] = k * n // layout.PACK_FACTOR
         entry["workspace"]["per_expert"] = True
     return entry
 
@@ -370,6 +474,7 @@ def convert(
     *,
     overwrite: bool = False,
     skip_incompatible: bool = False,
+    stack_experts: bool = False,
     workers: int = 2,
     progress: ProgressCallback | None = None,
     plan: ConversionPlan | None = None,
@@ -384,7 +489,7 @@ def convert(
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     _check_paths(in_dir, out_dir, overwrite)
     if plan is None:
-        plan = build_plan(in_dir, skip_incompatible)
+        plan = build_plan(in_dir, skip_incompatible, stack_experts)
     checkpoint = plan.checkpoint
 
     try:
@@ -436,9 +541,9 @@ def convert(
         _write_configs(plan, tmp)
         _copy_other_files(in_dir, tmp, {shard.file_name for shard in plan.shards})
 
-        layers = [_layer_entry(layer, plan, digests.values, out_shard) for layer in plan.converted]
+        layers = [_layer_entry(layer, digests.values, out_shard) for layer in plan.outputs]
         skipped = [{"name": layer.prefix, "reason": layer.reason, "source": layer.source_names} for layer in plan.refused]
-        passthrough = sum(job.kind == "copy" for shard in plan.shards for job in shard.jobs)
+        passthrough = plan.passthrough_tensors
         bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "format": "marlin-convert-manifest",
@@ -474,7 +579,7 @@ def convert(
         in_dir=str(in_dir),
         out_dir=str(out_dir),
         layers=[{key: entry[key] for key in ("name", "in_features", "out_features", "group_size", "act_order",
-                                             "num_experts", "zero_format")} for entry in layers],
+                                             "num_experts")} for entry in layers],
         skipped=[{"name": s["name"], "reason": s["reason"]} for s in skipped],
         passthrough_tensors=passthrough,
         shards=len(plan.shards),

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from . import layout
-from .errors import InputError, ManifestError, VerificationFailed
+from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
 from .gptq import open_checkpoint
 from .manifest import load_manifest
 from .safetensors_io import SafetensorsFile, read_header, read_tensor
@@ -148,8 +148,12 @@ class _Shards:
         return read_tensor(file, name, index)
 
 
-def rebuild_layer(entry: dict, shards: _Shards, expert: int | None) -> RebuiltLayer:
-    """Read one manifest layer's Marlin tensors and invert them to GPTQ (exact inverse of the converter)."""
+def rebuild_layer(entry: dict, source: dict, shards: _Shards, expert: int | None) -> RebuiltLayer:
+    """Read one manifest layer's Marlin tensors (one expert slice of them) and invert them to GPTQ.
+
+    ``source`` is the manifest's record of the source layer this slice came from (its g_idx kind and stored
+    zero value). The exact inverse of the converter, so the rebuilt tensors hash like the originals.
+    """
     outputs, where = entry["outputs"], entry["shards"]
     k, n = entry["in_features"], entry["out_features"]
     b = shards.read(where["B"], outputs["B"], expert)
@@ -163,15 +167,18 @@ def rebuild_layer(entry: dict, shards: _Shards, expert: int | None) -> RebuiltLa
         sorted_g_idx = shards.read(where["g_idx"], outputs["g_idx"], expert)
     qweight = layout.marlin_to_gptq_weight(b, perm)
     scales = layout.unpermute_scales(s)
-    zeros = np.full((entry["num_groups"], n), entry["zero_stored"], dtype=np.uint8)
+    zeros = np.full((entry["num_groups"], n), source["zero_stored"], dtype=np.uint8)
     qzeros = layout.pack_gptq_qzeros(zeros)
-    if entry["g_idx"] == "act_order":
-        g_idx = layout.restore_g_idx(perm, sorted_g_idx)
-    elif entry["g_idx"] == "trivial":
-        g_idx = layout.trivial_g_idx(k, k // entry["num_groups"])
-    else:
+    if source["g_idx"] == "absent":
         g_idx = None
+    elif entry["act_order"]:
+        g_idx = layout.restore_g_idx(perm, sorted_g_idx)
+    else:
+        g_idx = layout.trivial_g_idx(k, k // entry["num_groups"])
     return RebuiltLayer(qweight, scales, qzeros, g_idx, b, s, perm)
+
+
+_REBUILDABLE = ("qweight", "scales", "qzeros", "g_idx")
 
 
 def _rebuilt_tensors(rebuilt: RebuiltLayer) -> dict[str, np.ndarray]:
@@ -184,62 +191,91 @@ def _rebuilt_tensors(rebuilt: RebuiltLayer) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------------------------ the kernel
 
 
-def _dequantize_reference(rebuilt: RebuiltLayer, entry: dict, device) -> "torch.Tensor":
-    """fp32 [K, N] weight from the rebuilt GPTQ integers: ``(q - z) * scales[g_idx]``, z = 8 (symmetric)."""
-    import torch
-
-    k, n = entry["in_features"], entry["out_features"]
-    q = torch.from_numpy(layout.unpack_gptq_qweight(rebuilt.qweight)).to(device=device, dtype=torch.float32)
-    scales = _scales_tensor(rebuilt.scales, entry["scale_dtype"]).to(device=device, dtype=torch.float32)
-    g_idx = rebuilt.g_idx if rebuilt.g_idx is not None else layout.trivial_g_idx(k, k // entry["num_groups"])
-    rows = torch.from_numpy(g_idx.astype(np.int64)).to(device)
-    return (q - 8.0) * scales[rows]
-
-
 def _scales_tensor(bits: np.ndarray, dtype_name: str) -> "torch.Tensor":
+    """Host scales (bfloat16 kept as uint16 bits) as a torch tensor of their real dtype."""
     import torch
 
     if dtype_name == "bfloat16":
-        return torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(bits))
 
 
-def _kernel_checks(rebuilt: RebuiltLayer, entry: dict, batch_sizes: list[int], device, seed: int) -> list[KernelCheck]:
-    import torch
+class _GpuLayer:
+    """One layer's Marlin tensors on a GPU. Stacked experts are uploaded into one [E, ...] buffer, slice by
+    slice, and the kernel reads each expert's slice in place (a view at offset e * K*N/8 words, no copy)."""
 
-    from .kernel import marlin_gemm
+    def __init__(self, entry: dict, device) -> None:
+        import torch
 
-    k, n = entry["in_features"], entry["out_features"]
-    weight = _dequantize_reference(rebuilt, entry, device)
-    b = torch.from_numpy(rebuilt.marlin_b).to(device)
-    s = _scales_tensor(rebuilt.marlin_s, entry["scale_dtype"]).to(device=device, dtype=torch.float16)
-    perm = torch.from_numpy(rebuilt.perm).to(device) if rebuilt.perm is not None else None
-    workspace = torch.zeros(entry["workspace"]["ints"], dtype=torch.int32, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    checks = []
-    for m in batch_sizes:
-        a = torch.randn(m, k, generator=generator, device=device, dtype=torch.float32).to(torch.float16)
-        out = torch.full((m, n), float("nan"), dtype=torch.float16, device=device)  # poison: unwritten stays NaN
-        problem = None
-        try:
-            c = marlin_gemm(a, b, s, workspace, perm=perm, out=out)
-        except Exception as exc:  # the kernel's own error, reported per layer
-            checks.append(KernelCheck(m, float("inf"), float("inf"), False, f"kernel error: {exc}"))
-            continue
-        reference = a.float() @ weight
-        c32 = c.float()
-        if torch.isnan(c32).any():
-            problem = f"{int(torch.isnan(c32).sum())} outputs NaN or never written"
-        diff = (c32 - reference).abs()
-        diff = torch.nan_to_num(diff, nan=float("inf"))
-        relative = float(diff.mean() / reference.abs().mean().clamp_min(1e-30))
-        ok = problem is None and relative < RELATIVE_ERROR_BOUND
-        if problem is None and not ok:
-            problem = f"relative error {relative:.2e} >= {RELATIVE_ERROR_BOUND:.0e}"
-        checks.append(KernelCheck(m, float(diff.max()), relative, ok, problem))
-    if int(workspace.abs().sum()) != 0:
-        checks.append(KernelCheck(0, 0.0, 0.0, False, "workspace not left zeroed"))
-    return checks
+        self.entry, self.device = entry, device
+        k, n, groups = entry["in_features"], entry["out_features"], entry["num_groups"]
+        lead = (entry["num_experts"],) if entry["num_experts"] else ()
+        self.b = torch.empty((*lead, k // layout.TILE, 2 * n), dtype=torch.int32, device=device)
+        self.s = torch.empty((*lead, groups, n), dtype=torch.float16, device=device)
+        self.perm = torch.empty((*lead, k), dtype=torch.int32, device=device) if entry["act_order"] else None
+        self.workspace = torch.zeros(entry["workspace"]["ints"], dtype=torch.int32, device=device)
+
+    def _slot(self, tensor, expert):
+        return tensor if expert is None else tensor[expert]
+
+    def check(self, rebuilt: RebuiltLayer, expert: int | None, batch_sizes: list[int], seed: int) -> list[KernelCheck]:
+        import torch
+
+        from .kernel import marlin_gemm
+
+        entry, device = self.entry, self.device
+        k, n = entry["in_features"], entry["out_features"]
+        b, s = self._slot(self.b, expert), self._slot(self.s, expert)
+        b.copy_(torch.from_numpy(rebuilt.marlin_b))
+        s.copy_(_scales_tensor(rebuilt.marlin_s, entry["scale_dtype"]).to(torch.float16))
+        perm = None
+        if self.perm is not None:
+            perm = self._slot(self.perm, expert)
+            perm.copy_(torch.from_numpy(rebuilt.perm))
+        # the reference: fp32 dequantization of the rebuilt GPTQ integers, (q - 8) * scales[g_idx]
+        q = torch.from_numpy(layout.unpack_gptq_qweight(rebuilt.qweight)).to(device=device, dtype=torch.float32)
+        scales = _scales_tensor(rebuilt.scales, entry["scale_dtype"]).to(device=device, dtype=torch.float32)
+        g_idx = rebuilt.g_idx if rebuilt.g_idx is not None else layout.trivial_g_idx(k, k // entry["num_groups"])
+        weight = (q - 8.0) * scales[torch.from_numpy(g_idx.astype(np.int64)).to(device)]
+        del q
+        generator = torch.Generator(device=device).manual_seed(seed + (expert or 0))
+        checks = []
+        for m in batch_sizes:
+            a = torch.randn(m, k, generator=generator, device=device, dtype=torch.float32).to(torch.float16)
+            out = torch.full((m, n), float("nan"), dtype=torch.float16, device=device)  # poison: unwritten stays NaN
+            try:
+                c = marlin_gemm(a, b, s, self.workspace, perm=perm, out=out)
+            except Exception as exc:  # the kernel's own rejection, reported on this layer
+                checks.append(KernelCheck(m, float("inf"), float("inf"), False, f"kernel error: {exc}"))
+                continue
+            with _no_tf32():
+                reference = a.float() @ weight
+            c32 = c.float()
+            unwritten = int(torch.isnan(c32).sum())
+            diff = torch.nan_to_num((c32 - reference).abs(), nan=float("inf"))
+            relative = float(diff.mean() / reference.abs().mean().clamp_min(1e-30))
+            problem = f"{unwritten} outputs NaN or never written" if unwritten else None
+            if problem is None and not relative < RELATIVE_ERROR_BOUND:
+                problem = f"relative error {relative:.2e} >= {RELATIVE_ERROR_BOUND:.0e}"
+            checks.append(KernelCheck(m, float(diff.max()), relative, problem is None, problem))
+        if int(self.workspace.abs().sum()) != 0:
+            checks.append(KernelCheck(0, 0.0, 0.0, False, "workspace not left zeroed after the kernel"))
+        return checks
+
+
+class _no_tf32:
+    """Keep fp32 matmuls in full fp32 for the reference (restores the previous setting)."""
+
+    def __enter__(self):
+        import torch
+
+        self.previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = self.previous
 
 
 # ------------------------------------------------------------------------------------------------ the driver
@@ -249,43 +285,42 @@ def _digest(array: np.ndarray) -> str:
     return "sha256:" + hashlib.sha256(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))).hexdigest()
 
 
-def _verify_entry(entry: dict, shards: _Shards, source, batch_sizes: list[int] | None, device, seed: int,
-                  ) -> list[LayerResult]:
-    """Integrity (whole tensors, across experts) and kernel checks (per expert) of one manifest layer."""
-    experts = list(range(entry["num_experts"])) if entry["num_experts"] else [None]
-    hashes = {kind: hashlib.sha256() for kind in entry["digests"]}
+def _verify_entry(entry: dict, shards: _Shards, source_checkpoint, batch_sizes: list[int] | None, device,
+                  seed: int) -> list[LayerResult]:
+    """Integrity and kernel checks of one manifest layer, one result per expert slice (one for a 2-D layer)."""
     results = []
-    for expert in experts:
-        start = time.perf_counter()
-        result = LayerResult(entry["name"], expert, entry["in_features"], entry["out_features"],
-                             entry["group_size"], entry["act_order"], device=str(device) if device else None)
-        rebuilt = rebuild_layer(entry, shards, expert)
-        tensors = _rebuilt_tensors(rebuilt)
-        for kind, digest in hashes.items():
-            if kind not in tensors:
-                result.integrity_ok = False
-                result.integrity_problems.append(f"{kind} cannot be rebuilt")
-                continue
-            digest.update(memoryview(np.ascontiguousarray(tensors[kind]).reshape(-1).view(np.uint8)))
-        if source is not None:
-            for kind, name in entry["source"].items():
-                original = source.read(name, expert)
-                if kind in tensors and not np.array_equal(original.view(np.uint8), tensors[kind].view(np.uint8)):
-                    result.integrity_ok = False
-                    result.integrity_problems.append(f"rebuilt {kind} differs from the source tensor '{name}'")
-        if batch_sizes:
-            result.kernel = _kernel_checks(rebuilt, entry, batch_sizes, device, seed)
-        result.seconds = time.perf_counter() - start
-        results.append(result)
-    # whole-tensor digests: compared once, the failure attributed to every expert slice of the layer
-    mismatched = [kind for kind, digest in hashes.items() if "sha256:" + digest.hexdigest() != entry["digests"][kind]]
-    if mismatched:
-        for result in results:
+    gpu_layer = _GpuLayer(entry, device) if batch_sizes else None
+    stacked_source = len(entry["sources"]) == 1 and entry["num_experts"] > 0
+    for source in entry["sources"]:
+        hashes = {kind: hashlib.sha256() for kind in source["digests"]}
+        span = [None] if source["slices"] is None else list(range(*source["slices"]))
+        first_result = len(results)
+        for expert in span:
+            start = time.perf_counter()
+            result = LayerResult(entry["name"], expert, entry["in_features"], entry["out_features"],
+                                 entry["group_size"], entry["act_order"], device=str(device) if device else None)
+            rebuilt = rebuild_layer(entry, source, shards, expert)
+            tensors = _rebuilt_tensors(rebuilt)
+            for kind, digest in hashes.items():
+                if kind in tensors:
+                    digest.update(memoryview(np.ascontiguousarray(tensors[kind]).reshape(-1).view(np.uint8)))
+            if source_checkpoint is not None:
+                for kind, name in source["tensors"].items():
+                    original = source_checkpoint.read(name, expert if stacked_source else None)
+                    if kind in tensors and original.tobytes() != np.ascontiguousarray(tensors[kind]).tobytes():
+                        result.integrity_ok = False
+                        result.integrity_problems.append(f"rebuilt {kind} differs from the source tensor '{name}'")
+            if gpu_layer is not None:
+                result.kernel = gpu_layer.check(rebuilt, expert, batch_sizes, seed)
+            result.seconds = time.perf_counter() - start
+            results.append(result)
+        # a source tensor's digest covers all its slices: a mismatch is reported on each of them
+        mismatched = [kind for kind, digest in hashes.items()
+                      if kind not in _REBUILDABLE or "sha256:" + digest.hexdigest() != source["digests"][kind]]
+        for result in results[first_result:] if mismatched else []:
             result.integrity_ok = False
-            result.integrity_problems.append(
-                "digest mismatch: rebuilt " + ", ".join(mismatched) + " differ(s) from the source recorded at conversion")
-        if len(results) > 1 and source is None:
-            results[0].integrity_problems.append("pass --source IN_DIR to find which expert differs")
+            result.integrity_problems.append("digest mismatch: rebuilt " + ", ".join(mismatched)
+                                             + f" of '{source['name']}' differ(s) from the source")
     return results
 
 
@@ -318,13 +353,18 @@ def verify(
     start = time.perf_counter()
     out_dir = Path(out_dir)
     manifest = load_manifest(out_dir)
-    source = open_checkpoint(Path(source_dir)) if source_dir is not None else None
+    source_checkpoint = open_checkpoint(Path(source_dir)) if source_dir is not None else None
     use_kernel = bool(gpus) and bool(batch_sizes)
     devices: list = [None]
     if use_kernel:
         from .kernel import ensure_kernel
 
-        devices = [ensure_kernel(gpu) for gpu in gpus]
+        try:
+            devices = [ensure_kernel(gpu) for gpu in gpus]
+        except KernelUnavailableError as exc:
+            raise KernelUnavailableError(
+                exc.message, hint=exc.hint or "'verify --skip-kernel' proves the conversion lossless without a GPU"
+            ) from exc
     shards = _Shards(out_dir)
     entries = manifest["layers"]
     results: list[list[LayerResult]] = [[] for _ in entries]
@@ -334,7 +374,7 @@ def verify(
         device = devices[slot]
         try:
             for position in range(slot, len(entries), len(devices)):
-                results[position] = _verify_entry(entries[position], shards, source,
+                results[position] = _verify_entry(entries[position], shards, source_checkpoint,
                                                   list(batch_sizes) if use_kernel else None, device, seed + position)
                 if progress is not None:
                     progress(1)

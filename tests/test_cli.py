@@ -50,7 +50,7 @@ def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     report_path = tmp_path / "report.json"
     assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0
     text = capsys.readouterr().out
-    assert "model.layers.0.self_attn.q_proj" in text and "7 layers converted" in text
+    assert "model.layers.0.self_attn.q_proj" in text and "7 Marlin layers written" in text
     report = json.loads(report_path.read_text())
     assert len(report["layers"]) == 7 and report["skipped"] == []
     assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")

@@ -5,6 +5,7 @@ Usage examples:
     marlin-convert convert ./in ./out --overwrite --json report.json
     marlin-convert ./in ./out --skip-incompatible          # keep unsupported layers in GPTQ form
     marlin-convert ./in ./out --dry-run                    # only show the plan
+    marlin-convert ./Qwen3-30B-A3B-GPTQ ./out --stack-experts   # one [E, ...] tensor per projection
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR
 SkipOpt = Annotated[bool, typer.Option(
     "--skip-incompatible", help="Keep layers with no Marlin form (8-bit, asymmetric, odd shapes) in GPTQ form and "
     "list them, instead of stopping before anything is written.")]
+StackOpt = Annotated[bool, typer.Option(
+    "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
+    "and layer: '<base>.experts.<proj>.B' [E, K/16, 2N] and '.s' [E, K/g, N] (+ perm/g_idx [E, K]).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (like 'inspect') and write nothing.")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")]
 WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Threads that repack, hash and copy tensors.")]
@@ -37,6 +41,7 @@ def convert(
     out_dir: OutDirArg,
     overwrite: OverwriteOpt = False,
     skip_incompatible: SkipOpt = False,
+    stack_experts: StackOpt = False,
     dry_run: DryRunOpt = False,
     json_file: JsonOpt = None,
     workers: WorkersOpt = 2,
@@ -47,7 +52,7 @@ def convert(
     Every other tensor is copied bit for bit; shards keep their grouping; configs say checkpoint_format
     "marlin". Nothing is left at OUT_DIR unless the whole conversion succeeded.
     """
-    plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run)
+    plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:
         output = plan_output(plan)
         output.render()
@@ -55,12 +60,12 @@ def convert(
         return
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
-                                workers=workers, progress=advance, plan=plan)
+                                stack_experts=stack_experts, workers=workers, progress=advance, plan=plan)
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
     add_layer_rows(output, plan.layers)
     rate = report.bytes_in / report.seconds / 1e9 if report.seconds else 0.0
     output.lines += [
-        f"{len(report.layers)} layers converted, {len(report.skipped)} kept in GPTQ form, "
+        f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in GPTQ form, "
         f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
         f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "
         f"{report.seconds:.1f} s ({rate:.2f} GB/s)",

@@ -33,7 +33,7 @@ def plan_output(plan: ConversionPlan, as_json: bool = False) -> Output:
         "layers": [layer_dict(layer) for layer in plan.layers],
         "converted": len(plan.converted),
         "kept_gptq": len(plan.refused),
-        "passthrough_tensors": sum(job.kind == "copy" for shard in plan.shards for job in shard.jobs),
+        "passthrough_tensors": plan.passthrough_tensors,
         "bytes_in": plan.bytes_in,
         "tensor_bytes_out": plan.tensor_bytes_out,
         "notes": plan.notes,
