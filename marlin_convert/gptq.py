@@ -235,6 +235,24 @@ def _expect(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], shape: t
     return info
 
 
+def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_experts: int, k: int, num_groups: int,
+                    group_size: int) -> None:
+    """Clearer messages than a bare shape mismatch for the two mistakes seen with experts: a stacked tensor
+    whose expert count differs from qweight's, and scales/qzeros whose row count implies another group size."""
+    name = f"{prefix}.{suffix}"
+    if name not in checkpoint.location:
+        return
+    shape = checkpoint.info(name).shape
+    where = checkpoint.location[name].path.name
+    if num_experts and (len(shape) != 3 - (suffix == "g_idx") or shape[0] != num_experts):
+        raise InputError(f"{where}: tensor '{name}' has shape {list(shape)}: {shape[0] if shape else 0} experts, "
+                         f"but {prefix}.qweight has {num_experts}")
+    if suffix in ("scales", "qzeros") and len(shape) >= 2 and shape[-2] != num_groups and shape[-2] > 0 \
+            and k % shape[-2] == 0:
+        raise InputError(f"{where}: tensor '{name}' has {shape[-2]} rows: that is group size {k // shape[-2]} "
+                         f"for K = {k}, but the config says {group_size} ({num_groups} rows)")
+
+
 def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     """Check one quantized linear against its config and siblings; decide zero format and act-order.
 
@@ -258,6 +276,8 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     if group <= 0 or k % group:
         raise InputError(f"layer '{prefix}': group size {config.group_size} does not divide K = {k}")
     num_groups = k // group
+    for suffix in ("scales", "qzeros", "g_idx"):
+        _check_siblings(checkpoint, prefix, suffix, num_experts, k, num_groups, config.group_size)
     scales = _expect(checkpoint, f"{prefix}.scales", SCALE_DTYPES, (*lead, num_groups, n))
     zero_cols = -(-n // pack) if pack else n * 3 // 32
     _expect(checkpoint, f"{prefix}.qzeros", ("I32",), (*lead, num_groups, zero_cols))

@@ -1,0 +1,154 @@
+"""Mixture-of-experts checkpoints: per-expert keys, stacked 3-D experts, and --stack-experts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, mixtral_like, qwen3_moe, write_checkpoint
+
+from marlin_convert import layout
+from marlin_convert.cli.app import main
+from marlin_convert.convert import build_plan, convert
+from marlin_convert.errors import InputError
+from marlin_convert.manifest import load_manifest
+from marlin_convert.safetensors_io import read_header, read_tensor
+from marlin_convert.verify import verify
+
+
+def _tensors(directory):
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        header = read_header(path)
+        out.update({name: read_tensor(header, name) for name in header.tensors})
+    return out
+
+
+def _small_qwen(**kw):
+    base = dict(num_layers=2, num_experts=64, hidden=128, expert_intermediate=64)
+    base.update(kw)
+    return qwen3_moe(**base)
+
+
+def test_per_expert_keys_convert_like_any_linear_and_routers_pass_through(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _small_qwen(shards=3))
+    out = tmp_path / "out"
+    convert(src, out)
+    source, converted = _tensors(src), _tensors(out)
+    for e in (0, 17, 63):
+        p = f"model.layers.1.mlp.experts.{e}.down_proj"
+        assert np.array_equal(converted[f"{p}.B"], layout.gptq_to_marlin_weight(source[f"{p}.qweight"]))
+    router = "model.layers.0.mlp.gate.weight"
+    assert converted[router].tobytes() == source[router].tobytes()
+    names = [entry["name"] for entry in load_manifest(out)["layers"]]
+    assert sum(".experts." in n for n in names) == 2 * 64 * 3
+    assert verify(out, gpus=None, source_dir=src).failures == []
+
+
+def test_mixtral_names_and_shared_experts(tmp_path):
+    spec = mixtral_like(num_layers=1, num_experts=8, hidden=128, intermediate=256)
+    spec.linears.append(LinearSpec("model.layers.0.mlp.shared_expert.up_proj", 128, 256))
+    src = write_checkpoint(tmp_path / "in", spec)
+    plan = build_plan(src, stack_experts=True)
+    prefixes = sorted(o.prefix for o in plan.outputs)
+    assert "model.layers.0.block_sparse_moe.experts.w1" in prefixes
+    assert "model.layers.0.mlp.shared_expert.up_proj" in prefixes
+    assert all(".experts.0." not in p for p in prefixes)
+
+
+def test_stacked_3d_experts_are_repacked_expert_by_expert(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=8, stacked=True, act_order=True))
+    out = tmp_path / "out"
+    convert(src, out)
+    source, converted = _tensors(src), _tensors(out)
+    p = "model.layers.0.mlp.experts.gate_up_proj"
+    qweight, g_idx, scales = source[f"{p}.qweight"], source[f"{p}.g_idx"], source[f"{p}.scales"]
+    b, s, perm = converted[f"{p}.B"], converted[f"{p}.s"], converted[f"{p}.perm"]
+    experts, k8, n = qweight.shape
+    assert b.shape == (experts, k8 // 2, 2 * n) and s.shape == scales.shape and perm.shape == g_idx.shape
+    for e in range(experts):
+        expected_perm = np.argsort(g_idx[e], kind="stable")
+        assert np.array_equal(perm[e], expected_perm)
+        assert np.array_equal(b[e], layout.gptq_to_marlin_weight(qweight[e], expected_perm))
+        assert np.array_equal(s[e], layout.permute_scales(scales[e]))
+    entry = next(x for x in load_manifest(out)["layers"] if x["name"] == p)
+    assert entry["num_experts"] == experts
+    assert entry["expert_stride_int32"] == entry["in_features"] * entry["out_features"] // 8
+    assert entry["workspace"]["per_expert"] is True
+    assert verify(out, gpus=None, source_dir=src).failures == []
+
+
+def test_stack_experts_fuses_per_expert_keys_and_records_which_key_fed_which_slice(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=16, shards=2))
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--stack-experts", "-q"]) == 0
+    source, converted = _tensors(src), _tensors(out)
+    fused = "model.layers.1.mlp.experts.up_proj"
+    assert converted[f"{fused}.B"].shape == (16, 128 // 16, 2 * 64)
+    for e in range(16):
+        key = f"model.layers.1.mlp.experts.{e}.up_proj"
+        assert np.array_equal(converted[f"{fused}.B"][e], layout.gptq_to_marlin_weight(source[f"{key}.qweight"]))
+        assert np.array_equal(converted[f"{fused}.s"][e], layout.permute_scales(source[f"{key}.scales"]))
+        assert f"{key}.qweight" not in converted
+    entry = next(x for x in load_manifest(out)["layers"] if x["name"] == fused)
+    assert [src_entry["slices"] for src_entry in entry["sources"]] == [[e, e + 1] for e in range(16)]
+    assert entry["sources"][5]["tensors"]["qweight"] == "model.layers.1.mlp.experts.5.up_proj.qweight"
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert f"{fused}.B" in index
+    assert verify(out, gpus=None, source_dir=src).failures == []
+
+
+def test_a_flipped_bit_in_one_stacked_expert_is_reported_with_its_index(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=8))
+    out = tmp_path / "out"
+    convert(src, out, stack_experts=True)
+    entry = next(x for x in load_manifest(out)["layers"] if x["name"].endswith("layers.0.mlp.experts.down_proj"))
+    shard = out / entry["shards"]["B"]
+    info = read_header(shard).tensors[entry["outputs"]["B"]]
+    data = bytearray(shard.read_bytes())
+    data[info.begin + 5 * info.nbytes // 8 + 3] ^= 0x01  # expert 5 of 8
+    shard.write_bytes(bytes(data))
+    failures = verify(out, gpus=None).failures
+    assert [(f.name, f.expert) for f in failures] == [(entry["name"], 5)]
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 1
+    assert "model.layers.0.mlp.experts.down_proj[expert 5]" in capsys.readouterr().err
+
+
+def test_missing_expert_is_an_error_naming_the_layer(tmp_path):
+    spec = _small_qwen(num_experts=64, num_layers=1)
+    spec.linears = [lin for lin in spec.linears if ".experts.17." not in lin.name]
+    src = write_checkpoint(tmp_path / "in", spec)
+    with pytest.raises(InputError, match=r"layer 'model.layers.0.mlp.experts': expert\(s\) 17 of 0..63 missing"):
+        build_plan(src)
+
+
+def test_stacked_expert_counts_that_disagree_are_an_error(tmp_path):
+    from safetensors.numpy import save_file
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=8, stacked=True, num_layers=1))
+    path = next(src.glob("*.safetensors"))
+    tensors = {name: read_tensor(read_header(path), name) for name in read_header(path).tensors}
+    p = "model.layers.0.mlp.experts.down_proj"
+    tensors[f"{p}.scales"] = tensors[f"{p}.scales"][:7].copy()
+    save_file(tensors, str(path))
+    with pytest.raises(InputError, match=rf"{p}.scales.*7 experts.*qweight has 8"):
+        build_plan(src)
+
+
+def test_mixed_group_sizes_across_experts_are_an_error(tmp_path):
+    spec = CheckpointSpec(
+        linears=[LinearSpec(f"model.layers.0.mlp.experts.{e}.up_proj", 256, 64) for e in range(4)],
+        extras=[TensorSpec("model.layers.0.mlp.gate.weight", (4, 256), "float16")], group_size=64)
+    src = write_checkpoint(tmp_path / "in", spec)
+    from safetensors.numpy import save_file
+
+    path = src / "model.safetensors"
+    header = read_header(path)
+    tensors = {name: read_tensor(header, name) for name in header.tensors}
+    p = "model.layers.0.mlp.experts.2.up_proj"
+    tensors[f"{p}.scales"] = np.repeat(tensors[f"{p}.scales"], 2, axis=0)  # as if group size 32
+    tensors[f"{p}.qzeros"] = np.repeat(tensors[f"{p}.qzeros"], 2, axis=0)
+    save_file(tensors, str(path))
+    with pytest.raises(InputError, match=rf"{p}.scales.*8 rows.*group size 32.*config says 64"):
+        build_plan(src)

@@ -1,0 +1,59 @@
+"""Streaming is real: the converter's peak memory follows the largest tensor, not the shard or the model.
+
+Each conversion runs in a child process whose peak resident set size is read from the OS (wait4's
+ru_maxrss). Two checkpoints with the same layer shape, one four times the size of the other, must peak at
+about the same RSS, and the peak above a plan-only baseline must stay within a small multiple of the largest
+tensor. (Timing figures live in scripts/bench_convert.py, not here.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, write_checkpoint
+
+MIB = 1 << 20
+K = N = 4096  # qweight of one layer: K/8 * N * 4 bytes = 8 MiB
+
+
+def _peak_rss(code: str) -> int:
+    process = subprocess.Popen([sys.executable, "-c", code])
+    _, status, usage = os.wait4(process.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return usage.ru_maxrss * 1024
+
+
+def _checkpoint(path, layers: int, shards: int):
+    spec = CheckpointSpec(
+        linears=[LinearSpec(f"model.layers.{i}.mlp.down_proj", K, N) for i in range(layers)],
+        extras=[TensorSpec("model.embed_tokens.weight", (1024, N), "float16")],  # 8 MiB passthrough
+        group_size=128,
+        shards=shards,
+    )
+    return write_checkpoint(path, spec)
+
+
+@pytest.mark.slow
+def test_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path):
+    largest = K // 8 * N * 4
+    small = _checkpoint(tmp_path / "small", layers=8, shards=1)  # ~66 MiB in one shard
+    large = _checkpoint(tmp_path / "large", layers=32, shards=1)  # ~264 MiB in one shard
+    convert = "from marlin_convert.convert import convert; convert({src!r}, {out!r})"
+    plan_only = "import marlin_convert.cli.app; from marlin_convert.convert import build_plan; build_plan({src!r})"
+
+    baseline = _peak_rss(plan_only.format(src=str(large)))
+    peak_small = _peak_rss(convert.format(src=str(small), out=str(tmp_path / "out-small")))
+    peak_large = _peak_rss(convert.format(src=str(large), out=str(tmp_path / "out-large")))
+    model_bytes = sum(p.stat().st_size for p in large.glob("*.safetensors"))
+
+    print(f"baseline {baseline / MIB:.0f} MiB, peak small {peak_small / MIB:.0f} MiB, "
+          f"peak large {peak_large / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB, "
+          f"large model {model_bytes / MIB:.0f} MiB")
+    # four times the model, the same peak (within two tensors' worth of allocator noise)
+    assert peak_large - peak_small < 2 * largest
+    # above the baseline: a few working copies of the largest tensor per worker, far below the model size
+    assert peak_large - baseline < 12 * largest
+    assert peak_large - baseline < model_bytes / 2
