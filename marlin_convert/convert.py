@@ -501,6 +501,16 @@ def convert(
     except OSError as exc:
         raise OutputError(f"{out_dir.parent}: cannot create the output directory: {exc.strerror or exc}") from exc
 
+    needed = plan.tensor_bytes_out
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        free = needed
+    if free < needed:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"{out_dir.parent}: not enough disk space: the conversion writes {needed} bytes, "
+                          f"{free} are free", hint="free disk space or choose another OUT_DIR")
+
     writers: list[ShardWriter] = []
     try:
         digests = _Digests()

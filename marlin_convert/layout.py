@@ -25,6 +25,8 @@ Every function here has a slow reference written with index loops in ``tests/ref
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 #: values per int32 word at 4 bits
@@ -42,6 +44,24 @@ WORKSPACE_RULE = "(N / 64) * 16"
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
 _FOUR = np.uint64(4)
+
+
+_scratch = threading.local()
+
+
+def _scratch_array(slot: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array backed by a per-thread buffer that is reused across calls.
+
+    Only for intermediates that never leave a function: fresh multi-megabyte arrays cost more in page faults
+    than the byte shuffles themselves, and the converter repacks hundreds of same-sized matrices per thread.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(slot)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = buffers[slot] = np.empty(nbytes, dtype=np.uint8)
+    return buffer[:nbytes].view(dtype).reshape(shape)
 
 
 def marlin_weight_perm() -> np.ndarray:
@@ -119,11 +139,13 @@ def _check_weight_shape(k: int, n: int) -> None:
         raise ValueError(f"K = {k} must divide by {TILE} and N = {n} by {TILE_RUN_COLUMNS} for the Marlin tiling")
 
 
-def gptq_to_marlin_weight(qweight: np.ndarray, perm: np.ndarray | None = None) -> np.ndarray:
+def gptq_to_marlin_weight(qweight: np.ndarray, perm: np.ndarray | None = None,
+                          out: np.ndarray | None = None) -> np.ndarray:
     """Repack GPTQ 4-bit weights into Marlin tiles.
 
     ``qweight`` int32 ``[K/8, N]`` (K % 16 == 0, N % 64 == 0); ``perm`` optional int ``[K]`` (act-order: rows
-    of q are taken in this order first). Returns int32 ``[K/16, 2N]``. Whole-word operations only: see the
+    of q are taken in this order first); ``out`` optional contiguous int32 ``[K/16, 2N]`` to write into.
+    Returns int32 ``[K/16, 2N]`` (``out`` when given). Whole-word operations only: see the
     module docstring for why four source bytes make one output word.
     """
     if perm is not None:
@@ -136,22 +158,26 @@ def gptq_to_marlin_weight(qweight: np.ndarray, perm: np.ndarray | None = None) -
     # pairs of words as uint64 halves the number of element operations; the masks are byte-periodic.
     words = np.ascontiguousarray(qweight).view(np.uint64).reshape(strips, 2, n // 2)
     upper, lower = words[:, 0, :], words[:, 1, :]  # rows 0-7 (a) and rows 8-15 (b) of each strip
-    merged = np.empty((strips, 2, n // 2), dtype=np.uint64)
+    merged = _scratch_array("merged", (strips, 2, n // 2), np.uint64)
+    masked = _scratch_array("masked", (strips, n // 2), np.uint64)
     lo, hi = merged[:, 0, :], merged[:, 1, :]
     # LO byte = low nibble of a | low nibble of b << 4; HI byte = high nibble of a | high nibble of b << 4.
     np.bitwise_and(lower, _LOW_NIBBLES, out=lo)
     np.left_shift(lo, _FOUR, out=lo)
-    lo |= upper & _LOW_NIBBLES
+    lo |= np.bitwise_and(upper, _LOW_NIBBLES, out=masked)
     np.right_shift(upper, _FOUR, out=hi)
     hi &= _LOW_NIBBLES
-    hi |= lower & _HIGH_NIBBLES
+    hi |= np.bitwise_and(lower, _HIGH_NIBBLES, out=masked)
     # merged words as [t, kind(LO/HI), G, j, h, c] with column = 64G + 16j + 8h + c; output words are
     # [t, G, c, rb, j] with bytes (kind, h). First move whole words, then the byte index rb outwards.
     word_view = merged.view(np.uint32).reshape(strips, 2, n // 64, 4, 2, 8)
-    by_lane = np.ascontiguousarray(word_view.transpose(0, 2, 5, 3, 1, 4))  # t, G, c, j, kind, h
+    by_lane = _scratch_array("by_lane", (strips, n // 64, 8, 4, 2, 2), np.uint32)  # t, G, c, j, kind, h
+    np.copyto(by_lane, word_view.transpose(0, 2, 5, 3, 1, 4))
     byte_view = by_lane.view(np.uint8).reshape(strips, n // 64, 8, 16, 4)  # ..., (j, kind, h), rb
-    out = np.ascontiguousarray(byte_view.transpose(0, 1, 2, 4, 3))  # t, G, c, rb, (j, kind, h)
-    return out.view(np.int32).reshape(strips, 2 * n)
+    if out is None:
+        out = np.empty((strips, 2 * n), dtype=np.int32)
+    np.copyto(out.view(np.uint8).reshape(strips, n // 64, 8, 4, 16), byte_view.transpose(0, 1, 2, 4, 3))
+    return out
 
 
 def marlin_to_gptq_weight(b: np.ndarray, perm: np.ndarray | None = None) -> np.ndarray:

@@ -219,9 +219,6 @@ class ShardWriter:
         self._lock = threading.Lock()
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            if hasattr(os, "posix_fallocate") and self.total_bytes > 0:
-                # reserve the whole file now, so a full disk fails here and not halfway through
-                os.posix_fallocate(self._fd, 0, self.total_bytes)
             os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
         except OSError as exc:
             raise _os_error(self.path, exc) from exc

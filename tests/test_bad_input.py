@@ -212,12 +212,28 @@ def test_unwritable_out_dir(capsys, tmp_path, src):
     _run_failing(capsys, tmp_path, [str(src), str(blocker / "out")], "cannot create the output directory")
 
 
-def test_disk_full_leaves_nothing_behind(capsys, tmp_path, src, monkeypatch):
-    def no_space(fd, offset, length):
-        raise OSError(28, "No space left on device")
+def test_disk_full_while_writing_leaves_nothing_behind(capsys, tmp_path, src, monkeypatch):
+    real_pwrite = os.pwrite
+    calls = []
 
-    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    def pwrite_until_full(fd, data, offset):
+        calls.append(offset)
+        if len(calls) > 3:  # the header and a few tensors land, then the disk fills up
+            raise OSError(28, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite_until_full)
     _convert_fails(capsys, tmp_path, src, "no space left on device")
+    assert len(calls) > 3
+
+
+def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 9, 10 ** 9 - 1000, 1000))
+    _convert_fails(capsys, tmp_path, src, "not enough disk space", "1000 are free")
 
 
 def test_unsupported_layer_without_skip_names_layer_and_reason(capsys, tmp_path):

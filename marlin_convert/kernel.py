@@ -1,0 +1,219 @@
+"""The bundled CUDA kernel: JIT build, cache, and the Python entry points.
+
+``marlin_gemm(A, B, s, workspace)`` computes ``C = A @ W`` with ``W = (q - 8) * s`` stored in the Marlin tile format
+(see ``kernel/README.md`` and ``shared/FORMAT.md``). The extension (``kernel/binding.cpp`` + ``kernel/marlin_gemm.cu``)
+is compiled on first use with :func:`torch.utils.cpp_extension.load` into a cache folder keyed by a hash of every file
+in ``kernel/``, the GPU architecture, and the torch and CUDA versions, so later runs import it without compiling.
+Cache root: ``$MARLIN_CONVERT_CACHE`` or ``~/.cache/marlin_convert``.
+
+This module imports nothing heavy at import time: torch is imported inside the functions, so the converter (which
+never needs torch) can import the package on machines without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from .errors import KernelError, KernelUnavailableError
+
+#: the kernel sources (every file in this folder is hashed into the cache key)
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernel"
+#: architectures the build flags support; the JIT compiles only the running GPU's one (set
+#: ``MARLIN_CONVERT_ALL_ARCHS=1`` to build all four into one binary)
+SUPPORTED_ARCHS = ("80", "86", "89", "90")
+#: minimum compute capability (mma.sync m16n8k16 with fp32 accumulation, cp.async, ldmatrix)
+MIN_CAPABILITY = (8, 0)
+
+_lock = threading.Lock()
+_modules: dict[str, object] = {}
+
+
+def required_workspace_ints(n: int) -> int:
+    """Zeroed int32 workspace the kernel needs for ``n`` output columns: ``(n // 64) * 16`` (FORMAT.md section 4,
+    the "vLLM legacy" rule). The kernel rejects a smaller one and leaves it zeroed after every call."""
+    return (int(n) // 64) * 16
+
+
+def gencode_flags(archs=SUPPORTED_ARCHS) -> list[str]:
+    """``-gencode`` flags for the given architectures (``"80"`` -> ``-gencode=arch=compute_80,code=sm_80``)."""
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+
+
+@contextlib.contextmanager
+def _arch_list_env(value: str):
+    """Set ``TORCH_CUDA_ARCH_LIST`` for the duration of the block only, then restore (or remove) it."""
+    previous = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = previous
+
+
+def cache_root() -> Path:
+    """Root of the build cache: ``$MARLIN_CONVERT_CACHE`` or ``~/.cache/marlin_convert``."""
+    env = os.environ.get("MARLIN_CONVERT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "marlin_convert"
+
+
+def source_hash() -> str:
+    """sha256 over the names and bytes of every file in ``kernel/`` (headers and README included, so any edit
+    rebuilds)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in KERNEL_DIR.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(KERNEL_DIR).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _find_nvcc() -> str | None:
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def check_environment(device_index: int = 0) -> tuple[int, int]:
+    """Check what the kernel needs, in order, each with its own message: PyTorch with CUDA, a visible GPU, compute
+    capability >= 8.0, nvcc, ninja. Returns the GPU's ``(major, minor)``; raises :class:`KernelUnavailableError`."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise KernelUnavailableError("PyTorch is not installed, so the GPU kernel cannot run",
+                                     hint="install a CUDA build of torch") from exc
+    if torch.version.cuda is None or not torch.backends.cuda.is_built():
+        raise KernelUnavailableError(
+            f"PyTorch {torch.__version__} was built without CUDA, so the kernel cannot run on a GPU",
+            hint="install a CUDA build of torch (see pytorch.org)")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise KernelUnavailableError("no CUDA GPU is visible (torch.cuda.is_available() is False)",
+                                     hint="check nvidia-smi and CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    if not 0 <= device_index < count:
+        raise KernelUnavailableError(f"GPU {device_index} does not exist: {count} GPU(s) visible (0..{count - 1})")
+    capability = torch.cuda.get_device_capability(device_index)
+    if tuple(capability) < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device_index)
+        raise KernelUnavailableError(
+            f"GPU {device_index} ({name}) has compute capability {capability[0]}.{capability[1]}; the Marlin kernel "
+            f"needs >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ampere or newer)")
+    if _find_nvcc() is None:
+        raise KernelUnavailableError("nvcc (CUDA's compiler) was not found; it is needed to build the kernel",
+                                     hint="install the CUDA toolkit and put nvcc on PATH, or set CUDA_HOME")
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        raise KernelUnavailableError("ninja was not found; torch needs it to build the kernel",
+                                     hint="pip install ninja")
+    return int(capability[0]), int(capability[1])
+
+
+def unavailable_reason(device_index: int = 0) -> str | None:
+    """``None`` when the kernel can be built and run here, else the reason (used by the GPU tests to skip)."""
+    try:
+        check_environment(device_index)
+    except KernelUnavailableError as exc:
+        return exc.message
+    return None
+
+
+def _build(capability: tuple[int, int], verbose: bool = False):
+    import torch
+    from torch.utils import cpp_extension
+
+    arch = f"{capability[0]}{capability[1]}"
+    all_archs = os.environ.get("MARLIN_CONVERT_ALL_ARCHS") == "1"
+    if all_archs:
+        archs = SUPPORTED_ARCHS
+    elif arch in SUPPORTED_ARCHS:
+        archs = (arch,)
+    else:  # a newer GPU: build the newest supported machine code plus its PTX for the driver to compile
+        archs = (SUPPORTED_ARCHS[-1],)
+    flags = gencode_flags(archs)
+    if arch not in archs:
+        flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    key_text = "|".join([source_hash(), "sm" + arch, ",".join(archs), torch.__version__, str(torch.version.cuda)])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    if key in _modules:
+        return _modules[key]
+    name = f"marlin_convert_kernel_{key}"
+    build_dir = cache_root() / f"kernel-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    arch_list = ";".join(f"{a[0]}.{a[1:]}" for a in archs)
+    try:
+        with _arch_list_env(arch_list):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(KERNEL_DIR / "binding.cpp"), str(KERNEL_DIR / "marlin_gemm.cu")],
+                extra_cflags=["-O3", "-std=c++17"],
+                extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", *flags],
+                extra_include_paths=[str(KERNEL_DIR)],
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
+    except Exception as exc:  # compiler output is in the exception text; keep its end
+        text = str(exc)
+        raise KernelUnavailableError(
+            f"building the kernel failed (build folder {build_dir}): {text[-2000:]}",
+            hint="run with MARLIN_CONVERT_VERBOSE_BUILD=1 for the full compiler output") from exc
+    _modules[key] = module
+    return module
+
+
+def load_kernel(device_index: int = 0, verbose: bool | None = None):
+    """Check the environment, then build (first time) or load (cached) the extension module for this GPU."""
+    capability = check_environment(device_index)
+    if verbose is None:
+        verbose = os.environ.get("MARLIN_CONVERT_VERBOSE_BUILD") == "1"
+    with _lock:
+        return _build(capability, verbose)
+
+
+def ensure_kernel(device_index: int = 0):
+    """Make sure the kernel runs on GPU ``device_index`` (building it if needed); returns that ``torch.device``.
+    Raises :class:`KernelUnavailableError` with the reason when it cannot."""
+    import torch
+
+    load_kernel(device_index)
+    return torch.device("cuda", device_index)
+
+
+def marlin_gemm(A, B, s, workspace, perm=None, out=None, split_k: int = 0):
+    """``C = A[:, perm] @ W`` on the GPU, with ``W[k, n] = (q[k, n] - 8) * scale``, fp32 accumulation.
+
+    Arguments (all on the same CUDA device):
+
+    - ``A``: float16 ``[m, k]``, rows dense (contiguous); any ``m >= 1`` (``m == 0`` returns an empty result).
+    - ``B``: int32 ``[k / 16, 2 n]``, Marlin tiles (FORMAT.md section 2); ``k % 16 == 0``, ``n % 64 == 0``. Rows
+      must be dense, so a slice ``stacked[e]`` of a contiguous ``[E, k / 16, 2 n]`` expert buffer works in place.
+    - ``s``: float16 ``[k / g, n]``, scales permuted for Marlin (FORMAT.md section 3); the group size is
+      ``g = k / s.shape[0]`` (a multiple of 16); one row means channelwise (``g = k``, channelwise table).
+    - ``workspace``: int32, zeroed, at least :func:`required_workspace_ints` ``(n)`` elements; left zeroed.
+    - ``perm``: optional int32 ``[k]`` (act-order): the activations' columns are gathered as ``A[:, perm]`` first.
+    - ``out``: optional float16 ``[m, n]`` contiguous output buffer (every element is written).
+    - ``split_k``: 0 chooses the split over k automatically; ``> 0`` caps it (benchmarks and tests).
+
+    Returns ``C`` float16 ``[m, n]`` (``out`` when given). Raises :class:`KernelError` when the arguments break a
+    limit (the message names the values) and :class:`KernelUnavailableError` when the kernel cannot run here.
+    """
+    import torch
+
+    if not isinstance(A, torch.Tensor) or not A.is_cuda:
+        where = A.device if isinstance(A, torch.Tensor) else type(A).__name__
+        raise KernelError(f"marlin_gemm: A must be a CUDA tensor, got {where}")
+    module = load_kernel(A.device.index if A.device.index is not None else torch.cuda.current_device())
+    try:
+        return module.marlin_gemm(A, B, s, workspace, perm, out, int(split_k))
+    except (RuntimeError, TypeError, ValueError) as exc:
+        message = str(exc).split("\nException raised from", 1)[0].strip()
+        raise KernelError(message) from exc
