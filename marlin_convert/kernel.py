@@ -31,6 +31,7 @@ MIN_CAPABILITY = (8, 0)
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
+_by_device: dict[int, object] = {}  # device index -> module, once checked and loaded (no re-checks per call)
 
 
 def required_workspace_ints(n: int) -> int:
@@ -172,11 +173,16 @@ def _build(capability: tuple[int, int], verbose: bool = False):
 
 def load_kernel(device_index: int = 0, verbose: bool | None = None):
     """Check the environment, then build (first time) or load (cached) the extension module for this GPU."""
+    module = _by_device.get(device_index)
+    if module is not None:
+        return module
     capability = check_environment(device_index)
     if verbose is None:
         verbose = os.environ.get("MARLIN_CONVERT_VERBOSE_BUILD") == "1"
     with _lock:
-        return _build(capability, verbose)
+        module = _build(capability, verbose)
+        _by_device[device_index] = module
+        return module
 
 
 def ensure_kernel(device_index: int = 0):

@@ -362,9 +362,8 @@ def verify(
         try:
             devices = [ensure_kernel(gpu) for gpu in gpus]
         except KernelUnavailableError as exc:
-            raise KernelUnavailableError(
-                exc.message, hint=exc.hint or "'verify --skip-kernel' proves the conversion lossless without a GPU"
-            ) from exc
+            skip = "'verify --skip-kernel' proves the conversion lossless without a GPU"
+            raise KernelUnavailableError(exc.message, hint=f"{exc.hint}; or {skip}" if exc.hint else skip) from exc
     shards = _Shards(out_dir)
     entries = manifest["layers"]
     results: list[list[LayerResult]] = [[] for _ in entries]

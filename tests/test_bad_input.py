@@ -218,13 +218,13 @@ def test_disk_full_while_writing_leaves_nothing_behind(capsys, tmp_path, src, mo
 
     def pwrite_until_full(fd, data, offset):
         calls.append(offset)
-        if len(calls) > 3:  # the header and a few tensors land, then the disk fills up
+        if len(calls) > 1:  # the header lands, then the disk fills up
             raise OSError(28, "No space left on device")
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite_until_full)
     _convert_fails(capsys, tmp_path, src, "no space left on device")
-    assert len(calls) > 3
+    assert len(calls) > 1
 
 
 def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, monkeypatch):

@@ -138,3 +138,9 @@ def test_bundled_example_converts_and_verifies(tmp_path, capsys):
     assert main([str(example), str(out), "-q"]) == 0
     assert main(["verify", str(out), "--skip-kernel", "--source", str(example), "-q"]) == 0
     assert np.all([p.stat().st_size > 0 for p in out.iterdir()])
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    """Rich wraps tables to the terminal width; give the captured output room for whole cells."""
+    monkeypatch.setenv("COLUMNS", "300")

@@ -129,7 +129,7 @@ def test_desc_act_with_trivial_g_idx_is_not_act_order(tmp_path):
     out = tmp_path / "out"
     convert(src, out)
     entry = load_manifest(out)["layers"][0]
-    assert entry["act_order"] is False and entry["g_idx"] == "trivial"
+    assert entry["act_order"] is False and entry["sources"][0]["g_idx"] == "trivial"
     assert "model.layers.0.mlp.down_proj.perm" not in _all_tensors(out)
 
 
@@ -159,7 +159,7 @@ def test_zero_format_is_decided_from_the_values_and_reported(tmp_path, label, st
         assert not any("treated as" in note for note in plan.notes)
     out = tmp_path / "out"
     convert(src, out)
-    assert load_manifest(out)["layers"][0]["zero_format"] == decided
+    assert load_manifest(out)["layers"][0]["sources"][0]["zero_format"] == decided
     assert verify(out, gpus=None, source_dir=src).failures == []
 
 
@@ -200,9 +200,10 @@ def test_manifest_records_shapes_group_workspace_and_digests(tmp_path):
     assert (entry["in_features"], entry["out_features"], entry["bits"], entry["group_size"]) == (512, 256, 4, 128)
     assert entry["shapes"] == {"B": [32, 512], "s": [4, 256]}
     assert entry["workspace"] == {"rule": "(N / 64) * 16", "ints": 64}
-    assert entry["source"]["qweight"] == "model.layers.0.mlp.down_proj.qweight"
+    source = entry["sources"][0]
+    assert source["tensors"]["qweight"] == "model.layers.0.mlp.down_proj.qweight" and source["slices"] is None
     import hashlib
 
-    qweight = read_tensor(read_header(src / "model.safetensors"), entry["source"]["qweight"])
-    assert entry["digests"]["qweight"] == "sha256:" + hashlib.sha256(qweight.tobytes()).hexdigest()
-    assert set(entry["digests"]) == {"qweight", "scales", "qzeros", "g_idx"}
+    qweight = read_tensor(read_header(src / "model.safetensors"), source["tensors"]["qweight"])
+    assert source["digests"]["qweight"] == "sha256:" + hashlib.sha256(qweight.tobytes()).hexdigest()
+    assert set(source["digests"]) == {"qweight", "scales", "qzeros", "g_idx"}

@@ -26,7 +26,7 @@ def _tensors(directory):
 
 
 def _small_qwen(**kw):
-    base = dict(num_layers=2, num_experts=64, hidden=128, expert_intermediate=64)
+    base = dict(num_layers=2, num_experts=64, hidden=128, expert_intermediate=64, group_size=32)
     base.update(kw)
     return qwen3_moe(**base)
 

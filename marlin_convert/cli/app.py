@@ -68,11 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("Error: aborted", file=sys.stderr)
         return 1
-    except Exception as exc:  # click's usage errors print themselves through ClickException
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
+    except Exception as exc:
+        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
+            exc.show()  # a usage error (unknown option, missing argument): click formats it with the usage line
             return exc.exit_code
         return report_error(exc)
     except KeyboardInterrupt as exc:
