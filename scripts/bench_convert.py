@@ -7,7 +7,7 @@
 
 The checkpoint is generated once into --dir (kept between runs). Both the copy and the conversion run with
 the source in the page cache (the copy runs first and warms it), each as a child process whose peak resident
-set size is read from the OS (wait4's ru_maxrss). Targets (issue #2): at least 0.5 GB/s on a 2-core machine,
+set size is read from the OS (wait4's ru_maxrss, through scripts/peak_rss.py's small launcher). Targets (issue #2): at least 0.5 GB/s on a 2-core machine,
 and peak RSS at most twice the largest tensor plus 400 MB.
 """
 
@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +25,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
 import make_gptq_checkpoint as gen  # noqa: E402
+from peak_rss import measure  # noqa: E402
 
 from marlin_convert.safetensors_io import read_header  # noqa: E402
 
@@ -42,17 +42,6 @@ def _preset(name: str, shards: int):
         return gen.qwen3_moe(num_layers=4, num_experts=128, hidden=2048, expert_intermediate=768, stacked=True,
                              shards=shards)
     return gen.tiny_llama(num_layers=2, shards=shards)
-
-
-def _run_child(argv: list[str]) -> tuple[float, int]:
-    """Run a child process; return (wall seconds, peak RSS bytes) as the kernel accounted them."""
-    start = time.perf_counter()
-    process = subprocess.Popen(argv)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(argv)} failed with exit code {os.waitstatus_to_exitcode(status)}")
-    return seconds, usage.ru_maxrss * 1024  # Linux reports kilobytes
 
 
 def _dir_bytes(path: Path) -> int:
@@ -74,7 +63,11 @@ def main() -> None:
     if not marker.exists():
         shutil.rmtree(source, ignore_errors=True)
         print(f"generating {args.preset} checkpoint in {source} ...", flush=True)
-        gen.write_checkpoint(source, _preset(args.preset, args.shards))
+        # in a child process, so that this process stays small (see scripts/peak_rss.py)
+        code = (f"import sys; sys.path[:0] = [{str(REPO / 'scripts')!r}, {str(REPO)!r}]; import bench_convert as b, "
+                f"make_gptq_checkpoint as gen; gen.write_checkpoint({str(source)!r}, b._preset({args.preset!r}, "
+                f"{args.shards}))")
+        subprocess.run([sys.executable, "-c", code], check=True)
         marker.write_text("ok")
     total = _dir_bytes(source)
     largest = max(info.nbytes for p in source.glob("*.safetensors") for info in read_header(p).tensors.values())
@@ -83,14 +76,14 @@ def main() -> None:
     cp_seconds = []
     for _ in range(2):  # the first copy warms the page cache for everything after it
         shutil.rmtree(copy_dir, ignore_errors=True)
-        seconds, _ = _run_child(["cp", "-r", str(source), str(copy_dir)])
+        seconds, _ = measure(["cp", "-r", str(source), str(copy_dir)])
         cp_seconds.append(seconds)
     shutil.rmtree(copy_dir, ignore_errors=True)
 
     runs = []
     for _ in range(max(1, args.repeat)):
         shutil.rmtree(out_dir, ignore_errors=True)
-        runs.append(_run_child([sys.executable, "-m", "marlin_convert.cli.app", str(source), str(out_dir), "-q",
+        runs.append(measure([sys.executable, "-m", "marlin_convert.cli.app", str(source), str(out_dir), "-q",
                                 "--workers", str(args.workers)]))
     out_bytes = _dir_bytes(out_dir)
     if not args.keep:

@@ -1,29 +1,25 @@
 """Streaming is real: the converter's peak memory follows the largest tensor, not the shard or the model.
 
 Each conversion runs in a child process whose peak resident set size is read from the OS (wait4's
-ru_maxrss). Two checkpoints with the same layer shape, one four times the size of the other, must peak at
+ru_maxrss, through scripts/peak_rss.py's small launcher). Two checkpoints with the same layer shape, one four times the size of the other, must peak at
 about the same RSS, and the peak above a plan-only baseline must stay within a small multiple of the largest
 tensor. (Timing figures live in scripts/bench_convert.py, not here.)
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, write_checkpoint
+from peak_rss import measure
 
 MIB = 1 << 20
 K = N = 4096  # qweight of one layer: K/8 * N * 4 bytes = 8 MiB
 
 
 def _peak_rss(code: str) -> int:
-    process = subprocess.Popen([sys.executable, "-c", code])
-    _, status, usage = os.wait4(process.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return usage.ru_maxrss * 1024
+    return measure([sys.executable, "-c", code])[1]
 
 
 def _checkpoint(path, layers: int, shards: int):
