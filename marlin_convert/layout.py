@@ -220,14 +220,14 @@ def permute_scales(scales: np.ndarray) -> np.ndarray:
     """
     rows, n = scales.shape
     table = _scale_table(rows)
-    return np.ascontiguousarray(scales).reshape(-1, len(table))[:, table].reshape(rows, n)
+    return np.ascontiguousarray(np.ascontiguousarray(scales).reshape(-1, len(table))[:, table].reshape(rows, n))
 
 
 def unpermute_scales(s: np.ndarray) -> np.ndarray:
     """Exact inverse of :func:`permute_scales`: ``[K/g, N]`` -> ``[K/g, N]``, same dtype."""
     rows, n = s.shape
     inverse = np.argsort(_scale_table(rows))
-    return np.ascontiguousarray(s).reshape(-1, len(inverse))[:, inverse].reshape(rows, n)
+    return np.ascontiguousarray(np.ascontiguousarray(s).reshape(-1, len(inverse))[:, inverse].reshape(rows, n))
 
 
 def trivial_g_idx(k: int, group_size: int) -> np.ndarray:

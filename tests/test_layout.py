@@ -71,6 +71,46 @@ def test_gptq_to_marlin_equals_the_reference_on_a_larger_matrix():
     np.testing.assert_array_equal(layout.gptq_to_marlin_weight(qweight), reference_gptq_to_marlin(qweight))
 
 
+def test_gptq_to_marlin_writes_into_out_when_given():
+    qweight = _random_qweight(11, 64, 128)
+    out = np.full((4, 256), -1, dtype=np.int32)
+    assert layout.gptq_to_marlin_weight(qweight, out=out) is out
+    np.testing.assert_array_equal(out, reference_gptq_to_marlin(qweight))
+    stacked = np.zeros((3, 4, 256), dtype=np.int32)  # one expert's slice of a stacked output
+    layout.gptq_to_marlin_weight(qweight, out=stacked[1])
+    np.testing.assert_array_equal(stacked[1], reference_gptq_to_marlin(qweight))
+    assert not stacked[0].any() and not stacked[2].any()
+
+
+# Small matrices whose reference output is computed once: for the scratch-buffer and thread tests below.
+_CASES = [(k, n, seed) for seed, (k, n) in enumerate([(128, 256), (16, 64), (64, 192), (32, 128), (112, 64)])]
+_EXPECTED = {}
+
+
+def _expected(k: int, n: int, seed: int) -> np.ndarray:
+    if (k, n, seed) not in _EXPECTED:
+        _EXPECTED[k, n, seed] = reference_gptq_to_marlin(_random_qweight(seed, k, n))
+    return _EXPECTED[k, n, seed]
+
+
+def test_results_survive_later_calls_of_other_shapes():
+    # the repack reuses per-thread scratch buffers: no returned array may alias them
+    results = [(case, layout.gptq_to_marlin_weight(_random_qweight(case[2], case[0], case[1]))) for case in _CASES]
+    for case, got in results:
+        np.testing.assert_array_equal(got, _expected(*case), err_msg=str(case))
+
+
+def test_concurrent_repacks_in_threads_are_independent():
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = _CASES * 8
+    inputs = [_random_qweight(seed, k, n) for k, n, seed in jobs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outputs = list(pool.map(layout.gptq_to_marlin_weight, inputs))
+    for case, got in zip(jobs, outputs):
+        np.testing.assert_array_equal(got, _expected(*case), err_msg=str(case))
+
+
 def test_gptq_to_marlin_does_not_modify_its_input():
     qweight = _random_qweight(3, 64, 128)
     before = qweight.copy()
@@ -98,8 +138,6 @@ SINGLE_NIBBLES = [
 
 @pytest.mark.parametrize("k, n, row, col, strip, word, nibble", SINGLE_NIBBLES)
 def test_a_single_code_lands_where_format_md_says(k, n, row, col, strip, word, nibble):
-    codes = np.zeros((k, n), dtype=np.uint8)
-    codes[row, col] = 0xB
     qweight = np.zeros((k // 8, n), dtype=np.uint32)
     qweight[row // 8, col] = 0xB << (4 * (row % 8))  # GPTQ packing written out, not via layout
     expected = np.zeros((k // 16, 2 * n), dtype=np.uint32)
@@ -134,7 +172,8 @@ def _four_byte_expectation(qweight: np.ndarray) -> np.ndarray:
                 c, r = lane // 4, 2 * (lane % 4)
                 for j in range(4):
                     col = 64 * run + 16 * j + c
-                    sources = [words[2 * t, col], words[2 * t + 1, col], words[2 * t, col + 8], words[2 * t + 1, col + 8]]
+                    sources = [words[2 * t, col], words[2 * t + 1, col],
+                               words[2 * t, col + 8], words[2 * t + 1, col + 8]]
                     source_bytes = [(int(w) >> (4 * r)) & 0xFF for w in sources]
                     nibbles = [b & 0xF for b in source_bytes] + [b >> 4 for b in source_bytes]
                     out[t, 128 * run + 4 * lane + j] = sum(v << (4 * i) for i, v in enumerate(nibbles))
@@ -196,7 +235,8 @@ SCALE_DTYPES = [np.float16, np.uint16, np.float32]  # uint16 = bfloat16 bit patt
 
 
 @FAST
-@given(rows=st.integers(1, 8), n64=st.integers(1, 8), seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from(SCALE_DTYPES))
+@given(rows=st.integers(1, 8), n64=st.integers(1, 8), seed=st.integers(0, 2**32 - 1),
+       dtype=st.sampled_from(SCALE_DTYPES))
 def test_permute_scales_equals_the_reference_and_keeps_the_dtype(rows, n64, seed, dtype):
     rng = np.random.default_rng(seed)
     scales = rng.integers(0, 2**16, size=(rows, 64 * n64), dtype=np.uint16)
@@ -204,8 +244,8 @@ def test_permute_scales_equals_the_reference_and_keeps_the_dtype(rows, n64, seed
     got = layout.permute_scales(scales)
     assert got.dtype == scales.dtype and got.shape == scales.shape
     expected = reference_permute_scales(scales)
-    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))  # bit for bit, NaNs included
-    np.testing.assert_array_equal(layout.unpermute_scales(got).view(np.uint8), scales.view(np.uint8))
+    assert got.tobytes() == expected.tobytes()  # bit for bit, NaNs included
+    assert layout.unpermute_scales(got).tobytes() == scales.tobytes()
 
 
 def test_bfloat16_scales_through_torch_bits():

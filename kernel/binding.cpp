@@ -1,0 +1,120 @@
+// marlin-convert: torch binding of the Marlin GEMM launcher (kernel/marlin_gemm.cu).
+//
+// Checks every tensor (device, dtype, layout, shape) with a message that names the values, gathers A's columns
+// for act-order, then calls the plain C++ launcher, whose own shape checks (k % 16, n % 64, group size,
+// workspace size) come back as exceptions with the launcher's message.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include "marlin_gemm.h"
+
+namespace {
+
+std::string shape_str(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& device) {
+  TORCH_CHECK(t.is_cuda(), "marlin_gemm: ", name, " must be a CUDA tensor, got a tensor on ", t.device());
+  TORCH_CHECK(t.device() == device, "marlin_gemm: ", name, " is on ", t.device(), " but A is on ", device);
+}
+
+void check_dtype(const torch::Tensor& t, const char* name, at::ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, "marlin_gemm: ", name, " must be ", c10::toString(want), ", got ",
+              c10::toString(t.scalar_type()));
+}
+
+// Rows dense and elements contiguous: true for a contiguous tensor and for a slice `stacked[e]` of a contiguous
+// [E, rows, cols] buffer (an expert of a stacked layer), which is used in place.
+void check_dense_2d(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, "marlin_gemm: ", name, " must be 2-D, got shape ", shape_str(t));
+  TORCH_CHECK(t.size(1) == 0 || t.stride(1) == 1, "marlin_gemm: ", name,
+              " must have contiguous rows (stride(1) == 1), got strides ", t.strides());
+  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) == t.size(1), "marlin_gemm: ", name,
+              " must have dense rows (stride(0) == size(1) = ", t.size(1), "), got strides ", t.strides());
+}
+
+int multiprocessors(int device) {
+  int sms = 0;
+  const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  TORCH_CHECK(e == cudaSuccess, "marlin_gemm: cannot read the multiprocessor count of GPU ", device, ": ",
+              cudaGetErrorString(e));
+  return sms;
+}
+
+}  // namespace
+
+// C[m, n] = A[m, k] (columns gathered by perm if given) @ dequant(B, s). See marlin_convert/kernel.py.
+torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& s,
+                          const torch::Tensor& workspace, const c10::optional<torch::Tensor>& perm,
+                          const c10::optional<torch::Tensor>& out, int64_t split_k) {
+  TORCH_CHECK(A.is_cuda(), "marlin_gemm: A must be a CUDA tensor, got a tensor on ", A.device());
+  const torch::Device device = A.device();
+  check_cuda(B, "B", device);
+  check_cuda(s, "s", device);
+  check_cuda(workspace, "workspace", device);
+  check_dtype(A, "A", at::kHalf);
+  check_dtype(B, "B", at::kInt);
+  check_dtype(s, "s", at::kHalf);
+  check_dtype(workspace, "workspace", at::kInt);
+  check_dense_2d(A, "A");
+  check_dense_2d(B, "B");
+  check_dense_2d(s, "s");
+  TORCH_CHECK(workspace.is_contiguous(), "marlin_gemm: workspace must be contiguous");
+
+  const int64_t m = A.size(0), k = A.size(1);
+  TORCH_CHECK(B.size(0) * 16 == k, "marlin_gemm: B has shape ", shape_str(B), " but A has k = ", k,
+              " columns: B must be [k / 16, 2 n] = [", k / 16, ", 2 n]", (k % 16 ? " (k is not a multiple of 16)" : ""));
+  TORCH_CHECK(B.size(1) % 2 == 0, "marlin_gemm: B has shape ", shape_str(B), ": its width must be 2 n (even)");
+  const int64_t n = B.size(1) / 2;
+  TORCH_CHECK(s.size(1) == n, "marlin_gemm: s has shape ", shape_str(s), " but B has n = ", n,
+              " columns: s must be [k / group_size, ", n, "]");
+  TORCH_CHECK(s.size(0) >= 1, "marlin_gemm: s has no rows (shape ", shape_str(s), ")");
+  TORCH_CHECK(k <= INT32_MAX && n <= INT32_MAX && m <= INT32_MAX, "marlin_gemm: sizes must fit in int32");
+
+  torch::Tensor C;
+  if (out.has_value()) {
+    C = *out;
+    check_cuda(C, "out", device);
+    check_dtype(C, "out", at::kHalf);
+    TORCH_CHECK(C.dim() == 2 && C.size(0) == m && C.size(1) == n, "marlin_gemm: out has shape ", shape_str(C),
+                ", expected [", m, ", ", n, "]");
+    TORCH_CHECK(C.is_contiguous(), "marlin_gemm: out must be contiguous");
+  } else {
+    C = torch::empty({m, n}, A.options());
+  }
+  if (m == 0) return C;
+
+  const c10::cuda::CUDAGuard guard(device);
+  torch::Tensor a = A;
+  if (perm.has_value()) {
+    const torch::Tensor& p = *perm;
+    check_cuda(p, "perm", device);
+    check_dtype(p, "perm", at::kInt);
+    TORCH_CHECK(p.dim() == 1 && p.size(0) == k, "marlin_gemm: perm has shape ", shape_str(p), ", expected [", k, "]");
+    a = A.index_select(1, p);  // act-order: A[:, perm], one gather before the GEMM
+  }
+  a = a.contiguous();
+
+  char err[512];
+  const int sms = multiprocessors(device.index());
+  const int status = marlin_convert::marlin_gemm_launch(
+      a.data_ptr(), B.data_ptr(), s.data_ptr(), C.data_ptr(), workspace.data_ptr<int>(), (long)workspace.numel(),
+      (int)m, (int)n, (int)k, (int)s.size(0), sms, (int)split_k, c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err));
+  TORCH_CHECK(status == marlin_convert::MARLIN_OK, "marlin_gemm: ", err);
+  return C;
+}
+
+int64_t required_workspace_ints(int64_t n) { return marlin_convert::marlin_required_workspace_ints((int)n); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "marlin-convert's FP16 x INT4 Marlin GEMM (see marlin_convert/kernel.py)";
+  m.def("marlin_gemm", &marlin_gemm, "C = A[:, perm] @ dequant(B, s)", py::arg("A"), py::arg("B"), py::arg("s"),
+        py::arg("workspace"), py::arg("perm") = py::none(), py::arg("out") = py::none(), py::arg("split_k") = 0);
+  m.def("required_workspace_ints", &required_workspace_ints, "(n / 64) * 16", py::arg("n"));
+}

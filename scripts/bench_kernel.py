@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Benchmark the bundled Marlin kernel against torch fp16 matmul on the dequantized weight.
+
+Exact command (GPU machine, repo root):
+    PYTHONPATH=. python3 scripts/bench_kernel.py            # full table: 8 shapes x 8 batch sizes x 2 group sizes
+    PYTHONPATH=. python3 scripts/bench_kernel.py --quick    # 4 shapes, m = 1..16, group 128 only
+
+What is timed: one launch per weight copy, replayed from a CUDA graph (so Python/launch overhead is out of the
+numbers), several weight copies rotated so the weight is not L2-resident (L2 is 60 MB on an H200: the copies of each
+operand together exceed 4 x 60 MB), CUDA events, median of the repeats after warm-up. Bandwidth arithmetic:
+    ours   bytes = B (k * n / 2) + s (k / g * n * 2) + A (m * k * 2) + C (m * n * 2)
+    torch  bytes = W (k * n * 2) + A + C
+    copy   bytes = 2 * size (read + write) of a 1 GiB device-to-device copy, measured in the same run.
+Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per group size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096), (8192, 10240), (8192, 8192), (8192, 57344),
+          (28672, 8192)]
+MS = [1, 2, 4, 8, 16, 32, 64, 128]
+GROUPS = [128, -1]
+ROTATE_BYTES = 4 * 60 * 2**20  # rotate copies until they exceed 4 x L2
+
+
+def time_graph(torch, fn, calls: int, repeats: int) -> float:
+    """Median seconds per call of `fn(i)` for i in range(calls), from CUDA graph replays timed with events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):  # warm-up (builds, cuBLAS handles, attributes)
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+        run = graph.replay
+    except Exception as exc:  # fall back to plain launches (host overhead included)
+        print(f"  (graph capture failed: {exc}; timing plain launches)")
+        def run():
+            for i in range(calls):
+                fn(i)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth(torch) -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = time_graph(torch, lambda i: dst.copy_(src), 1, 20)
+    return 2 * src.numel() / t
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 shapes, m = 1..16, group 128")
+    parser.add_argument("--m", type=str, help="comma-separated batch sizes (default: all)")
+    parser.add_argument("--shapes", type=str, help="comma-separated KxN, e.g. 4096x4096,8192x57344")
+    parser.add_argument("--groups", type=str, help="comma-separated group sizes, -1 = channelwise")
+    parser.add_argument("--split-k", type=int, default=0, help="force the split over k (0 = automatic)")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from marlin_convert.kernel import ensure_kernel, marlin_gemm, required_workspace_ints
+
+    ensure_kernel(0)
+    shapes, ms, groups = SHAPES, MS, GROUPS
+    if args.quick:
+        shapes, ms, groups = [(4096, 4096), (4096, 12288), (8192, 8192), (8192, 57344)], [1, 2, 4, 8, 16], [128]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    if args.m:
+        ms = [int(v) for v in args.m.split(",")]
+    if args.groups:
+        groups = [int(v) for v in args.groups.split(",")]
+
+    props = torch.cuda.get_device_properties(0)
+    x = torch.randn(8192, 8192, device="cuda").half()
+    for _ in range(200):  # ~0.5 s of work so clocks are up before anything is timed
+        x @ x
+    torch.cuda.synchronize()
+    del x
+    copy_bw = copy_bandwidth(torch)
+    print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+          f"D2D copy {copy_bw / 1e9:.0f} GB/s (read + write)")
+    print(f"{'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
+          f"{'ours GB/s':>9} {'% copy':>6} {'torch GB/s':>10}")
+    speedups: dict[int, dict[int, list[float]]] = {g: {} for g in groups}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k, n in shapes:
+        for g in groups:
+            rows = 1 if g == -1 else k // g
+            b_bytes, s_bytes, w_bytes = k * n // 2, rows * n * 2, k * n * 2
+            nb = max(2, math.ceil(ROTATE_BYTES / (b_bytes + s_bytes)))
+            nw = max(2, math.ceil(ROTATE_BYTES / w_bytes))
+            bs = [torch.randint(-2**31, 2**31 - 1, (k // 16, 2 * n), dtype=torch.int32, device="cuda", generator=gen)
+                  for _ in range(nb)]
+            ss = [(torch.rand(rows, n, device="cuda", generator=gen) * 0.02 + 0.002).half() for _ in range(nb)]
+            ws = [torch.randn(k, n, device="cuda", generator=gen).half() * 0.01 for _ in range(nw)]
+            workspace = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
+            for m in ms:
+                a = torch.randn(m, k, device="cuda", generator=gen).half()
+                c = torch.empty(m, n, dtype=torch.float16, device="cuda")
+                c2 = torch.empty(m, n, dtype=torch.float16, device="cuda")
+                t_ours = time_graph(torch, lambda i: marlin_gemm(a, bs[i], ss[i], workspace, out=c,
+                                                                 split_k=args.split_k), nb, args.repeats)
+                t_torch = time_graph(torch, lambda i: torch.matmul(a, ws[i], out=c2), nw, args.repeats)
+                act = m * k * 2 + m * n * 2
+                ours_bw = (b_bytes + s_bytes + act) / t_ours
+                torch_bw = (w_bytes + act) / t_torch
+                sp = t_torch / t_ours
+                speedups[g].setdefault(m, []).append(sp)
+                print(f"{k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} {sp:>6.2f}x | "
+                      f"{ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% {torch_bw / 1e9:>10.0f}", flush=True)
+            assert int(workspace.abs().sum()) == 0, "workspace not left zeroed"
+            del bs, ss, ws
+            torch.cuda.empty_cache()
+
+    def geomean(values):
+        return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+    print("\ngeometric-mean speed-up over torch fp16 matmul (all shapes)")
+    print(f"{'group':>6} | {'m=1..16':>8} {'m=2..16':>8} | " + " ".join(f"{'m=' + str(m):>7}" for m in ms))
+    for g in groups:
+        small = [v for m, vals in speedups[g].items() if 1 <= m <= 16 for v in vals]
+        small2 = [v for m, vals in speedups[g].items() if 2 <= m <= 16 for v in vals]
+        per_m = " ".join(f"{geomean(speedups[g].get(m, [])):>6.2f}x" for m in ms)
+        print(f"{g:>6} | {geomean(small):>7.2f}x {geomean(small2):>7.2f}x | {per_m}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
