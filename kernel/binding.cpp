@@ -9,41 +9,62 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <cstdio>
+
 #include "marlin_gemm.h"
 
 namespace {
 
-std::string shape_str(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
+// Messages are formatted with snprintf into a char buffer and handed to TORCH_CHECK as one C string: on the H200
+// image, TORCH_CHECK messages with integer or std::string pieces crashed the process (iostream formatting across
+// the extension / libtorch boundary), while plain C-string messages worked.
+struct Dims {
+  char text[96];
+  Dims(const torch::Tensor& t, bool strides = false) {
+    int at = snprintf(text, sizeof(text), "[");
+    for (int64_t d = 0; d < t.dim() && at < (int)sizeof(text); ++d)
+      at += snprintf(text + at, sizeof(text) - at, "%s%lld", d ? ", " : "",
+                     (long long)(strides ? t.stride(d) : t.size(d)));
+    if (at < (int)sizeof(text)) snprintf(text + at, sizeof(text) - at, "]");
+  }
+};
+
+#define MG_CHECK(cond, ...)                                  \
+  do {                                                       \
+    if (!(cond)) {                                           \
+      char mg_msg_[512];                                     \
+      snprintf(mg_msg_, sizeof(mg_msg_), __VA_ARGS__);       \
+      TORCH_CHECK(false, static_cast<const char*>(mg_msg_)); \
+    }                                                        \
+  } while (0)
 
 void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& device) {
-  TORCH_CHECK(t.is_cuda(), "marlin_gemm: ", name, " must be a CUDA tensor, got a tensor on ", t.device());
-  TORCH_CHECK(t.device() == device, "marlin_gemm: ", name, " is on ", t.device(), " but A is on ", device);
+  MG_CHECK(t.is_cuda(), "marlin_gemm: %s must be a CUDA tensor, got a tensor on %s", name,
+           c10::DeviceTypeName(t.device().type(), true).c_str());
+  MG_CHECK(t.device() == device, "marlin_gemm: %s is on cuda:%d but A is on cuda:%d", name, (int)t.device().index(),
+           (int)device.index());
 }
 
 void check_dtype(const torch::Tensor& t, const char* name, at::ScalarType want) {
-  TORCH_CHECK(t.scalar_type() == want, "marlin_gemm: ", name, " must be ", c10::toString(want), ", got ",
-              c10::toString(t.scalar_type()));
+  MG_CHECK(t.scalar_type() == want, "marlin_gemm: %s must be %s, got %s", name, c10::toString(want),
+           c10::toString(t.scalar_type()));
 }
 
 // Rows dense and elements contiguous: true for a contiguous tensor and for a slice `stacked[e]` of a contiguous
 // [E, rows, cols] buffer (an expert of a stacked layer), which is used in place.
 void check_dense_2d(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2, "marlin_gemm: ", name, " must be 2-D, got shape ", shape_str(t));
-  TORCH_CHECK(t.size(1) == 0 || t.stride(1) == 1, "marlin_gemm: ", name,
-              " must have contiguous rows (stride(1) == 1), got strides ", t.strides());
-  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) == t.size(1), "marlin_gemm: ", name,
-              " must have dense rows (stride(0) == size(1) = ", t.size(1), "), got strides ", t.strides());
+  MG_CHECK(t.dim() == 2, "marlin_gemm: %s must be 2-D, got shape %s", name, Dims(t).text);
+  MG_CHECK(t.size(1) == 0 || t.stride(1) == 1, "marlin_gemm: %s must have contiguous rows (stride(1) == 1), got "
+           "strides %s", name, Dims(t, true).text);
+  MG_CHECK(t.size(0) <= 1 || t.stride(0) == t.size(1), "marlin_gemm: %s must have dense rows (stride(0) == size(1) "
+           "= %lld), got strides %s", name, (long long)t.size(1), Dims(t, true).text);
 }
 
 int multiprocessors(int device) {
   int sms = 0;
   const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  TORCH_CHECK(e == cudaSuccess, "marlin_gemm: cannot read the multiprocessor count of GPU ", device, ": ",
-              cudaGetErrorString(e));
+  MG_CHECK(e == cudaSuccess, "marlin_gemm: cannot read the multiprocessor count of GPU %d: %s", device,
+           cudaGetErrorString(e));
   return sms;
 }
 
@@ -53,7 +74,8 @@ int multiprocessors(int device) {
 torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& s,
                           const torch::Tensor& workspace, const c10::optional<torch::Tensor>& perm,
                           const c10::optional<torch::Tensor>& out, int64_t split_k) {
-  TORCH_CHECK(A.is_cuda(), "marlin_gemm: A must be a CUDA tensor, got a tensor on ", A.device());
+  MG_CHECK(A.is_cuda(), "marlin_gemm: A must be a CUDA tensor, got a tensor on %s",
+           c10::DeviceTypeName(A.device().type(), true).c_str());
   const torch::Device device = A.device();
   check_cuda(B, "B", device);
   check_cuda(s, "s", device);
@@ -65,26 +87,26 @@ torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const 
   check_dense_2d(A, "A");
   check_dense_2d(B, "B");
   check_dense_2d(s, "s");
-  TORCH_CHECK(workspace.is_contiguous(), "marlin_gemm: workspace must be contiguous");
+  MG_CHECK(workspace.is_contiguous(), "marlin_gemm: workspace must be contiguous");
 
   const int64_t m = A.size(0), k = A.size(1);
-  TORCH_CHECK(B.size(0) * 16 == k, "marlin_gemm: B has shape ", shape_str(B), " but A has k = ", k,
-              " columns: B must be [k / 16, 2 n] = [", k / 16, ", 2 n]", (k % 16 ? " (k is not a multiple of 16)" : ""));
-  TORCH_CHECK(B.size(1) % 2 == 0, "marlin_gemm: B has shape ", shape_str(B), ": its width must be 2 n (even)");
+  MG_CHECK(B.size(0) * 16 == k, "marlin_gemm: B has shape %s but A has k = %lld columns: B must be [k / 16, 2 n]%s",
+           Dims(B).text, (long long)k, (k % 16 ? " (k is not a multiple of 16)" : ""));
+  MG_CHECK(B.size(1) % 2 == 0, "marlin_gemm: B has shape %s: its width must be 2 n (even)", Dims(B).text);
   const int64_t n = B.size(1) / 2;
-  TORCH_CHECK(s.size(1) == n, "marlin_gemm: s has shape ", shape_str(s), " but B has n = ", n,
-              " columns: s must be [k / group_size, ", n, "]");
-  TORCH_CHECK(s.size(0) >= 1, "marlin_gemm: s has no rows (shape ", shape_str(s), ")");
-  TORCH_CHECK(k <= INT32_MAX && n <= INT32_MAX && m <= INT32_MAX, "marlin_gemm: sizes must fit in int32");
+  MG_CHECK(s.size(1) == n, "marlin_gemm: s has shape %s but B has n = %lld columns: s must be [k / group_size, n]",
+           Dims(s).text, (long long)n);
+  MG_CHECK(s.size(0) >= 1, "marlin_gemm: s has no rows (shape %s)", Dims(s).text);
+  MG_CHECK(k <= INT32_MAX && n <= INT32_MAX && m <= INT32_MAX, "marlin_gemm: sizes must fit in int32");
 
   torch::Tensor C;
   if (out.has_value()) {
     C = *out;
     check_cuda(C, "out", device);
     check_dtype(C, "out", at::kHalf);
-    TORCH_CHECK(C.dim() == 2 && C.size(0) == m && C.size(1) == n, "marlin_gemm: out has shape ", shape_str(C),
-                ", expected [", m, ", ", n, "]");
-    TORCH_CHECK(C.is_contiguous(), "marlin_gemm: out must be contiguous");
+    MG_CHECK(C.dim() == 2 && C.size(0) == m && C.size(1) == n, "marlin_gemm: out has shape %s, expected [%lld, %lld]",
+             Dims(C).text, (long long)m, (long long)n);
+    MG_CHECK(C.is_contiguous(), "marlin_gemm: out must be contiguous");
   } else {
     C = torch::empty({m, n}, A.options());
   }
@@ -96,7 +118,8 @@ torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const 
     const torch::Tensor& p = *perm;
     check_cuda(p, "perm", device);
     check_dtype(p, "perm", at::kInt);
-    TORCH_CHECK(p.dim() == 1 && p.size(0) == k, "marlin_gemm: perm has shape ", shape_str(p), ", expected [", k, "]");
+    MG_CHECK(p.dim() == 1 && p.size(0) == k, "marlin_gemm: perm has shape %s, expected [%lld]", Dims(p).text,
+             (long long)k);
     a = A.index_select(1, p);  // act-order: A[:, perm], one gather before the GEMM
   }
   a = a.contiguous();
@@ -106,7 +129,7 @@ torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const 
   const int status = marlin_convert::marlin_gemm_launch(
       a.data_ptr(), B.data_ptr(), s.data_ptr(), C.data_ptr(), workspace.data_ptr<int>(), (long)workspace.numel(),
       (int)m, (int)n, (int)k, (int)s.size(0), sms, (int)split_k, c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err));
-  TORCH_CHECK(status == marlin_convert::MARLIN_OK, "marlin_gemm: ", err);
+  MG_CHECK(status == marlin_convert::MARLIN_OK, "marlin_gemm: %s", err);
   return C;
 }
 

@@ -195,7 +195,7 @@ struct Tile {
 //   group_shift log2(group_size) when it is a power of two (then k / g is a shift), else -1 (division)
 //   splits     number of k ranges; stages_per_split = k stages per range (the last one may be shorter)
 template <typename ActT, int WeightBits, int MB, int WN, int STRIPS, int STAGES, bool GROUPED>
-__global__ void __launch_bounds__(kThreads) marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B,
+__global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B,
                                                                const int4* __restrict__ S, ActT* __restrict__ C,
                                                                int* __restrict__ locks, int m, int n, int k,
                                                                int group_size, int group_shift, int splits,
@@ -516,14 +516,15 @@ int launch_config(const Launch& L) {
 
 // The instantiated configurations (see kernel/README.md for why these):
 //   m <= 16 : MB=1, WN=1 (64-column tiles: the most blocks for small n), 2 strips/warp (stage k = 256,
-//             8 KB of B per stage), 6 stages (40 KB of B in flight per block)
+//             8 KB of B per stage), 4 stages (72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM,
+//             24 KB of B in flight per block; measured 6 stages at 2 blocks/SM first: instruction-latency bound)
 //   m <= 32 : MB=2, WN=1, 2 strips, 4 stages
 //   m > 32  : MB=4 (64-row chunks); WN=2 (128-column tiles, A fragments shared by 2x the columns) when n % 128 == 0,
 //             else WN=1; 4 stages
 // each once with grouped and once with channelwise scales.
 template <bool GROUPED>
 int dispatch(const Launch& L) {
-  if (L.m <= 16) return launch_config<1, 1, 2, 6, GROUPED>(L);
+  if (L.m <= 16) return launch_config<1, 1, 2, 4, GROUPED>(L);
   if (L.m <= 32) return launch_config<2, 1, 2, 4, GROUPED>(L);
   if (L.n % 128 == 0) return launch_config<4, 2, 2, 4, GROUPED>(L);
   return launch_config<4, 1, 2, 4, GROUPED>(L);

@@ -18,6 +18,9 @@ class MarlinConvertError(Exception):
         self.message = message
         self.hint = hint
 
+    def __reduce__(self):  # keep the hint when an error crosses from a worker process
+        return (type(self), (self.message, self.hint))
+
 
 class InputError(MarlinConvertError):
     """The input directory is not a readable, consistent GPTQ checkpoint."""

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import struct
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,9 +188,11 @@ def _os_error(path: Path, exc: OSError) -> OutputError:
 class ShardWriter:
     """Write one safetensors file whose tensors are all declared up front.
 
-    ``ShardWriter(path, planned, metadata)`` writes the header immediately and reserves the data area; then
-    :meth:`write_array` and :meth:`copy_range` fill each declared tensor exactly once, in any order and from
-    any thread; :meth:`close` checks that every tensor was written. Nothing is buffered in memory.
+    ``ShardWriter(path, planned, metadata)`` writes the header immediately; then :meth:`write_array` and
+    :meth:`copy_range` fill the declared tensors with positioned writes, in any order, from any thread or
+    forked worker process (which inherits the open file). Both return the bytes they wrote; whoever drives
+    the writer passes those counts to :meth:`record`, and :meth:`close` checks that every declared tensor
+    was written completely. Nothing is buffered in memory.
     """
 
     def __init__(self, path: Path, planned: list[PlannedTensor], metadata: dict[str, str] | None = None) -> None:
@@ -216,44 +217,46 @@ class ShardWriter:
         self.data_start = 8 + len(raw)
         self.total_bytes = self.data_start + offset
         self._remaining = {name: end - begin for name, (begin, end) in self.offsets.items()}
-        self._lock = threading.Lock()
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
         except OSError as exc:
             raise _os_error(self.path, exc) from exc
 
-    def _take(self, name: str, at: int, nbytes: int) -> int:
+    def _position(self, name: str, at: int, nbytes: int) -> int:
         begin, end = self.offsets[name]
         if at < 0 or begin + at + nbytes > end:
             raise ValueError(f"{self.path}: {nbytes} bytes at {at} do not fit tensor '{name}' ({end - begin} bytes)")
-        with self._lock:
-            self._remaining[name] -= nbytes
         return self.data_start + begin + at
 
-    def write_array(self, name: str, array: np.ndarray, at: int = 0) -> None:
+    def record(self, name: str, nbytes: int) -> None:
+        """Count ``nbytes`` written into tensor ``name`` (returned by :meth:`write_array` / :meth:`copy_range`)."""
+        self._remaining[name] -= nbytes
+
+    def write_array(self, name: str, array: np.ndarray, at: int = 0) -> int:
         """Write a numpy array's raw bytes (C order) into declared tensor ``name``, ``at`` bytes into it.
 
-        A tensor may be written in several pieces (one expert slice at a time); :meth:`close` checks that the
-        pieces added up to the whole.
+        A tensor may be written in several pieces (one expert slice at a time). Returns the bytes written.
         """
         data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        position = self._take(name, at, data.nbytes)
+        position = self._position(name, at, data.nbytes)
         try:
             done = 0
             while done < data.nbytes:
                 done += os.pwrite(self._fd, data[done:], position + done)
         except OSError as exc:
             raise _os_error(self.path, exc) from exc
+        return data.nbytes
 
-    def copy_range(self, name: str, source: Path, begin: int, nbytes: int) -> None:
+    def copy_range(self, name: str, source: Path, begin: int, nbytes: int) -> int:
         """Copy ``nbytes`` at absolute offset ``begin`` of file ``source`` into declared tensor ``name``."""
-        position = self._take(name, 0, nbytes)
+        position = self._position(name, 0, nbytes)
         try:
             with open(source, "rb", buffering=0) as src:
                 _copy_between(src.fileno(), begin, self._fd, position, nbytes)
         except OSError as exc:
             raise _os_error(self.path, exc) from exc
+        return nbytes
 
     def close(self) -> None:
         """Flush and close; raise if a declared tensor was never written."""

@@ -212,19 +212,19 @@ def test_unwritable_out_dir(capsys, tmp_path, src):
     _run_failing(capsys, tmp_path, [str(src), str(blocker / "out")], "cannot create the output directory")
 
 
-def test_disk_full_while_writing_leaves_nothing_behind(capsys, tmp_path, src, monkeypatch):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_disk_full_while_writing_leaves_nothing_behind(capsys, tmp_path, src, monkeypatch, workers):
     real_pwrite = os.pwrite
-    calls = []
 
     def pwrite_until_full(fd, data, offset):
-        calls.append(offset)
-        if len(calls) > 1:  # the header lands, then the disk fills up
+        if offset > 0:  # each shard's header (at offset 0) lands, then the disk is full
             raise OSError(28, "No space left on device")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "pwrite", pwrite_until_full)
-    _convert_fails(capsys, tmp_path, src, "no space left on device")
-    assert len(calls) > 1
+    monkeypatch.setattr(os, "pwrite", pwrite_until_full)  # forked worker processes inherit the patch
+    out = tmp_path / "out"
+    _run_failing(capsys, tmp_path, [str(src), str(out), "--workers", workers], "no space left on device")
+    assert not out.exists()
 
 
 def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, monkeypatch):

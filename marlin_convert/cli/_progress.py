@@ -11,6 +11,8 @@ from typing import Callable, Iterator
 from tqdm.auto import tqdm
 
 DISABLE_VARIABLE = "MARLIN_CONVERT_NO_PROGRESS"
+# no monitor thread: the converter forks worker processes, and forking is safest with no other threads
+tqdm.monitor_interval = 0
 
 
 def progress_disabled() -> bool:

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..convert import build_plan, convert as run_conversion
+from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion
 from ._output import Output, human_bytes
 from ._progress import byte_progress
 from ._render import add_layer_rows
@@ -32,7 +32,8 @@ StackOpt = Annotated[bool, typer.Option(
     "and layer: '<base>.experts.<proj>.B' [E, K/16, 2N] and '.s' [E, K/g, N] (+ perm/g_idx [E, K]).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (like 'inspect') and write nothing.")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")]
-WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Threads that repack, hash and copy tensors.")]
+WorkersOpt = Annotated[int, typer.Option(
+    "--workers", min=1, help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 
 
@@ -44,7 +45,7 @@ def convert(
     stack_experts: StackOpt = False,
     dry_run: DryRunOpt = False,
     json_file: JsonOpt = None,
-    workers: WorkersOpt = 2,
+    workers: WorkersOpt = DEFAULT_WORKERS,
     quiet: QuietOpt = False,
 ) -> None:
     """Repack every quantized linear of IN_DIR into Marlin tiles and write OUT_DIR with a manifest.
@@ -68,7 +69,8 @@ def convert(
         f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in GPTQ form, "
         f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
         f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "
-        f"{report.seconds:.1f} s ({rate:.2f} GB/s)",
+        f"{report.seconds:.1f} s ({rate:.2f} GB/s, {report.workers} worker(s), "
+        f"peak RSS {human_bytes(report.peak_rss_bytes)} summed over processes)",
         *(f"note: {note}" for note in report.notes),
         f"manifest: {report.manifest}",
     ]
