@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: build the kernel, run the GPU tests, a quick kernel benchmark, then (TODO) an end-to-end conversion.
+# GPU check: build the kernel, run the GPU tests, a quick kernel benchmark, then convert generated checkpoints of
+# every supported kind and run `marlin-convert verify --gpu 0` on each; a short table comes last.
 # Exact command (repo root, on a machine with an NVIDIA GPU of compute capability >= 8.0, nvcc and ninja):
 #     bash scripts/gpu_check.sh            # OUT=/some/dir to keep the logs there (default: ./bench_out)
 set -euo pipefail
@@ -31,9 +32,59 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   RESULT[bench]=${RESULT[bench]:-"ok: $(grep -A2 'geometric-mean' "$OUT/bench_quick.log" | tail -1 | tr -s ' ')"}
 fi
 
-# ---- 4. END-TO-END (owner: package side) --------------------------------------------------------------------
-# TODO: generate a checkpoint, convert, `marlin-convert verify OUT --gpu 0`; set RESULT[e2e]="ok" / "FAILED".
-# -------------------------------------------------------------------------------------------------------------
+# ---- 4. end to end: generate GPTQ checkpoints of every supported kind, convert, verify on the GPU
+E2E="$OUT/e2e"
+rm -rf "$E2E" && mkdir -p "$E2E"
+$PY - "$E2E" <<'PYEOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+import make_gptq_checkpoint as gen
+root = Path(sys.argv[1])
+cases = {
+    "dense-g128-actorder": gen.tiny_llama(num_layers=2, hidden=1024, intermediate=2816, vocab=512, group_size=128,
+                                          act_order=True, shards=2),
+    "dense-channelwise-v2": gen.tiny_llama(num_layers=1, hidden=1024, intermediate=2816, vocab=512, group_size=-1,
+                                           zero_format="v2", checkpoint_format_label="gptq_v2"),
+    "dense-g32-bf16": gen.tiny_llama(num_layers=1, hidden=512, intermediate=1536, vocab=512, group_size=32,
+                                     scale_dtype="bfloat16"),
+    "dense-g64-k-eq-g": gen.CheckpointSpec(linears=[gen.LinearSpec("model.layers.0.mlp.down_proj", 64, 192),
+                                                    gen.LinearSpec("model.layers.0.mlp.up_proj", 256, 320)],
+                                           extras=[], group_size=64),
+    "moe-stacked-actorder": gen.qwen3_moe(num_layers=1, num_experts=8, hidden=512, expert_intermediate=256,
+                                          stacked=True, act_order=True, group_size=128),
+    "moe-per-expert": gen.qwen3_moe(num_layers=1, num_experts=16, hidden=512, expert_intermediate=256,
+                                    group_size=128),
+}
+for name, spec in cases.items():
+    gen.write_checkpoint(root / f"{name}-gptq", spec)
+print("generated", ", ".join(cases))
+PYEOF
+e2e_failed=0
+e2e_rows=()
+for src in "$E2E"/*-gptq; do
+  name=$(basename "$src" -gptq)
+  extra=()
+  [[ "$name" == moe-per-expert ]] && extra=(--stack-experts)
+  if $PY -m marlin_convert.cli.app "$src" "$E2E/$name-marlin" -q "${extra[@]}" > "$OUT/convert_$name.log" 2>&1 &&
+     $PY -m marlin_convert.cli.app verify "$E2E/$name-marlin" --gpu 0 --batch 1,16,128 -q \
+        --source "$src" --json "$OUT/verify_$name.json" > "$OUT/verify_$name.log" 2>&1; then
+    status=ok
+  else
+    status=FAILED; e2e_failed=1; tail -5 "$OUT/convert_$name.log" "$OUT/verify_$name.log"
+  fi
+  summary=$($PY -c "
+import json, sys
+try:
+    r = json.load(open('$OUT/verify_$name.json'))
+except OSError:
+    print('no report'); sys.exit()
+errs = [c['relative_error'] for x in r['results'] for c in x['kernel'] if c['batch']]
+print(f\"{r['layers_checked']} checked, {len(r['failures'])} failed, worst rel err {max(errs):.2e}\" if errs else 'no kernel runs')
+")
+  e2e_rows+=("$(printf '  %-22s %-7s %s' "$name" "$status" "$summary")")
+done
+RESULT[e2e]=$([ $e2e_failed = 0 ] && echo "ok (${#e2e_rows[@]} checkpoints converted and verified)" || echo "FAILED")
 
 # ---- final short table
 echo
@@ -41,4 +92,5 @@ echo "== gpu_check summary =="
 for key in build gpu_tests bench e2e; do
   printf '%-10s %s\n' "$key" "${RESULT[$key]:-not run}"
 done
-[[ "${RESULT[gpu_tests]}" == ok* ]]
+printf '%s\n' "${e2e_rows[@]}"
+[[ "${RESULT[gpu_tests]}" == ok* && "${RESULT[e2e]}" == ok* ]]
