@@ -372,6 +372,10 @@ def verify(
     def worker(slot: int) -> None:
         device = devices[slot]
         try:
+            if device is not None:
+                import torch
+
+                torch.cuda.set_device(device)  # per thread: kernel launches go to this GPU's current stream
             for position in range(slot, len(entries), len(devices)):
                 results[position] = _verify_entry(entries[position], shards, source_checkpoint,
                                                   list(batch_sizes) if use_kernel else None, device, seed + position)
