@@ -19,8 +19,8 @@ else
   RESULT[build]="FAILED"; echo "kernel build failed: see $OUT/build.log"; exit 1
 fi
 
-# ---- 2. GPU tests
-if $PY -m pytest -m gpu -v tests/test_kernel_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"; then
+# ---- 2. GPU tests (the kernel against its reference; verify on converted checkpoints)
+if $PY -m pytest -m gpu -v tests/ 2>&1 | tee "$OUT/pytest_gpu.log"; then
   RESULT[gpu_tests]="ok: $(grep -Eo '[0-9]+ passed' "$OUT/pytest_gpu.log" | tail -1)"
 else
   RESULT[gpu_tests]="FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest_gpu.log" | tail -1)"
