@@ -25,9 +25,15 @@ Every function here has a slow reference written with index loops in ``tests/ref
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
+
+try:  # the optional C fast path (setup.py builds it at install time); same output as the numpy code below
+    from . import _repack
+except ImportError:  # pragma: no cover - depends on how the package was installed
+    _repack = None
 
 #: values per int32 word at 4 bits
 PACK_FACTOR = 8
@@ -139,15 +145,36 @@ def _check_weight_shape(k: int, n: int) -> None:
         raise ValueError(f"K = {k} must divide by {TILE} and N = {n} by {TILE_RUN_COLUMNS} for the Marlin tiling")
 
 
+def fast_repack_available() -> bool:
+    """True when the C fast path is built and not switched off with MARLIN_CONVERT_PURE_NUMPY=1."""
+    return _repack is not None and os.environ.get("MARLIN_CONVERT_PURE_NUMPY") != "1"
+
+
 def gptq_to_marlin_weight(qweight: np.ndarray, perm: np.ndarray | None = None,
                           out: np.ndarray | None = None) -> np.ndarray:
     """Repack GPTQ 4-bit weights into Marlin tiles.
 
     ``qweight`` int32 ``[K/8, N]`` (K % 16 == 0, N % 64 == 0); ``perm`` optional int ``[K]`` (act-order: rows
     of q are taken in this order first); ``out`` optional contiguous int32 ``[K/16, 2N]`` to write into.
-    Returns int32 ``[K/16, 2N]`` (``out`` when given). Whole-word operations only: see the
-    module docstring for why four source bytes make one output word.
+    Returns int32 ``[K/16, 2N]`` (``out`` when given). Uses the C fast path when it is built (one pass over
+    the words), else :func:`gptq_to_marlin_weight_numpy`; both give identical results.
     """
+    if not fast_repack_available():
+        return gptq_to_marlin_weight_numpy(qweight, perm, out)
+    if perm is not None:
+        qweight = permute_rows(qweight, perm)
+    k8, n = qweight.shape
+    _check_weight_shape(k8 * PACK_FACTOR, n)
+    if out is None:
+        out = np.empty((k8 // 2, 2 * n), dtype=np.int32)
+    _repack.gptq_to_marlin(np.ascontiguousarray(qweight, dtype=np.int32), out, k8 * PACK_FACTOR, n)
+    return out
+
+
+def gptq_to_marlin_weight_numpy(qweight: np.ndarray, perm: np.ndarray | None = None,
+                                out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`gptq_to_marlin_weight` with numpy whole-word operations only (no C extension needed): see the
+    module docstring for why four source bytes make one output word. Same arguments, same result."""
     if perm is not None:
         qweight = permute_rows(qweight, perm)
     k8, n = qweight.shape

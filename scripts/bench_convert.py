@@ -6,7 +6,8 @@
     python scripts/bench_convert.py --preset tiny        # seconds, for a smoke run
 
 The checkpoint is generated once into --dir (kept between runs). Both the copy and the conversion run with
-the source in the page cache (the copy runs first and warms it), each as a child process whose peak resident
+the source in the page cache (the copy runs first and warms it) and after an fsync of everything before it,
+each as a child process whose peak resident
 set size is read from the OS (wait4's ru_maxrss, through scripts/peak_rss.py's small launcher). Targets (issue #2): at least 0.5 GB/s on a 2-core machine,
 and peak RSS at most twice the largest tensor plus 400 MB.
 """
@@ -76,6 +77,7 @@ def main() -> None:
     cp_seconds = []
     for _ in range(2):  # the first copy warms the page cache for everything after it
         shutil.rmtree(copy_dir, ignore_errors=True)
+        os.sync()  # start each timed run with no dirty pages of the previous one still being written back
         seconds, _ = measure(["cp", "-r", str(source), str(copy_dir)])
         cp_seconds.append(seconds)
     shutil.rmtree(copy_dir, ignore_errors=True)
@@ -83,6 +85,7 @@ def main() -> None:
     runs = []
     for _ in range(max(1, args.repeat)):
         shutil.rmtree(out_dir, ignore_errors=True)
+        os.sync()
         runs.append(measure([sys.executable, "-m", "marlin_convert.cli.app", str(source), str(out_dir), "-q",
                                 "--workers", str(args.workers)]))
     out_bytes = _dir_bytes(out_dir)

@@ -3,6 +3,9 @@
 
 Nothing here compares a layout function with another layout function alone: every expectation comes from the
 references, from literal numbers, or (for inverses) from the original input.
+
+The whole module runs twice: once with the C fast path of the repack (``marlin_convert/_repack.c``, when it is
+built) and once with the pure-numpy implementation (``MARLIN_CONVERT_PURE_NUMPY=1``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,17 @@ from hypothesis import strategies as st
 from reference_layout import reference_codes, reference_gptq_to_marlin, reference_perm_table, reference_permute_scales
 
 from marlin_convert import layout
+
+@pytest.fixture(autouse=True, scope="module", params=["c-extension", "numpy"])
+def repack_implementation(request):
+    if request.param == "c-extension" and layout._repack is None:
+        pytest.skip("the C fast path is not built here (setup.py builds it on install)")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MARLIN_CONVERT_PURE_NUMPY", "1" if request.param == "numpy" else "0")
+    assert layout.fast_repack_available() == (request.param == "c-extension")
+    yield request.param
+    patch.undo()
+
 
 SLOW = settings(max_examples=20, deadline=None)  # the loop reference is slow: keep these few
 FAST = settings(max_examples=60, deadline=None)
