@@ -356,36 +356,54 @@ def run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter) -> JobResult:
 _WORKER_TASKS: tuple[Checkpoint, list[tuple[Job, ShardWriter]]] | None = None
 
 
-def _run_task(position: int) -> JobResult:
+#: a worker takes tasks in batches of about this many source bytes (or this many tasks), so that MoE checkpoints
+#: with thousands of sub-megabyte experts do not pay one inter-process round trip per tensor
+BATCH_BYTES = 32 << 20
+BATCH_TASKS = 256
+
+
+def _run_batch(positions: list[int]) -> list[JobResult]:
     checkpoint, tasks = _WORKER_TASKS
-    job, writer = tasks[position]
-    result = run_job(job, checkpoint, writer)
-    result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return result
+    results = [run_job(tasks[p][0], checkpoint, tasks[p][1]) for p in positions]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for result in results:
+        result.peak_rss = peak
+    return results
+
+
+def _batches(tasks: list[tuple[Job, ShardWriter]]) -> list[list[int]]:
+    batches, current, size = [], [], 0
+    for position, (job, _) in enumerate(tasks):
+        current.append(position)
+        size += job.input_bytes
+        if size >= BATCH_BYTES or len(current) >= BATCH_TASKS:
+            batches.append(current)
+            current, size = [], 0
+    return batches + ([current] if current else [])
 
 
 def _run_tasks(checkpoint: Checkpoint, tasks: list[tuple[Job, ShardWriter]], workers: int):
-    """Yield a :class:`JobResult` per task as tasks finish: in worker processes (forked, so they inherit the
+    """Yield a :class:`JobResult` per task as batches finish: in worker processes (forked, so they inherit the
     checkpoint and the open output files) when ``workers > 1`` and fork exists, else in this process.
 
     Processes, not threads: on the machines we measured, two threads doing numpy byte shuffles and SHA-256
-    ran no faster than one, while two processes ran twice as fast (README, Benchmarks).
+    ran no faster than one, while two processes ran twice as fast.
     """
     global _WORKER_TASKS
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        for job, writer in tasks:
-            result = run_job(job, checkpoint, writer)
-            result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            yield result
-        return
     _WORKER_TASKS = (checkpoint, tasks)
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
     try:
-        futures = [pool.submit(_run_task, position) for position in range(len(tasks))]
-        for future in as_completed(futures):
-            yield future.result()  # re-raises a worker's exception here
+        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            for batch in _batches(tasks):
+                yield from _run_batch(batch)
+            return
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+        try:
+            futures = [pool.submit(_run_batch, batch) for batch in _batches(tasks)]
+            for future in as_completed(futures):
+                yield from future.result()  # re-raises a worker's exception here
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
         _WORKER_TASKS = None
 
 
