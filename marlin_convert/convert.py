@@ -524,6 +524,28 @@ def _layer_entry(layer: OutputLayer, digests: dict[str, str], out_shard: dict[st
     return entry
 
 
+def _expert_groups(plan: ConversionPlan) -> list[dict]:
+    """Per-expert keys written per expert (no ``--stack-experts``): one summary per group and projection, so an
+    engine can find all experts of a layer without parsing names. Stacked outputs describe themselves."""
+    converted = [o.plan for o in plan.outputs if not o.members and not o.plan.num_experts]
+    groups, _ = group_experts([layer.prefix for layer in converted])
+    by_prefix = {layer.prefix: layer for layer in converted}
+    summary = []
+    for group in groups:
+        for projection, members in group.members.items():
+            first = by_prefix[members[min(members)]]
+            summary.append({
+                "base": group.base,
+                "projection": projection,
+                "num_experts": len(members),
+                "in_features": first.in_features,
+                "out_features": first.out_features,
+                "workspace_ints_per_expert": first.workspace_ints,
+                "layers": [members[e] for e in sorted(members)],
+            })
+    return summary
+
+
 def _finalize(tmp: Path, out_dir: Path) -> None:
     """Move the finished temporary directory into place (replacing OUT_DIR's old contents if any)."""
     old = None
@@ -634,6 +656,7 @@ def convert(
             "shards": [shard.file_name for shard in plan.shards],
             "passthrough_tensors": passthrough,
             "layers": layers,
+            "expert_groups": _expert_groups(plan),
             "skipped": skipped,
         }
         write_manifest(tmp, manifest)

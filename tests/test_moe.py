@@ -41,8 +41,14 @@ def test_per_expert_keys_convert_like_any_linear_and_routers_pass_through(tmp_pa
         assert np.array_equal(converted[f"{p}.B"], layout.gptq_to_marlin_weight(source[f"{p}.qweight"]))
     router = "model.layers.0.mlp.gate.weight"
     assert converted[router].tobytes() == source[router].tobytes()
-    names = [entry["name"] for entry in load_manifest(out)["layers"]]
+    manifest = load_manifest(out)
+    names = [entry["name"] for entry in manifest["layers"]]
     assert sum(".experts." in n for n in names) == 2 * 64 * 3
+    groups = {(g["base"], g["projection"]): g for g in manifest["expert_groups"]}
+    down = groups[("model.layers.1.mlp.experts", "down_proj")]
+    assert (down["num_experts"], down["in_features"], down["out_features"]) == (64, 64, 128)
+    assert down["layers"][17] == "model.layers.1.mlp.experts.17.down_proj"
+    assert len(groups) == 2 * 3
     assert verify(out, gpus=None, source_dir=src).failures == []
 
 
