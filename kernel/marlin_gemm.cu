@@ -49,6 +49,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <type_traits>
 
 namespace marlin_convert {
@@ -194,13 +195,14 @@ struct Tile {
 //   m, n, k    problem size; group_size = k / scale_rows (only read when GROUPED)
 //   group_shift log2(group_size) when it is a power of two (then k / g is a shift), else -1 (division)
 //   splits     number of k ranges; stages_per_split = k stages per range (the last one may be shorter)
-template <typename ActT, int WeightBits, int MB, int WN, int STRIPS, int STAGES, bool GROUPED>
+template <typename ActT, int WeightBits, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, bool SWAP>
 __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B,
                                                                const int4* __restrict__ S, ActT* __restrict__ C,
                                                                int* __restrict__ locks, int m, int n, int k,
                                                                int group_size, int group_shift, int splits,
                                                                int stages_per_split) {
   static_assert(std::is_same<ActT, half>::value, "only the fp16 activation path is instantiated");
+  static_assert(!SWAP || MB == 1, "the swapped (W^T x A^T) path serves m <= 8 only");
   using T = Tile<MB, WN, STRIPS, STAGES, GROUPED>;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -324,10 +326,18 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(
             f[2] = as_u32(__hmul2(as_h2(f[2]), s1));
             f[3] = as_u32(__hmul2(as_h2(f[3]), s1));
           }
+          if constexpr (SWAP) {
+            // C^T = W^T A^T: the tile's 4 words are exactly the mma A fragment of W^T (rows = 16 columns n,
+            // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
+            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 2 (A rows 0-7, k 0-7 / 8-15).
+            const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
+            mma_16816(acc[0][j], wa, a[0][0], a[0][2]);
+          } else {
 #pragma unroll
-          for (int mb = 0; mb < MB; ++mb) {
-            mma_16816(acc[mb][2 * j], a[mb], f[0], f[1]);
-            mma_16816(acc[mb][2 * j + 1], a[mb], f[2], f[3]);
+            for (int mb = 0; mb < MB; ++mb) {
+              mma_16816(acc[mb][2 * j], a[mb], f[0], f[1]);
+              mma_16816(acc[mb][2 * j + 1], a[mb], f[2], f[3]);
+            }
           }
         }
       }
@@ -370,11 +380,29 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(
 #pragma unroll
   for (int mb = 0; mb < MB; ++mb) {
     // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
+    if constexpr (SWAP) {
+      // acc[0][j][e] = C[row 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4, cols inside
+      // this warp's 64); stored where the non-swapped layout keeps that element (rows 8..15 are never stored,
+      // m <= 8 here).
+      float* redf = reinterpret_cast<float*>(smem);
+      const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int hi = 0; hi < 2; ++hi)
-        red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = make_float2(acc[mb][nb][2 * hi], acc[mb][nb][2 * hi + 1]);
+        for (int e = 0; e < 4; ++e) {
+          const int row = 2 * t + (e & 1);
+          const int col = 16 * j + g + 8 * (e >> 1);
+          const int ln = row * 4 + ((col & 7) >> 1);
+          redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2) * 32 + ln) + (col & 1)] = acc[0][j][e];
+        }
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi)
+          red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] =
+              make_float2(acc[mb][nb][2 * hi], acc[mb][nb][2 * hi + 1]);
+    }
     __syncthreads();
     // Pair p = ((wn * 8 + nb) * 2 + hi) * 32 + ln: accumulator registers 2 hi, 2 hi + 1 of lane ln, which hold
     // C[row, col], C[row, col + 1] with row = ln / 4 + 8 hi, col = 8 nb + 2 (ln % 4) (mma C fragment layout).
@@ -450,10 +478,10 @@ struct Launch {
 };
 
 // Pick the split over k, then launch one instantiation.
-template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED>
+template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, bool SWAP = false>
 int launch_config(const Launch& L) {
   using T = Tile<MB, WN, STRIPS, STAGES, GROUPED>;
-  auto kernel = marlin_gemm_kernel<half, 4, MB, WN, STRIPS, STAGES, GROUPED>;
+  auto kernel = marlin_gemm_kernel<half, 4, MB, WN, STRIPS, STAGES, GROUPED, SWAP>;
   const int smem = T::kSmemBytes;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) {
@@ -522,9 +550,44 @@ int launch_config(const Launch& L) {
 //   m > 32  : MB=4 (64-row chunks); WN=2 (128-column tiles, A fragments shared by 2x the columns) when n % 128 == 0,
 //             else WN=1; 4 stages
 // each once with grouped and once with channelwise scales.
+// Benchmark-only switch for the m <= 16 configuration (MARLIN_CONVERT_SMALL_CFG, read per call; unset = the
+// default below). Used by scripts/bench_kernel.py --cfgs; see kernel/README.md for the measurements.
+int small_cfg() {
+  const char* v = getenv("MARLIN_CONVERT_SMALL_CFG");
+  return (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : -1;
+}
+
+// m <= 8: the swapped path with STRIPS / STAGES; m = 9..16: MB = 1, 2 strips, 4 stages (the swapped path needs
+// m <= 8, and the unswapped kernel spills at 4 strips under the 3-blocks-per-SM register limit)
+template <int STRIPS, int STAGES, bool GROUPED>
+int launch_small(const Launch& L, bool swap) {
+  if (swap && L.m <= 8) return launch_config<1, 1, STRIPS, STAGES, GROUPED, true>(L);
+  return launch_config<1, 1, 2, 4, GROUPED, false>(L);
+}
+
 template <bool GROUPED>
 int dispatch(const Launch& L) {
-  if (L.m <= 16) return launch_config<1, 1, 2, 4, GROUPED>(L);
+  if (L.m <= 16) {
+    // Default: 64-column tiles. When they fit in one wave at one block per SM (n / 64 <= SMs), 4 strips per warp
+    // (stage k = 512, 16 KB of B per stage, 144 KB of shared memory: one block per SM, fewer barriers per byte);
+    // otherwise 2 strips (72 KB: 3 blocks per SM, so n / 64 > SMs tiles still run in one wave).
+    int dev = 0, optin = 0;
+    const bool big_smem = cudaGetDevice(&dev) == cudaSuccess &&
+                          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+                          optin >= Tile<1, 1, 4, 4, GROUPED>::kSmemBytes;  // sm_86 / sm_89 have ~100 KB
+    const bool one_wave = big_smem && L.n / 64 <= L.sms;
+    switch (small_cfg()) {
+      case 0: return launch_small<2, 4, GROUPED>(L, false);  // the previous default (no swap)
+      case 1: return launch_small<2, 4, GROUPED>(L, true);
+      case 2: return big_smem ? launch_small<4, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
+      case 3: return big_smem ? launch_small<3, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
+      case 4: return big_smem ? launch_small<2, 6, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
+      case 6:
+        if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
+        return big_smem ? launch_small<3, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
+      default: return one_wave ? launch_small<4, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
+    }
+  }
   if (L.m <= 32) return launch_config<2, 1, 2, 4, GROUPED>(L);
   if (L.n % 128 == 0) return launch_config<4, 2, 2, 4, GROUPED>(L);
   return launch_config<4, 1, 2, 4, GROUPED>(L);

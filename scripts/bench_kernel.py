@@ -10,7 +10,10 @@ numbers), several weight copies rotated so the weight is not L2-resident (L2 is 
 operand together exceed 4 x 60 MB), CUDA events, median of the repeats after warm-up. Bandwidth arithmetic:
     ours   bytes = B (k * n / 2) + s (k / g * n * 2) + A (m * k * 2) + C (m * n * 2)
     torch  bytes = W (k * n * 2) + A + C
-    copy   bytes = 2 * size (read + write) of a 1 GiB device-to-device copy, measured in the same run.
+    copy   bytes = 2 * size (read + write) of a 2 GiB device-to-device copy, median of 30 event-timed copies, measured
+           in the same run: the ceiling for "% copy".
+    --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG, see kernel/marlin_gemm.cu)
+           against the same torch time and prints a geomean per configuration.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per group size.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -65,11 +69,25 @@ def time_graph(torch, fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(torch) -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+def copy_bandwidth(torch, size: int = 2 * 2**30, repeats: int = 30) -> float:
+    """Device-to-device copy rate, bytes read + bytes written per second: a 2 GiB buffer (far beyond L2), plain
+    launches (one copy is ~1 ms, so launch overhead is negligible), CUDA events around each copy, median."""
+    src = torch.empty(size, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    t = time_graph(torch, lambda i: dst.copy_(src), 1, 20)
-    return 2 * src.numel() / t
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * size / statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -80,6 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", type=str, help="comma-separated group sizes, -1 = channelwise")
     parser.add_argument("--split-k", type=int, default=0, help="force the split over k (0 = automatic)")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cfgs", type=str, help="comma-separated m <= 16 configurations to compare (benchmark only)")
     args = parser.parse_args(argv)
 
     import torch
@@ -108,7 +127,8 @@ def main(argv=None) -> int:
           f"D2D copy {copy_bw / 1e9:.0f} GB/s (read + write)")
     print(f"{'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
           f"{'ours GB/s':>9} {'% copy':>6} {'torch GB/s':>10}")
-    speedups: dict[int, dict[int, list[float]]] = {g: {} for g in groups}
+    cfgs = [int(v) for v in args.cfgs.split(",")] if args.cfgs else [None]
+    speedups: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in shapes:
         for g in groups:
@@ -125,16 +145,22 @@ def main(argv=None) -> int:
                 a = torch.randn(m, k, device="cuda", generator=gen).half()
                 c = torch.empty(m, n, dtype=torch.float16, device="cuda")
                 c2 = torch.empty(m, n, dtype=torch.float16, device="cuda")
-                t_ours = time_graph(torch, lambda i: marlin_gemm(a, bs[i], ss[i], workspace, out=c,
-                                                                 split_k=args.split_k), nb, args.repeats)
                 t_torch = time_graph(torch, lambda i: torch.matmul(a, ws[i], out=c2), nw, args.repeats)
                 act = m * k * 2 + m * n * 2
-                ours_bw = (b_bytes + s_bytes + act) / t_ours
-                torch_bw = (w_bytes + act) / t_torch
-                sp = t_torch / t_ours
-                speedups[g].setdefault(m, []).append(sp)
-                print(f"{k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} {sp:>6.2f}x | "
-                      f"{ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% {torch_bw / 1e9:>10.0f}", flush=True)
+                for cfg in cfgs:
+                    if cfg is not None:
+                        os.environ["MARLIN_CONVERT_SMALL_CFG"] = str(cfg)
+                    t_ours = time_graph(torch, lambda i: marlin_gemm(a, bs[i], ss[i], workspace, out=c,
+                                                                     split_k=args.split_k), nb, args.repeats)
+                    ours_bw = (b_bytes + s_bytes + act) / t_ours
+                    torch_bw = (w_bytes + act) / t_torch
+                    sp = t_torch / t_ours
+                    speedups.setdefault(cfg, {}).setdefault(g, {}).setdefault(m, []).append(sp)
+                    tag = "" if cfg is None else f" cfg {cfg}"
+                    print(f"{k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} {sp:>6.2f}x | "
+                          f"{ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% {torch_bw / 1e9:>10.0f}{tag}",
+                          flush=True)
+                os.environ.pop("MARLIN_CONVERT_SMALL_CFG", None)
             assert int(workspace.abs().sum()) == 0, "workspace not left zeroed"
             del bs, ss, ws
             torch.cuda.empty_cache()
@@ -143,12 +169,15 @@ def main(argv=None) -> int:
         return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
     print("\ngeometric-mean speed-up over torch fp16 matmul (all shapes)")
-    print(f"{'group':>6} | {'m=1..16':>8} {'m=2..16':>8} | " + " ".join(f"{'m=' + str(m):>7}" for m in ms))
-    for g in groups:
-        small = [v for m, vals in speedups[g].items() if 1 <= m <= 16 for v in vals]
-        small2 = [v for m, vals in speedups[g].items() if 2 <= m <= 16 for v in vals]
-        per_m = " ".join(f"{geomean(speedups[g].get(m, [])):>6.2f}x" for m in ms)
-        print(f"{g:>6} | {geomean(small):>7.2f}x {geomean(small2):>7.2f}x | {per_m}")
+    print(f"{'cfg':>4} {'group':>6} | {'m=1..16':>8} {'m=2..16':>8} | " + " ".join(f"{'m=' + str(m):>7}" for m in ms))
+    for cfg in cfgs:
+        for g in groups:
+            sg = speedups.get(cfg, {}).get(g, {})
+            small = [v for m, vals in sg.items() if 1 <= m <= 16 for v in vals]
+            small2 = [v for m, vals in sg.items() if 2 <= m <= 16 for v in vals]
+            per_m = " ".join(f"{geomean(sg.get(m, [])):>6.2f}x" for m in ms)
+            name = "-" if cfg is None else str(cfg)
+            print(f"{name:>4} {g:>6} | {geomean(small):>7.2f}x {geomean(small2):>7.2f}x | {per_m}")
     return 0
 
 
