@@ -186,6 +186,9 @@ struct Tile {
 //   STRIPS     16-row k-strips each warp handles per stage
 //   STAGES     pipeline depth (shared-memory stages)
 //   GROUPED    true: grouped scales applied to B before the mma; false: channelwise, applied to C in fp32
+//   NO_F32_SCALE  benchmark only: grouped scales always on B in fp16 (the previous kernel, see kF32Scale)
+//   SWAP       0: C = A W (A = mma A operand); 1: C^T = W^T A^T with one 8-row batch block (m <= 8 per chunk);
+//              2: C^T = W^T A^T with two 8-row batch blocks (rows 0-7 and 8-15 of the 16-row chunk, m <= 16)
 // Arguments:
 //   A          fp16 [m, k] row-major (as int4 = 8 halves), act-order already gathered
 //   B          int32 [k / 16, 2 n] Marlin tiles (as int4: row stride n / 2 int4)
@@ -195,14 +198,24 @@ struct Tile {
 //   m, n, k    problem size; group_size = k / scale_rows (only read when GROUPED)
 //   group_shift log2(group_size) when it is a power of two (then k / g is a shift), else -1 (division)
 //   splits     number of k ranges; stages_per_split = k stages per range (the last one may be shorter)
-template <typename ActT, int WeightBits, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, bool SWAP>
-__global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B,
+// Blocks per SM the register allocation must allow: 3 for the 16-row kernels (72 KB of shared memory at 2 strips
+// x 4 stages), except the two-batch-block swapped kernels with 12 / 16 strip-stages (3 strips x 4 or 2 x 6 stages:
+// 108 KB, 4 x 4: 144 KB), whose shared memory only fits 2 / 1 blocks anyway (32 accumulators spill at 85 registers).
+// The swapped one-batch-block kernels likewise take the 1 / 2 limits (their fp32 group partial sums need registers).
+template <int MB, int STRIPS, int STAGES, int SWAP>
+constexpr int min_blocks() {
+  return MB != 1 ? 1 : SWAP == 0 ? 3 : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2 : 3;
+}
+
+template <typename ActT, int WeightBits, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP,
+          bool NO_F32_SCALE = false>
+__global__ void __launch_bounds__(kThreads, min_blocks<MB, STRIPS, STAGES, NO_F32_SCALE ? 0 : SWAP>()) marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B,
                                                                const int4* __restrict__ S, ActT* __restrict__ C,
                                                                int* __restrict__ locks, int m, int n, int k,
                                                                int group_size, int group_shift, int splits,
                                                                int stages_per_split) {
   static_assert(std::is_same<ActT, half>::value, "only the fp16 activation path is instantiated");
-  static_assert(!SWAP || MB == 1, "the swapped (W^T x A^T) path serves m <= 8 only");
+  static_assert(SWAP >= 0 && SWAP <= 2 && (SWAP == 0 || MB == 1), "the swapped (W^T x A^T) path serves m <= 16 only");
   using T = Tile<MB, WN, STRIPS, STAGES, GROUPED>;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -284,7 +297,15 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(
       for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
 
   // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st`
-  auto compute_stage = [&](int slot, int st) {
+  // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
+  // the 32 partial sums): when all of a warp's strips of the stage lie in one
+  // group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to those once, in
+  // fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per strip);
+  // otherwise (a group boundary inside the warp's strips) the scales go onto B in fp16 as in the other kernels.
+  constexpr bool kF32Scale = GROUPED && (SWAP == 1 || (SWAP == 2 && STRIPS * STAGES >= 12)) && !NO_F32_SCALE;
+  // strips(tag, d): this warp's strips of the stage into accumulators d; tag::value = leave B unscaled.
+  auto strips = [&](auto unscaled_tag, float (&d)[MB][8][4], int slot, int st) {
+    constexpr bool kScaleB = GROUPED && !decltype(unscaled_tag)::value;
     const unsigned char* base = smem + slot * T::kStageBytes;
     const half* sA = reinterpret_cast<const half*>(base);
     const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
@@ -299,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(
         // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
         // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load.
         int4 sc = make_int4(0, 0, 0, 0);
-        if constexpr (GROUPED) {
+        if constexpr (kScaleB) {
           const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);
           sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
         }
@@ -317,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(
         for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
           uint32_t f[4];
           Dequant<WeightBits>::run(bw[j], f);
-          if constexpr (GROUPED) {
+          if constexpr (kScaleB) {
             const half2 pair = as_h2(sw[j]);  // scales of n8-blocks 2j (low) and 2j + 1 (high)
             const half2 s0 = __low2half2(pair);
             const half2 s1 = __high2half2(pair);
@@ -326,22 +347,58 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(
             f[2] = as_u32(__hmul2(as_h2(f[2]), s1));
             f[3] = as_u32(__hmul2(as_h2(f[3]), s1));
           }
-          if constexpr (SWAP) {
+          if constexpr (SWAP != 0) {
             // C^T = W^T A^T: the tile's 4 words are exactly the mma A fragment of W^T (rows = 16 columns n,
             // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
-            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 2 (A rows 0-7, k 0-7 / 8-15).
+            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 2 (A rows 0-7, k 0-7 / 8-15); with
+            // SWAP == 2 the second batch block (A rows 8-15) is matrices 1 and 3, accumulated in d[0][4 + j].
             const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
-            mma_16816(acc[0][j], wa, a[0][0], a[0][2]);
+            mma_16816(d[0][j], wa, a[0][0], a[0][2]);
+            if constexpr (SWAP == 2) mma_16816(d[0][4 + j], wa, a[0][1], a[0][3]);
           } else {
 #pragma unroll
             for (int mb = 0; mb < MB; ++mb) {
-              mma_16816(acc[mb][2 * j], a[mb], f[0], f[1]);
-              mma_16816(acc[mb][2 * j + 1], a[mb], f[2], f[3]);
+              mma_16816(d[mb][2 * j], a[mb], f[0], f[1]);
+              mma_16816(d[mb][2 * j + 1], a[mb], f[2], f[3]);
             }
           }
         }
       }
     }
+  };
+  auto compute_stage = [&](int slot, int st) {
+    if constexpr (kF32Scale) {
+      const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
+      if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
+      const int last = min(first + STRIPS, k_strips) - 1;
+      if (group_of(first * 16) == group_of(last * 16)) {
+        float part[MB][8][4];
+#pragma unroll
+        for (int nb = 0; nb < 4 * SWAP; ++nb)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[0][nb][i] = 0.0f;
+        strips(std::true_type{}, part, slot, st);
+        // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
+        // 2 j + 1 (e = 2, 3: high scale), as in the fp16 path above.
+        const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
+        const int srow = group_of(first * 16) - group_of(st * T::kStageK);
+        const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 s01 = __half22float2(as_h2(sw[j]));
+#pragma unroll
+          for (int h = 0; h < SWAP; ++h) {
+            acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
+            acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
+            acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
+            acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+          }
+        }
+        return;
+      }
+    }
+    strips(std::false_type{}, acc, slot, st);
   };
 
   // ---- main loop: STAGES - 1 stages in flight, one barrier per stage
@@ -380,21 +437,23 @@ __global__ void __launch_bounds__(kThreads, MB == 1 ? 3 : 1) marlin_gemm_kernel(
 #pragma unroll
   for (int mb = 0; mb < MB; ++mb) {
     // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
-    if constexpr (SWAP) {
-      // acc[0][j][e] = C[row 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4, cols inside
-      // this warp's 64); stored where the non-swapped layout keeps that element (rows 8..15 are never stored,
-      // m <= 8 here).
+    if constexpr (SWAP != 0) {
+      // acc[0][4 h + j][e] = C[row 8 h + 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4,
+      // cols inside this warp's 64, h = batch block); stored where the non-swapped layout keeps that element
+      // (row 8 h + r is half `hi = h` of lane 4 r + ...). With SWAP == 1 rows 8..15 are never stored (m <= 8 there).
       float* redf = reinterpret_cast<float*>(smem);
       const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < SWAP; ++h)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 2 * t + (e & 1);
-          const int col = 16 * j + g + 8 * (e >> 1);
-          const int ln = row * 4 + ((col & 7) >> 1);
-          redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2) * 32 + ln) + (col & 1)] = acc[0][j][e];
-        }
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = 2 * t + (e & 1);
+            const int col = 16 * j + g + 8 * (e >> 1);
+            const int ln = row * 4 + ((col & 7) >> 1);
+            redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2 + h) * 32 + ln) + (col & 1)] = acc[0][4 * h + j][e];
+          }
     } else {
 #pragma unroll
       for (int nb = 0; nb < 8; ++nb)
@@ -478,10 +537,10 @@ struct Launch {
 };
 
 // Pick the split over k, then launch one instantiation.
-template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, bool SWAP = false>
+template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
 int launch_config(const Launch& L) {
   using T = Tile<MB, WN, STRIPS, STAGES, GROUPED>;
-  auto kernel = marlin_gemm_kernel<half, 4, MB, WN, STRIPS, STAGES, GROUPED, SWAP>;
+  auto kernel = marlin_gemm_kernel<half, 4, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
   const int smem = T::kSmemBytes;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) {
@@ -543,9 +602,10 @@ int launch_config(const Launch& L) {
 }
 
 // The instantiated configurations (see kernel/README.md for why these):
-//   m <= 16 : MB=1, WN=1 (64-column tiles: the most blocks for small n), 2 strips/warp (stage k = 256,
-//             8 KB of B per stage), 4 stages (72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM,
-//             24 KB of B in flight per block; measured 6 stages at 2 blocks/SM first: instruction-latency bound)
+//   m <= 16 : MB=1, WN=1 (64-column tiles: the most blocks for small n), 4 stages, swapped (C^T = W^T A^T) with
+//             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
+//             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
+//             m <= 8 only (see dispatch below)
 //   m <= 32 : MB=2, WN=1, 2 strips, 4 stages
 //   m > 32  : MB=4 (64-row chunks); WN=2 (128-column tiles, A fragments shared by 2x the columns) when n % 128 == 0,
 //             else WN=1; 4 stages
@@ -557,25 +617,32 @@ int small_cfg() {
   return (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : -1;
 }
 
-// m <= 8: the swapped path with STRIPS / STAGES; m = 9..16: MB = 1, 2 strips, 4 stages (the swapped path needs
-// m <= 8, and the unswapped kernel spills at 4 strips under the 3-blocks-per-SM register limit)
+// swap: m <= 8 the swapped path with one batch block, m = 9..16 with two, both with STRIPS / STAGES.
+// !swap: the unswapped MB = 1 kernel, 2 strips, 4 stages (it spills at 4 strips under the 3-blocks-per-SM
+// register limit); swap_small_only: swapped for m <= 8 only; previous: also grouped scales on B in fp16 (the
+// previous default, benchmark only).
 template <int STRIPS, int STAGES, bool GROUPED>
-int launch_small(const Launch& L, bool swap) {
-  if (swap && L.m <= 8) return launch_config<1, 1, STRIPS, STAGES, GROUPED, true>(L);
-  return launch_config<1, 1, 2, 4, GROUPED, false>(L);
+int launch_small(const Launch& L, bool swap, bool swap_small_only = false, bool previous = false) {
+  if (swap && L.m <= 8 && previous) return launch_config<1, 1, STRIPS, STAGES, GROUPED, 1, true>(L);
+  if (swap && L.m <= 8) return launch_config<1, 1, STRIPS, STAGES, GROUPED, 1>(L);
+  if (swap && !swap_small_only) return launch_config<1, 1, STRIPS, STAGES, GROUPED, 2>(L);
+  return launch_config<1, 1, 2, 4, GROUPED, 0>(L);
 }
 
 template <bool GROUPED>
 int dispatch(const Launch& L) {
   if (L.m <= 16) {
-    // Default: 64-column tiles. When they fit in one wave at one block per SM (n / 64 <= SMs), 4 strips per warp
-    // (stage k = 512, 16 KB of B per stage, 144 KB of shared memory: one block per SM, fewer barriers per byte);
-    // otherwise 2 strips (72 KB: 3 blocks per SM, so n / 64 > SMs tiles still run in one wave).
+    // Default: 64-column tiles, the most strips per warp that still runs all n / 64 tiles in one wave: the swapped
+    // kernel (m <= 8: one 8-row batch block, m = 9..16: two) with 4 strips (stage k = 512, 16 KB of B per stage,
+    // 144 KB of shared memory, one block per SM) when n / 64 <= SMs, with 3 strips (108 KB, 2 blocks per SM) when
+    // n / 64 <= 2 SMs; otherwise 2 strips (72 KB: 3 blocks per SM), swapped for m <= 8 only.
     int dev = 0, optin = 0;
     const bool big_smem = cudaGetDevice(&dev) == cudaSuccess &&
                           cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
                           optin >= Tile<1, 1, 4, 4, GROUPED>::kSmemBytes;  // sm_86 / sm_89 have ~100 KB
     const bool one_wave = big_smem && L.n / 64 <= L.sms;
+    const bool mid_smem = optin >= Tile<1, 1, 3, 4, GROUPED>::kSmemBytes;  // optin stays 0 if the query failed
+    const bool two_wave = !one_wave && mid_smem && L.n / 64 <= 2 * L.sms;  // one wave at 2 blocks per SM
     switch (small_cfg()) {
       case 0: return launch_small<2, 4, GROUPED>(L, false);  // the previous default (no swap)
       case 1: return launch_small<2, 4, GROUPED>(L, true);
@@ -585,7 +652,16 @@ int dispatch(const Launch& L) {
       case 6:
         if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
         return big_smem ? launch_small<3, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
-      default: return one_wave ? launch_small<4, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
+      case 7:  // the previous default (HEAD bc9a8c1)
+        return one_wave ? launch_small<4, 4, GROUPED>(L, true, true, true)
+                        : launch_small<2, 4, GROUPED>(L, true, true, true);
+      case 8: return one_wave ? launch_small<4, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true, true);
+      // m = 9..16: the two-batch-block swapped kernel at 4 and 3 strips; at 2 strips (n / 64 > 2 SMs) it measured
+      // 5-10 % slower than the unswapped kernel (cfg 1 vs cfg 7, kernel/README.md), so that one stays there.
+      default:
+        if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
+        if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
+        return launch_small<2, 4, GROUPED>(L, true, true);
     }
   }
   if (L.m <= 32) return launch_config<2, 1, 2, 4, GROUPED>(L);

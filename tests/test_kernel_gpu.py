@@ -243,3 +243,44 @@ def test_rejects_bad_out_shape(torch):
     a, b, s, w = _args(torch)
     with pytest.raises(KernelError, match=r"out has shape"):
         marlin_gemm(a, b, s, w, out=torch.empty(3, 3, dtype=torch.float16, device="cuda"))
+
+
+# m = 9..16 takes the swapped kernel with two 8-row batch blocks, 4 strips when n / 64 <= SMs, 3 strips when
+# n / 64 <= 2 SMs (n = 10240, 12288 on 132 SMs), else the unswapped 2-strip kernel (n = 22016); a partial last stage,
+# odd m, channelwise and grouped, forced splits. The swapped kernels at 2 strips / 6 stages are reached through the
+# benchmark configs below.
+@pytest.mark.parametrize("m,k,n,group", [
+    (16, 4096, 4096, 128),
+    (9, 2048, 1024, -1),
+    (12, 1040, 192, 16),
+    (15, 4096, 12288, -1),
+    (16, 1056, 128, 32),
+    (10, 3072, 640, 64),
+    (12, 2048, 10240, 128),
+    (16, 1040, 12288, 16),
+    (5, 1040, 10240, -1),
+    (14, 1024, 22016, 64),
+    (16, 1536, 256, 192),  # group 192 (division): 64-k warp ranges never cross a group -> fp32 group scales
+    (11, 1536, 256, 48),   # group 48: they do cross -> fp16 scales on B
+    (6, 1536, 256, 192),
+    (3, 1536, 10240, 48),
+    (4, 1024, 22016, 128),  # m <= 8, n / 64 > 2 SMs: swapped 2 strips, fp32 group scales
+    (7, 1056, 17408, 32),
+    (2, 1040, 17408, 16),   # 32-k warp ranges cross 16-row groups: fp16 scales on B
+])
+def test_two_batch_block_swapped_path(torch, m, k, n, group):
+    _run_case(torch, m, k, n, group, False, seed=m * 7919 + n)
+
+
+@pytest.mark.parametrize("split_k", [2, 5, 16])
+@pytest.mark.parametrize("m", [9, 16])
+def test_two_batch_block_forced_split_k(torch, m, split_k):
+    _run_case(torch, m, 4096, 256, 128, False, seed=split_k * 31 + m, split_k=split_k)
+
+
+@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8"])
+@pytest.mark.parametrize("m,group", [(4, 128), (13, 128), (16, -1)])
+def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
+    """Every MARLIN_CONVERT_SMALL_CFG kernel (benchmark switch) gives the right result."""
+    monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
+    _run_case(torch, m, 2048, 512, group, False, seed=int(cfg) * 100 + m)
