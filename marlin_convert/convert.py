@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, layout
-from .errors import InputError, MarlinConvertError, OutputError, UnsupportedLayerError
+from .errors import InputError, OutputError, UnsupportedLayerError
 from .gptq import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -689,4 +689,4 @@ def convert(
     )
 
 
-__all__ = ["ConversionPlan", "ConversionReport", "build_plan", "convert", "InputError", "MarlinConvertError"]
+__all__ = ["ConversionPlan", "ConversionReport", "OutputLayer", "build_plan", "convert", "marlin_outputs", "run_job"]

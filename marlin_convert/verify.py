@@ -191,7 +191,7 @@ def _rebuilt_tensors(rebuilt: RebuiltLayer) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------------------------ the kernel
 
 
-def _scales_tensor(bits: np.ndarray, dtype_name: str) -> "torch.Tensor":
+def _scales_tensor(bits: np.ndarray, dtype_name: str):
     """Host scales (bfloat16 kept as uint16 bits) as a torch tensor of their real dtype."""
     import torch
 
