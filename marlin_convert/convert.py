@@ -38,7 +38,7 @@ from .gptq import (
     open_checkpoint,
     plan_layers,
 )
-from .experts import group_experts
+from .experts import ExpertGroup, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
 
@@ -177,9 +177,9 @@ def _zero_format_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[
     return notes
 
 
-def _check_expert_sets(layers: list[LayerPlan]) -> None:
-    """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1."""
-    groups, _ = group_experts([layer.prefix for layer in layers])
+def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan]) -> None:
+    """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1, all with the
+    same number of scale groups."""
     for group in groups:
         top = max(group.expert_indices) + 1
         for projection, gaps in group.missing().items():
@@ -188,7 +188,6 @@ def _check_expert_sets(layers: list[LayerPlan]) -> None:
                 f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
                 f"(no {group.base}.<e>.{projection}.qweight)"
             )
-        by_prefix = {layer.prefix: layer for layer in layers}
         for projection, per_expert in group.members.items():
             sizes = {by_prefix[p].num_groups for p in per_expert.values()}
             if len(sizes) > 1:
@@ -196,10 +195,9 @@ def _check_expert_sets(layers: list[LayerPlan]) -> None:
                                  f"scale groups {sorted(sizes)} (mixed group sizes)")
 
 
-def _stack_groups(layers: list[LayerPlan], notes: list[str]) -> tuple[list[OutputLayer], set[str]]:
+def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
+                  notes: list[str]) -> tuple[list[OutputLayer], set[str]]:
     """``--stack-experts``: one OutputLayer per (expert group, projection) whose members can share a tensor."""
-    by_prefix = {layer.prefix: layer for layer in layers}
-    groups, _ = group_experts([layer.prefix for layer in layers])
     stacked, taken = [], set()
     for group in groups:
         for projection, per_expert in group.members.items():
@@ -223,7 +221,9 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     """
     checkpoint = open_checkpoint(Path(in_dir))
     layers = plan_layers(checkpoint)
-    _check_expert_sets(layers)
+    by_prefix = {layer.prefix: layer for layer in layers}
+    groups, _ = group_experts(list(by_prefix))
+    _check_expert_sets(groups, by_prefix)
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
         listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
@@ -233,7 +233,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
             hint="--skip-incompatible keeps such layers in GPTQ form and lists them in the manifest",
         )
     notes = _zero_format_notes(checkpoint, layers)
-    outputs, taken = _stack_groups(layers, notes) if stack_experts else ([], set())
+    outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 
     # Each source tensor of a converted layer is consumed by one output layer. The Marlin tensors go to the

@@ -21,16 +21,8 @@ class ExpertGroup:
     members: dict[str, dict[int, str]] = field(default_factory=dict)
 
     @property
-    def projections(self) -> list[str]:
-        return list(self.members)
-
-    @property
     def expert_indices(self) -> list[int]:
         return sorted({e for per in self.members.values() for e in per})
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.expert_indices)
 
     def missing(self) -> dict[str, list[int]]:
         """Per projection, the expert indices absent from 0..max (a hole such as expert 17 of 0..63)."""
