@@ -19,7 +19,8 @@ import os
 import resource
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -40,7 +41,9 @@ from .gptq import (
 )
 from .experts import ExpertGroup, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
+from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
+from .workers import kill_workers, worker_pool
 
 ProgressCallback = Callable[[int], None]
 #: worker processes by default: one per core, at most 8 (each holds a few copies of the largest tensor)
@@ -384,7 +387,9 @@ def _batches(tasks: list[tuple[Job, ShardWriter]]) -> list[list[int]]:
 
 def _run_tasks(checkpoint: Checkpoint, tasks: list[tuple[Job, ShardWriter]], workers: int):
     """Yield a :class:`JobResult` per task as batches finish: in worker processes (forked, so they inherit the
-    checkpoint and the open output files) when ``workers > 1`` and fork exists, else in this process.
+    checkpoint and the open output files; see :mod:`marlin_convert.workers`) when ``workers > 1`` and fork
+    exists, else in this process. When the consumer stops early (an error, an interrupt: close the generator),
+    the workers are killed rather than waited for.
 
     Processes, not threads: on the machines we measured, two threads doing numpy byte shuffles and SHA-256
     ran no faster than one, while two processes ran twice as fast.
@@ -396,12 +401,16 @@ def _run_tasks(checkpoint: Checkpoint, tasks: list[tuple[Job, ShardWriter]], wor
             for batch in _batches(tasks):
                 yield from _run_batch(batch)
             return
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+        pool = worker_pool(workers)
+        finished = False
         try:
             futures = [pool.submit(_run_batch, batch) for batch in _batches(tasks)]
             for future in as_completed(futures):
                 yield from future.result()  # re-raises a worker's exception here
+            finished = True
         finally:
+            if not finished:
+                kill_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)
     finally:
         _WORKER_TASKS = None
@@ -430,19 +439,6 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def _check_paths(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
-    src, dst = in_dir.resolve(), out_dir.resolve()
-    if dst == src or src in dst.parents:
-        raise OutputError(f"OUT_DIR {out_dir} is inside (or equal to) IN_DIR {in_dir}", hint="choose a separate directory")
-    if dst in src.parents:
-        raise OutputError(f"IN_DIR {in_dir} is inside OUT_DIR {out_dir}", hint="choose a separate directory")
-    if dst.exists():
-        if not dst.is_dir():
-            raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
-        if any(dst.iterdir()) and not overwrite:
-            raise OutputError(f"OUT_DIR {out_dir} is not empty", hint="pass --overwrite to replace it")
 
 
 def _marlin_quant_config(original: dict) -> dict:
@@ -546,17 +542,6 @@ def _expert_groups(plan: ConversionPlan) -> list[dict]:
     return summary
 
 
-def _finalize(tmp: Path, out_dir: Path) -> None:
-    """Move the finished temporary directory into place (replacing OUT_DIR's old contents if any)."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def convert(
     in_dir: Path,
     out_dir: Path,
@@ -577,27 +562,23 @@ def convert(
     """
     start = time.perf_counter()
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    _check_paths(in_dir, out_dir, overwrite)
+    check_out_dir(in_dir, out_dir, overwrite)
     if plan is None:
         plan = build_plan(in_dir, skip_incompatible, stack_experts)
     checkpoint = plan.checkpoint
+    notes = list(plan.notes)
+    if out_dir.parent.is_dir():
+        notes += clear_stale_partials(out_dir)
 
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    except OSError as exc:
-        raise OutputError(f"{out_dir.parent}: cannot create the output directory: {exc.strerror or exc}") from exc
-
+    partial = PartialDir(out_dir)
+    tmp = partial.path
     needed = plan.tensor_bytes_out
     try:
         free = shutil.disk_usage(tmp).free
     except OSError:
         free = needed
     if free < needed:
-        shutil.rmtree(tmp, ignore_errors=True)
+        partial.discard()
         raise OutputError(f"{out_dir.parent}: not enough disk space: the conversion writes {needed} bytes, "
                           f"{free} are free", hint="free disk space or choose another OUT_DIR")
 
@@ -615,13 +596,14 @@ def convert(
         digests: dict[str, str] = {}
         peak_rss = {os.getpid(): 0}
         writer_of = {job.output.name: writer for job, writer in tasks}
-        for result in _run_tasks(checkpoint, tasks, workers):
-            for name, nbytes in result.written.items():
-                writer_of[name].record(name, nbytes)
-            digests.update(result.digests)
-            peak_rss[result.pid] = max(peak_rss.get(result.pid, 0), result.peak_rss)
-            if progress is not None and result.consumed:
-                progress(result.consumed)
+        with closing(_run_tasks(checkpoint, tasks, workers)) as results:
+            for result in results:
+                for name, nbytes in result.written.items():
+                    writer_of[name].record(name, nbytes)
+                digests.update(result.digests)
+                peak_rss[result.pid] = max(peak_rss.get(result.pid, 0), result.peak_rss)
+                if progress is not None and result.consumed:
+                    progress(result.consumed)
         peak_rss[os.getpid()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         for writer in writers:
             writer.close()
@@ -660,11 +642,11 @@ def convert(
             "skipped": skipped,
         }
         write_manifest(tmp, manifest)
-        _finalize(tmp, out_dir)
+        partial.finalize(overwrite)
     except BaseException as exc:
         for writer in writers:
             writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
+        partial.discard()
         if isinstance(exc, OSError):
             if exc.errno == 28:
                 raise OutputError(f"{out_dir}: no space left on device", hint="free disk space") from exc
@@ -682,7 +664,7 @@ def convert(
         bytes_in=plan.bytes_in,
         bytes_out=bytes_out,
         seconds=time.perf_counter() - start,
-        notes=plan.notes,
+        notes=notes,
         manifest=str(out_dir / MANIFEST_FILE),
         workers=workers,
         peak_rss_bytes=sum(peak_rss.values()),

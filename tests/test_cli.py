@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -48,12 +49,68 @@ def test_convert_is_the_default_command(tmp_path, src, capsys):
 
 def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     report_path = tmp_path / "report.json"
-    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0
+    assert main([str(src), str(tmp_path / "out"), "--json", str(report_path)]) == 0
     text = capsys.readouterr().out
     assert "model.layers.0.self_attn.q_proj" in text and "7 Marlin layers written" in text
     report = json.loads(report_path.read_text())
     assert len(report["layers"]) == 7 and report["skipped"] == []
     assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")
+
+
+def test_quiet_prints_the_summary_without_the_table(tmp_path, src, capsys):
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "7 Marlin layers written" in text and "manifest:" in text
+    assert "self_attn.q_proj" not in text
+
+
+def test_summary_line_uses_one_unit_family(tmp_path, src, capsys):
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if " in, " in line)
+    assert re.search(r"KiB|MiB|GiB", line) and not re.search(r"\b[kMGT]?B/s|\b[kMGT]B\b", line), line
+
+
+def test_help_shows_flags_without_values_and_arguments_by_name(capsys):
+    assert main(["convert", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "<bool>" not in text and "{" not in text
+    assert "convert [OPTIONS] IN_DIR OUT_DIR" in text
+    assert main([str(REPO), str(REPO / "x"), "--overwrite", "true"]) == 2  # a flag takes no value
+    capsys.readouterr()
+
+
+def test_no_progress_frames_when_stderr_is_not_a_terminal(tmp_path, src):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("MARLIN_CONVERT_NO_PROGRESS", None)
+    done = subprocess.run([sys.executable, "-m", "marlin_convert.cli.app", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def test_a_long_table_marks_the_rows_left_out(tmp_path, capsys):
+    linears = [LinearSpec(f"model.layers.{i}.mlp.down_proj", 128, 64) for i in range(70)]
+    src = write_checkpoint(tmp_path / "in", CheckpointSpec(linears=linears, extras=[], group_size=64))
+    assert main(["inspect", str(src)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    marker = next(i for i, line in enumerate(lines) if "rows not shown" in line)
+    assert "... 25 rows not shown" in lines[marker]  # 70 rows: 30 first, the marker, 15 last
+    assert sum("mlp.down_proj" in line for line in lines[:marker]) == 30
+    assert sum("mlp.down_proj" in line for line in lines[marker:]) == 15
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_an_unwritable_json_path_is_refused_before_any_work(tmp_path, src, capsys, command):
+    bad = tmp_path / "no-such-dir" / "report.json"
+    args = {"convert": [str(src), str(tmp_path / "out")], "inspect": ["inspect", str(src)],
+            "verify": ["verify", str(src), "--skip-kernel"]}[command]
+    assert main([*args, "--json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "Error: --json" in err and "does not exist" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_and_dry_run_write_nothing(tmp_path, src, capsys):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from ..errors import OutputError
 
 
 def human_bytes(n: float) -> str:
@@ -57,4 +60,21 @@ class Output:
 
     def write_json(self, path: Path | None) -> None:
         if path is not None:
-            Path(path).write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
+            try:
+                Path(path).write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
+            except OSError as exc:
+                raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
+
+
+def check_json_path(path: Path | None) -> None:
+    """Refuse a ``--json`` file that cannot be written, before the command does any work. Creates nothing."""
+    if path is None:
+        return
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise OutputError(f"--json {path}: is a directory")
+    if not parent.is_dir():
+        raise OutputError(f"--json {path}: directory {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise OutputError(f"--json {path}: not writable")

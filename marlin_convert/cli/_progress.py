@@ -1,4 +1,5 @@
-"""Progress bars behind one wrapper that ``--quiet`` or MARLIN_CONVERT_NO_PROGRESS=1 switches off."""
+"""Progress bars behind one wrapper that ``--quiet`` or MARLIN_CONVERT_NO_PROGRESS=1 switches off, and that stays
+off when stderr is not a terminal (no progress frames in logs)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ tqdm.monitor_interval = 0
 
 
 def progress_disabled() -> bool:
-    return bool(os.environ.get(DISABLE_VARIABLE))
+    return bool(os.environ.get(DISABLE_VARIABLE)) or not sys.stderr.isatty()
 
 
 @contextmanager

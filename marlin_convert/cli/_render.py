@@ -39,10 +39,10 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
                           "yes" if any(m.act_order for m in member_layers) else "no", action],
                          None if not refused else "yellow"))
     if len(rows) > MAX_LAYER_ROWS:
-        shown = rows[: MAX_LAYER_ROWS // 2] + rows[-MAX_LAYER_ROWS // 4:]
-        hidden = len(rows) - len(shown)
-        output.lines.append(f"({hidden} more rows not shown; --json FILE has every layer)")
-        rows = shown
+        head, tail = rows[: MAX_LAYER_ROWS // 2], rows[-MAX_LAYER_ROWS // 4:]
+        hidden = len(rows) - len(head) - len(tail)
+        gap = [f"... {hidden} rows not shown (--json FILE has every layer) ...", "", "", "", "", ""]
+        rows = [*head, (gap, "dim"), *tail]
     for cells, style in rows:
         output.add_row(*cells, style=style)
 

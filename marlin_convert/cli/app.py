@@ -12,12 +12,17 @@ exit code; set MARLIN_CONVERT_DEBUG=1 to see the traceback.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import typer
+from typer.core import TyperCommand
 
 from .. import __version__
-from ._errors import report_error
+from ._errors import Interrupted, report_error
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -29,11 +34,21 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: typer's rich panels show every flag with a '<bool>' value it does not take
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("convert")(convert)
-app.command("inspect")(inspect)
-app.command("verify")(verify)
+
+
+class _Command(TyperCommand):
+    """Usage lines name the arguments as the README does (``IN_DIR OUT_DIR``; typer writes ``{IN_DIR}``)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+
+app.command("convert", cls=_Command)(convert)
+app.command("inspect", cls=_Command)(inspect)
+app.command("verify", cls=_Command)(verify)
 
 COMMANDS = {"convert", "inspect", "verify"}
 
@@ -59,10 +74,31 @@ def with_default_command(argv: list[str]) -> list[str]:
     return [*argv[:first], "convert", *argv[first:]]
 
 
+def _raise_interrupted(signum: int, _frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C (or SIGTERM) during the clean-up ends the process
+    raise Interrupted(signum)
+
+
+@contextmanager
+def _interrupts_raise() -> Iterator[None]:
+    """While the command runs, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so that the
+    library's clean-up runs (partial output removed, worker processes stopped) and the exit code says so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = with_default_command(list(sys.argv[1:] if argv is None else argv))
     try:
-        app(args=args, prog_name="marlin-convert", standalone_mode=False)
+        with _interrupts_raise():
+            returned = app(args=args, prog_name="marlin-convert", standalone_mode=False)
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
@@ -73,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             exc.show()  # a usage error (unknown option, missing argument): click formats it with the usage line
             return exc.exit_code
         return report_error(exc)
-    except KeyboardInterrupt as exc:
+    except (Interrupted, KeyboardInterrupt) as exc:
         return report_error(exc)
-    return 0
+    # typer returns the exit code of a typer.Exit raised inside a command (--version: 0), else the command's None
+    return returned if isinstance(returned, int) else 0
 
 
 if __name__ == "__main__":

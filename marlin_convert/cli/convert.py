@@ -10,19 +10,20 @@ Usage examples:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion
-from ._output import Output, human_bytes
+from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
 from ._render import add_layer_rows
 from .inspect import plan_output
 
-InDirArg = Annotated[Path, typer.Argument(help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
-OutDirArg = Annotated[Path, typer.Argument(help="Where to write the Marlin checkpoint (must be empty or absent).")]
+InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
+OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (must be empty or absent).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists and is not empty.")]
 SkipOpt = Annotated[bool, typer.Option(
     "--skip-incompatible", help="Keep layers with no Marlin form (8-bit, asymmetric, odd shapes) in GPTQ form and "
@@ -31,10 +32,11 @@ StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
     "and layer: '<base>.experts.<proj>.B' [E, K/16, 2N] and '.s' [E, K/g, N] (+ perm/g_idx [E, K]).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (like 'inspect') and write nothing.")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file.")]
 WorkersOpt = Annotated[int, typer.Option(
-    "--workers", min=1, help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+    "--workers", min=1, metavar="N", help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="No progress bar and no per-layer table: only the summary lines (and errors).")]
 
 
 def convert(
@@ -53,23 +55,27 @@ def convert(
     Every other tensor is copied bit for bit; shards keep their grouping; configs say checkpoint_format
     "marlin". Nothing is left at OUT_DIR unless the whole conversion succeeded.
     """
+    started = time.perf_counter()
+    check_json_path(json_file)
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:
-        output = plan_output(plan)
+        output = plan_output(plan, quiet=quiet)
         output.render()
         output.write_json(json_file)
         return
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
                                 stack_experts=stack_experts, workers=workers, progress=advance, plan=plan)
+    report.seconds = time.perf_counter() - started  # the whole command: planning (headers, small tensors) included
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
-    add_layer_rows(output, plan.layers)
-    rate = report.bytes_in / report.seconds / 1e9 if report.seconds else 0.0
+    if not quiet:
+        add_layer_rows(output, plan.layers)
+    rate = report.bytes_in / report.seconds if report.seconds else 0.0
     output.lines += [
         f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in GPTQ form, "
         f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
         f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "
-        f"{report.seconds:.1f} s ({rate:.2f} GB/s, {report.workers} worker(s), "
+        f"{report.seconds:.1f} s ({human_bytes(rate)}/s, {report.workers} worker(s), "
         f"peak RSS {human_bytes(report.peak_rss_bytes)} summed over processes)",
         *(f"note: {note}" for note in report.notes),
         f"manifest: {report.manifest}",

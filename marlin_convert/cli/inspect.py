@@ -14,15 +14,16 @@ from typing import Annotated, Optional
 import typer
 
 from ..convert import ConversionPlan, build_plan
-from ._output import Output, human_bytes
+from ._output import Output, check_json_path, human_bytes
 from ._render import add_layer_rows, layer_dict
 
-InDirArg = Annotated[Path, typer.Argument(help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the plan as JSON to this file.")]
+InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the plan as JSON to this file.")]
 JsonStdoutOpt = Annotated[bool, typer.Option("--json-stdout", help="Print the plan as JSON instead of a table.")]
 
 
-def plan_output(plan: ConversionPlan, as_json: bool = False) -> Output:
+def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False) -> Output:
+    """The plan for people (a table of layers unless ``quiet``, then summary lines) and as JSON data."""
     config = plan.checkpoint.config
     data = {
         "in_dir": str(plan.checkpoint.path),
@@ -39,7 +40,8 @@ def plan_output(plan: ConversionPlan, as_json: bool = False) -> Output:
         "notes": plan.notes,
     }
     output = Output(f"Plan for {plan.checkpoint.path}", data, as_json=as_json)
-    add_layer_rows(output, plan.layers)
+    if not quiet:
+        add_layer_rows(output, plan.layers)
     output.lines += [
         f"{len(plan.converted)} layers to convert, {len(plan.refused)} kept in GPTQ form, "
         f"{data['passthrough_tensors']} tensors passed through, {len(plan.shards)} shard(s)",
@@ -53,6 +55,7 @@ def plan_output(plan: ConversionPlan, as_json: bool = False) -> Output:
 
 def inspect(in_dir: InDirArg, json_file: JsonOpt = None, json_stdout: JsonStdoutOpt = False) -> None:
     """Show the conversion plan: layers found, shapes, group size, what is converted or kept and why, bytes."""
+    check_json_path(json_file)
     plan = build_plan(in_dir, skip_incompatible=True)
     output = plan_output(plan, as_json=json_stdout)
     output.render()

@@ -17,19 +17,20 @@ import typer
 from ..errors import InputError, VerificationFailed
 from ..manifest import load_manifest
 from ..verify import DEFAULT_BATCH_SIZES, RELATIVE_ERROR_BOUND, parse_gpus, verify as run_verify
-from ._output import Output
+from ._output import Output, check_json_path
 from ._progress import item_progress
 
-OutDirArg = Annotated[Path, typer.Argument(help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
-GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU index, or a comma-separated list to spread layers over.")]
-BatchOpt = Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes (rows of A) to run per layer.")]
+OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
+GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over.")]
+BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help="Comma-separated batch sizes (rows of A) to run per layer.")]
 SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
-    "--source", help="The original GPTQ directory: also compare rebuilt tensors with it byte for byte.")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random activations.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+    "--source", metavar="IN_DIR", help="The original GPTQ directory: also compare rebuilt tensors with it byte for byte.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file.")]
+SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random activations.")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="No progress bar, and the table shows failing layers only (then the summary line).")]
 
 #: above this many checked layers (or experts) the table shows failures only, with a summary line
 MAX_ROWS = 80
@@ -58,6 +59,7 @@ def verify(
     """Check every converted layer: the inverse transform reproduces the source digests (lossless), and the
     Marlin kernel matches an fp32 dequantization reference (mean relative error < 1e-3, no NaN or unwritten
     output). Exits 1 naming the failed layers."""
+    check_json_path(json_file)
     batches = _parse_batches(batch)
     gpus = None if skip_kernel else parse_gpus(gpu)
     manifest = load_manifest(out_dir)
@@ -72,7 +74,7 @@ def verify(
         output.columns += [f"m={m} max / rel err" for m in report.batch_sizes] + ["time", "status"]
     else:
         output.columns += ["time", "status"]
-    shown = report.results if len(report.results) <= MAX_ROWS else report.failures
+    shown = report.failures if quiet or len(report.results) > MAX_ROWS else report.results
     for result in shown:
         cells = [result.label, f"{result.in_features} x {result.out_features}",
                  "channel" if result.group_size == -1 else result.group_size,
@@ -82,7 +84,7 @@ def verify(
         problems = result.integrity_problems + [c.problem for c in result.kernel if c.problem]
         cells += [f"{result.seconds * 1000:.0f} ms", "ok" if result.ok else "FAIL: " + "; ".join(problems)]
         output.add_row(*cells, style=None if result.ok else "red")
-    if len(report.results) > MAX_ROWS:
+    if len(report.results) > MAX_ROWS and not quiet:
         output.lines.append(f"{len(report.results)} layers/experts checked; showing failures only")
     worst = max((c.relative_error for r in report.results for c in r.kernel if c.batch), default=None)
     summary = (f"{len(report.results) - len(report.failures)}/{len(report.results)} passed"

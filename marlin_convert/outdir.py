@@ -1,0 +1,185 @@
+"""The output directory's life: checked up front, written as a hidden locked sibling, moved into place atomically.
+
+A conversion writes into ``.OUT.partial-PID`` beside OUT_DIR (same file system, so the final move is a rename).
+That directory is locked (``flock`` on its directory descriptor) for as long as the converter or one of its
+worker processes lives, which is how a later run tells a partial directory that is still being written from a
+stale one left by a killed run: stale ones are removed, live ones make the later run stop (two converters on
+one OUT_DIR). The final move never replaces what another process put at OUT_DIR in the meantime:
+
+- without ``--overwrite``: ``rename`` onto OUT_DIR, which the kernel refuses (atomically) when OUT_DIR is
+  anything but absent or an empty directory;
+- with ``--overwrite``: ``renameat2(RENAME_EXCHANGE)`` swaps the finished directory with OUT_DIR in one step,
+  then the old contents (now at the partial name) are removed; where the call is missing (not Linux, old
+  kernel, a file system without it) the old OUT_DIR is first renamed aside to ``.OUT.old-PID``.
+
+OUT_DIR itself must not be a symbolic link (it is refused: writing through a link would replace the link, not
+fill its target); links among OUT_DIR's parents are fine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import glob
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .errors import OutputError
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """Refuse an OUT_DIR that would overlap IN_DIR, is a symbolic link, is not a directory, or (without
+    ``overwrite``) is not empty. Raises :class:`OutputError`; reads only."""
+    if out_dir.is_symlink():
+        raise OutputError(f"OUT_DIR {out_dir} is a symbolic link (to {os.readlink(out_dir)}): the conversion would "
+                          "replace the link, not write into its target",
+                          hint="give the directory the link points to, or another path")
+    src, dst = in_dir.resolve(), out_dir.resolve()
+    if dst == src or src in dst.parents:
+        raise OutputError(f"OUT_DIR {out_dir} is inside (or equal to) IN_DIR {in_dir}", hint="choose a separate directory")
+    if dst in src.parents:
+        raise OutputError(f"IN_DIR {in_dir} is inside OUT_DIR {out_dir}", hint="choose a separate directory")
+    if dst.exists():
+        if not dst.is_dir():
+            raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
+        if any(dst.iterdir()) and not overwrite:
+            raise OutputError(f"OUT_DIR {out_dir} is not empty", hint="pass --overwrite to replace it")
+
+
+def _lock(path: Path) -> int | None:
+    """Open directory ``path`` and take its exclusive lock without waiting: the descriptor, or None if another
+    process holds the lock. Raises OSError when the directory cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clear_stale_partials(out_dir: Path) -> list[str]:
+    """Deal with what earlier runs left beside ``out_dir``; return one note per thing found.
+
+    ``.OUT.partial-PID`` directories that nobody holds locked and whose process is gone are removed. One that is
+    locked belongs to a converter still running: :class:`OutputError` (two converters on one OUT_DIR). One that
+    is unlocked but whose process exists is reported, not touched. ``.OUT.old-PID`` (an OUT_DIR moved aside by
+    an ``--overwrite`` run that was killed before it finished) is reported, not removed.
+    """
+    notes = []
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-(\d+)")
+    for path in sorted(out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*")):
+        match = pattern.fullmatch(path.name)
+        if match is None or path.is_symlink() or not path.is_dir():
+            continue
+        kind, pid = match.group(1), int(match.group(2))
+        if kind == "old":
+            notes.append(f"{path} holds an earlier OUT_DIR moved aside by an interrupted --overwrite run "
+                         f"(process {pid}); remove it when you no longer need it")
+            continue
+        try:
+            fd = _lock(path)
+        except OSError as exc:
+            notes.append(f"{path}: partial output of an earlier run (process {pid}) left in place: cannot open it: "
+                         f"{exc.strerror or exc}")
+            continue
+        if fd is None:
+            raise OutputError(f"another marlin-convert (process {pid}) is writing {out_dir} (into {path})",
+                              hint="wait for it to finish, or choose another OUT_DIR")
+        try:
+            if _process_exists(pid):
+                notes.append(f"{path}: partial output of process {pid}, which is still running but does not hold "
+                             "the directory's lock (an older marlin-convert?): left in place")
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+                notes.append(f"removed {path}, the partial output of an earlier run (process {pid}) that was killed")
+        finally:
+            os.close(fd)
+    return notes
+
+
+class PartialDir:
+    """The hidden, locked directory a conversion writes into; :meth:`finalize` moves it to OUT_DIR.
+
+    Created on construction (``.OUT.partial-PID`` beside OUT_DIR, never an existing directory); the lock is held
+    until :meth:`finalize` or :meth:`discard`. Raises :class:`OutputError` when it cannot be created.
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir()
+            self._fd = _lock(self.path)
+        except OSError as exc:
+            raise OutputError(f"{out_dir.parent}: cannot create the output directory: {exc.strerror or exc}") from exc
+
+    def _unlock(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def discard(self) -> None:
+        """Remove the partial directory (after a failure or an interrupt)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._unlock()
+
+    def finalize(self, overwrite: bool) -> None:
+        """Move the finished directory to OUT_DIR: see the module docstring. Raises :class:`OutputError` (and
+        leaves OUT_DIR as it was) when OUT_DIR was filled by someone else while this run worked, unless
+        ``overwrite``."""
+        out_dir = self.out_dir
+        try:
+            if overwrite and out_dir.is_symlink():
+                raise OutputError(f"OUT_DIR {out_dir} became a symbolic link while converting; left as it is")
+            if overwrite and out_dir.exists():
+                if not _exchange(self.path, out_dir):
+                    aside = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+                    out_dir.rename(aside)
+                    self.path.rename(out_dir)
+                    shutil.rmtree(aside, ignore_errors=True)
+                    self._unlock()
+                    return
+                shutil.rmtree(self.path, ignore_errors=True)  # now OUT_DIR's previous contents
+            else:
+                self.path.rename(out_dir)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise OutputError(f"OUT_DIR {out_dir} was created by another process while converting; it is left "
+                                  "as it is and this run's output is discarded",
+                                  hint="pass --overwrite to replace it, or choose another OUT_DIR") from exc
+            raise OutputError(f"{out_dir}: cannot move the finished output into place: {exc.strerror or exc}") from exc
+        self._unlock()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``). False where that call is not
+    available for these paths; raises OSError for other failures."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))

@@ -1,0 +1,193 @@
+"""Interrupted and concurrent runs: real signals to a real ``marlin-convert`` process.
+
+Each run is a child process in its own session whose main step (a job in the workers, a layer check, the
+planning) is held by a wrapper: it drops a file named after the process that runs it into a marker directory,
+then waits until the test opens the gate (a file beside the markers). The test waits for the first marker
+(the run is then mid-way, its workers started), acts (a signal, a second run, a directory at OUT_DIR), opens
+the gate if the run is to go on, and checks the exit code, the one ``Error:`` line, that no worker process
+outlives its parent and that nothing is left at OUT_DIR or beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from make_gptq_checkpoint import tiny_llama, write_checkpoint
+
+from marlin_convert.cli.app import main
+
+REPO = Path(__file__).resolve().parent.parent
+WAIT_SECONDS = 60
+
+# argv: module, function, marker directory, then marlin-convert's arguments
+RUNNER = """
+import importlib, os, sys, time
+module, name, markers = importlib.import_module(sys.argv[1]), sys.argv[2], sys.argv[3]
+real = getattr(module, name)
+def held(*args, **kwargs):
+    open(os.path.join(markers, str(os.getpid())), "w").close()
+    while not os.path.exists(markers + ".go"):
+        time.sleep(0.02)
+    return real(*args, **kwargs)
+setattr(module, name, held)
+from marlin_convert.cli.app import main
+sys.exit(main(sys.argv[4:]))
+"""
+SLOW_STEP = {
+    "convert": ("marlin_convert.convert", "run_job"),
+    "inspect": ("marlin_convert.convert", "plan_layers"),
+    "verify": ("marlin_convert.verify", "_verify_entry"),
+}
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("interrupts") / "in", tiny_llama(num_layers=2, shards=2))
+
+
+def _start(command: str, args: list[str], markers: Path) -> subprocess.Popen:
+    markers.mkdir()
+    module, function = SLOW_STEP[command]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    return subprocess.Popen([sys.executable, "-c", RUNNER, module, function, str(markers), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for a reaper counts as gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] not in ("Z", "X")
+
+
+def _open_gate(markers: Path) -> None:
+    Path(f"{markers}.go").touch()
+
+
+def _workers(process: subprocess.Popen, markers: Path) -> list[int]:
+    return [int(p.name) for p in markers.iterdir() if int(p.name) != process.pid]
+
+
+def _finish(process: subprocess.Popen) -> tuple[int, str]:
+    _, err = process.communicate(timeout=WAIT_SECONDS)
+    assert "Traceback" not in err, err
+    return process.returncode, err
+
+
+def _error_line(err: str) -> str:
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path, src, command):
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+    args = {"convert": [str(src), str(out), "--workers", "2"], "inspect": ["inspect", str(src)],
+            "verify": ["verify", str(out), "--skip-kernel"]}[command]
+    markers = tmp_path / "markers"
+    process = _start(command, args, markers)
+    _wait_for(lambda: any(markers.iterdir()), "the run to start its work")
+    os.killpg(process.pid, signal.SIGINT)  # what a Ctrl-C at the terminal does: the whole process group
+    rc, err = _finish(process)
+    assert rc == 130 and _error_line(err) == "Error: interrupted", err
+    assert _leftovers(tmp_path) == []
+    assert out.exists() == (command == "verify")
+    assert not any(_alive(pid) for pid in _workers(process, markers))
+
+
+@pytest.mark.slow
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path, src):
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    process = _start("convert", [str(src), str(out), "--workers", "2"], markers)
+    _wait_for(lambda: any(markers.iterdir()), "the workers to start")
+    process.send_signal(signal.SIGTERM)  # the main process only, as `kill PID` does
+    rc, err = _finish(process)
+    assert rc == 143 and _error_line(err) == "Error: terminated", err
+    assert not out.exists() and _leftovers(tmp_path) == []
+    _wait_for(lambda: not any(_alive(pid) for pid in _workers(process, markers)), "the workers to end")
+
+
+@pytest.mark.slow
+def test_workers_die_with_a_killed_parent_and_the_next_run_removes_its_partial_output(tmp_path, src, capsys):
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    process = _start("convert", [str(src), str(out), "--workers", "2"], markers)
+    _wait_for(lambda: _workers(process, markers), "the workers to start")
+    workers = _workers(process, markers)
+    process.kill()
+    process.communicate(timeout=WAIT_SECONDS)
+    _wait_for(lambda: not any(_alive(pid) for pid in workers), f"orphaned workers {workers} to die")
+    stale = f".out.partial-{process.pid}"
+    assert _leftovers(tmp_path) == [stale]
+
+    assert main([str(src), str(out), "-q", "--json", str(tmp_path / "report.json")]) == 0
+    assert _leftovers(tmp_path) == []
+    notes = json.loads((tmp_path / "report.json").read_text())["notes"]
+    assert any(stale in note and "removed" in note for note in notes), notes
+
+
+@pytest.mark.slow
+def test_a_second_converter_on_the_same_out_dir_stops_at_once(tmp_path, src, capsys):
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    first = _start("convert", [str(src), str(out), "--workers", "2"], markers)
+    _wait_for(lambda: any(markers.iterdir()), "the first run to start")
+    assert main([str(src), str(out), "-q"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"another marlin-convert (process {first.pid}) is writing" in line
+    _open_gate(markers)
+    rc, err = _finish(first)
+    assert rc == 0, err
+    assert (out / "marlin_manifest.json").exists() and _leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_directory_created_at_out_dir_during_the_run_is_never_deleted(tmp_path, src, overwrite):
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    process = _start("convert", [str(src), str(out), *(["--overwrite"] if overwrite else [])], markers)
+    _wait_for(lambda: any(markers.iterdir()), "the run to start")
+    out.mkdir()
+    (out / "precious.txt").write_text("made by someone else")
+    _open_gate(markers)
+    rc, err = _finish(process)
+    if overwrite:  # asked for: the newcomer is replaced, atomically
+        assert rc == 0, err
+        assert not (out / "precious.txt").exists() and (out / "marlin_manifest.json").exists()
+    else:
+        assert rc == 2 and "was created by another process while converting" in _error_line(err)
+        assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_out_dir_that_is_a_symlink_is_refused(tmp_path, src, capsys):
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    assert main([str(src), str(tmp_path / "link")]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "is a symbolic link" in line and str(target) in line
+    assert (tmp_path / "link").is_symlink() and list(target.iterdir()) == []
+    assert _leftovers(tmp_path) == []
