@@ -9,13 +9,13 @@ why. All of that happens before a single byte is written.
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from . import layout
+from . import layout, strict_json
 from .errors import InputError
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, TensorInfo, read_header, read_tensor
 
@@ -49,7 +49,7 @@ class QuantConfig:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = strict_json.loads(path.read_bytes())
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     except (UnicodeDecodeError, ValueError) as exc:
@@ -138,14 +138,9 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
     index_json = None
     if index_path.exists():
         index_json = _read_json(index_path)
-        weight_map = index_json.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise InputError(f"{index_path}: no 'weight_map'")
+        weight_map = _check_index(index_path, index_json)
         shard_names = list(dict.fromkeys(weight_map.values()))
-        for shard in shard_names:
-            if not (in_dir / shard).is_file():
-                raise InputError(f"{index_path}: names shard '{shard}', which is missing")
-    elif (in_dir / SINGLE_FILE).is_file():
+    elif os.path.lexists(in_dir / SINGLE_FILE):
         weight_map, shard_names = None, [SINGLE_FILE]
     else:
         found = sorted(p.name for p in in_dir.glob("*.safetensors"))
@@ -154,7 +149,8 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
             raise InputError(f"{in_dir}: not a GPTQ safetensors checkpoint: {what}")
         weight_map, shard_names = None, found
 
-    shards = [read_header(in_dir / name) for name in shard_names]
+    where = index_path if index_json is not None else in_dir
+    shards = [read_header(shard_path(in_dir, name, where)) for name in shard_names]
     checkpoint = Checkpoint(in_dir, config, config_json, quantize_json, shards, index_json)
     for shard in shards:
         for name in shard.tensors:
@@ -170,6 +166,39 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
             if name not in weight_map:
                 raise InputError(f"{index_path}: does not list tensor '{name}' found in {shard.path.name}")
     return checkpoint
+
+
+def _check_index(index_path: Path, index_json: dict) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file name, both strings); ``metadata`` an object if present."""
+    weight_map = index_json.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError(f"{index_path}: no 'weight_map' object")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise InputError(f"{index_path}: 'weight_map' maps tensor '{name}' to {shard!r}, not a file name")
+    if not isinstance(index_json.get("metadata", {}), dict):
+        raise InputError(f"{index_path}: 'metadata' is a JSON {type(index_json['metadata']).__name__}, not an object")
+    return weight_map
+
+
+def shard_path(directory: Path, name: str, where: Path) -> Path:
+    """``directory / name`` for a shard file ``name`` read from ``where`` (an index, a manifest), checked.
+
+    The name must be a plain file name in ``directory`` (no path separator, not ``.`` or ``..``), so nothing
+    outside the directory is reached through it. The entry must be a regular file, or a symbolic link to one
+    (as in the Hugging Face cache, where snapshot files link to ``../../blobs/<hash>``). Raises
+    :class:`InputError` naming ``where`` and the name.
+    """
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise InputError(f"{where}: shard name {name!r} is not a plain file name in {directory}",
+                         hint="shards must lie directly in the checkpoint directory")
+    path = directory / name
+    if not os.path.lexists(path):
+        raise InputError(f"{where}: names shard '{name}', which is missing")
+    if not path.is_file():
+        what = "a broken link" if path.is_symlink() and not path.exists() else "not a regular file"
+        raise InputError(f"{where}: shard '{name}' is {what}")
+    return path
 
 
 @dataclass

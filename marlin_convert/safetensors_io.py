@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import strict_json
 from .errors import InputError, OutputError
 
 #: safetensors dtype name -> numpy dtype used to hold the raw bytes (bfloat16 is kept as its uint16 bits)
@@ -83,10 +84,14 @@ class SafetensorsFile:
 
 
 def read_header(path: Path) -> SafetensorsFile:
-    """Parse and check ``path``'s header: JSON, dtypes, shapes against byte counts, offsets inside the file.
+    """Parse and check ``path``'s header as strictly as the reference safetensors library does.
 
-    Raises :class:`InputError` naming the file (and tensor) on any inconsistency, including a file shorter
-    than its header says (a truncated download).
+    Checked: the length prefix fits the file; the header is one UTF-8 JSON object with no repeated key;
+    ``__metadata__``, if present, maps strings to strings; every other entry has a known ``dtype``, a ``shape``
+    of non-negative integers whose product fits 64 bits, and ``data_offsets`` of two integers whose span is the
+    shape's byte size; sorted by offset, the tensors follow each other with no gap and no overlap and end
+    exactly where the file does (a shorter file is a truncated download). Raises :class:`InputError` naming the
+    file (and tensor) on the first inconsistency. Reads the header only.
     """
     path = Path(path)
     try:
@@ -97,45 +102,77 @@ def read_header(path: Path) -> SafetensorsFile:
                 raise InputError(f"{path}: corrupt safetensors file: only {size} bytes, no header")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise InputError(
-                    f"{path}: corrupt safetensors header: it claims {header_len} header bytes in a {size}-byte file"
-                )
+                raise InputError(f"{path}: corrupt safetensors header: its length prefix does not fit a "
+                                 f"{size}-byte file (not a safetensors file?)")
             raw = f.read(header_len)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (UnicodeDecodeError, ValueError) as exc:
+        header = strict_json.loads(raw)
+    except ValueError as exc:
         raise InputError(f"{path}: corrupt safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object")
 
     data_start = 8 + header_len
-    metadata = header.pop("__metadata__", None) or {}
-    tensors: list[TensorInfo] = []
-    for name, entry in header.items():
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"{path}: corrupt safetensors header entry for tensor '{name}': {exc!r}") from exc
-        if dtype not in NUMPY_DTYPES:
-            raise InputError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
-        expected = math.prod(shape) * NUMPY_DTYPES[dtype].itemsize
-        if end - begin != expected or begin < 0:
-            raise InputError(
-                f"{path}: corrupt safetensors header: tensor '{name}' {dtype}{list(shape)} needs {expected} bytes "
-                f"but its offsets [{begin}, {end}] span {end - begin}"
-            )
-        if data_start + end > size:
-            raise InputError(
-                f"{path}: truncated: tensor '{name}' ends at byte {data_start + end} but the file has {size} bytes",
-                hint="re-download or re-copy this shard",
-            )
-        tensors.append(TensorInfo(name, dtype, shape, data_start + begin, data_start + end))
-    tensors.sort(key=lambda t: t.begin)
-    return SafetensorsFile(path, data_start, {t.name: t for t in tensors}, dict(metadata))
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{path}: corrupt safetensors header: '__metadata__' must map strings to strings")
+    tensors = sorted((_tensor_info(path, name, entry, data_start) for name, entry in header.items()),
+                     key=lambda t: (t.begin, t.end))
+    _check_data_layout(path, tensors, data_start, size)
+    return SafetensorsFile(path, data_start, {t.name: t for t in tensors}, metadata)
+
+
+def _is_count(value: object) -> bool:
+    """A JSON integer >= 0 that fits 64 bits (bool and float are not integers here)."""
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+    def corrupt(reason: str) -> InputError:
+        return InputError(f"{path}: corrupt safetensors header: tensor '{name}' {reason}")
+
+    if not isinstance(entry, dict):
+        raise corrupt(f"is described by a JSON {type(entry).__name__}, not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
+        raise corrupt(f"has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise corrupt(f"has shape {shape!r}: expected a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise corrupt(f"has data_offsets {offsets!r}: expected two non-negative integers")
+    elements = 1
+    for dim in shape:
+        elements *= dim
+        if elements >= 1 << 64:
+            raise corrupt(f"has shape {shape}: more elements than 64 bits count")
+    begin, end = offsets
+    expected = elements * NUMPY_DTYPES[dtype].itemsize
+    if end < begin or end - begin != expected:
+        raise corrupt(f"{dtype}{shape} needs {expected} bytes but its offsets [{begin}, {end}] span {end - begin}")
+    return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_data_layout(path: Path, tensors: list[TensorInfo], data_start: int, size: int) -> None:
+    """``tensors`` (sorted by offset) must tile the data section exactly: no gap, no overlap, nothing after."""
+    position, previous = data_start, None
+    for info in tensors:
+        if info.begin < position:
+            raise InputError(f"{path}: corrupt safetensors header: tensor '{info.name}' overlaps tensor "
+                             f"'{previous}' (bytes {info.begin - data_start}..{position - data_start} of the data)")
+        if info.begin > position:
+            raise InputError(f"{path}: corrupt safetensors header: {info.begin - position} bytes before tensor "
+                             f"'{info.name}' belong to no tensor")
+        position, previous = info.end, info.name
+    if position > size:
+        raise InputError(
+            f"{path}: truncated: tensor '{previous}' ends at byte {position} but the file has {size} bytes",
+            hint="re-download or re-copy this shard",
+        )
+    if position < size:
+        raise InputError(f"{path}: corrupt safetensors file: {size - position} bytes after the last tensor belong "
+                         "to no tensor")
 
 
 def read_tensor(file: SafetensorsFile, name: str, index: int | None = None) -> np.ndarray:

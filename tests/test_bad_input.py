@@ -240,3 +240,134 @@ def test_unsupported_layer_without_skip_names_layer_and_reason(capsys, tmp_path)
     src = write_checkpoint(tmp_path / "in", _spec(bits=8))
     line = _convert_fails(capsys, tmp_path, src, LAYER, "8-bit")
     assert "cannot be converted" in line
+
+
+# --------------------------------------------------------------------------------- hostile input (issue #8)
+
+
+def _rewrite_header(directory, change, extra_data=b""):
+    """Rewrite model.safetensors' header: ``change(header)`` edits the dict in place or returns the new JSON
+    text; the data section is kept (``extra_data`` is appended to it)."""
+    path = directory / "model.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    text = change(header) or json.dumps(header)
+    encoded = text.encode("utf-8")
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length:] + extra_data)
+
+
+def _by_offset(header):
+    return sorted((name for name in header if name != "__metadata__"), key=lambda n: header[n]["data_offsets"])
+
+
+def _shift(header, name, delta):
+    header[name]["data_offsets"] = [o + delta for o in header[name]["data_offsets"]]
+
+
+NORM = "model.norm.weight"
+
+
+def _duplicate_norm(header):
+    text = json.dumps(header)
+    return text[:-1] + f', "{NORM}": {{"dtype": "F16", "shape": [0], "data_offsets": [0, 0]}}}}'
+
+
+HEADER_CASES = {
+    "negative shape": (lambda h: h[NORM].update(shape=[-128]), "non-negative integers"),
+    "float in shape": (lambda h: h[NORM].update(shape=[128.0]), "non-negative integers"),
+    "shape beyond 64 bits": (lambda h: h[NORM].update(shape=[2 ** 64, 0]), "non-negative integers"),
+    "element count beyond 64 bits": (lambda h: h[NORM].update(shape=[2 ** 63, 2, 0]), "more elements than 64 bits"),
+    "float offsets": (lambda h: h[NORM].update(data_offsets=[float(o) for o in h[NORM]["data_offsets"]]),
+                      "two non-negative integers"),
+    "three offsets": (lambda h: h[NORM].update(data_offsets=[0, 0, 0]), "two non-negative integers"),
+    "unknown dtype": (lambda h: h[NORM].update(dtype="F17"), "unknown dtype 'F17'"),
+    "entry not an object": (lambda h: h.update({NORM: [1, 2]}), "not an object"),
+    "duplicate key": (_duplicate_norm, "duplicate key 'model.norm.weight'"),
+    "overlapping offsets": (lambda h: _shift(h, _by_offset(h)[1], -2), "overlaps tensor"),
+    "metadata a list": (lambda h: h.update(__metadata__=["format", "pt"]), "'__metadata__' must map strings"),
+    "metadata a string": (lambda h: h.update(__metadata__="pt"), "'__metadata__' must map strings"),
+    "metadata an int": (lambda h: h.update(__metadata__=7), "'__metadata__' must map strings"),
+    "metadata value not a string": (lambda h: h.update(__metadata__={"format": 1}), "'__metadata__' must map"),
+    "header a list": (lambda h: "[]", "not an object"),
+    "nested too deeply": (lambda h: "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_CASES))
+def test_headers_the_reference_library_rejects_are_refused(capsys, tmp_path, src, case):
+    change, fragment = HEADER_CASES[case]
+    _rewrite_header(src, change)
+    _convert_fails(capsys, tmp_path, src, "model.safetensors", fragment)
+
+
+def test_header_with_a_hole_between_tensors_is_refused(capsys, tmp_path, src):
+    _rewrite_header(src, lambda h: _shift(h, _by_offset(h)[-1], 2), extra_data=b"\0\0")
+    _convert_fails(capsys, tmp_path, src, "model.safetensors", "2 bytes before tensor", "belong to no tensor")
+
+
+def test_bytes_after_the_last_tensor_are_refused(capsys, tmp_path, src):
+    with open(src / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 16)
+    _convert_fails(capsys, tmp_path, src, "model.safetensors", "16 bytes after the last tensor")
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    return write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, shards=2))
+
+
+def _edit_index(directory, change):
+    path = directory / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    change(index)
+    path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("shard", ["../../../../etc/passwd", "/etc/passwd", "sub/model.safetensors", ".."])
+def test_index_shard_names_must_stay_in_the_directory(capsys, tmp_path, sharded, shard):
+    (sharded / "sub").mkdir()
+    _edit_index(sharded, lambda index: index["weight_map"].update({next(iter(index["weight_map"])): shard}))
+    _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", repr(shard), "not a plain file name")
+
+
+def test_shard_linked_to_a_blob_elsewhere_converts(capsys, tmp_path, sharded):
+    """The Hugging Face cache layout: snapshot files are links to ../../blobs/<hash>."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for shard in sorted(sharded.glob("model-*.safetensors")):
+        blob = blobs / f"blob-{shard.name}"
+        shard.rename(blob)
+        shard.symlink_to(os.path.relpath(blob, sharded))
+    assert main([str(sharded), str(tmp_path / "out"), "-q"]) == 0
+    capsys.readouterr()
+
+
+def test_shard_that_is_a_directory_or_a_broken_link(capsys, tmp_path, sharded):
+    victim = sorted(sharded.glob("model-*.safetensors"))[0]
+    victim.unlink()
+    victim.symlink_to(tmp_path / "nowhere")
+    _convert_fails(capsys, tmp_path, sharded, victim.name, "is a broken link")
+    victim.unlink()
+    victim.mkdir()
+    _convert_fails(capsys, tmp_path, sharded, victim.name, "is not a regular file")
+
+
+def test_index_metadata_that_is_not_an_object(capsys, tmp_path, sharded):
+    _edit_index(sharded, lambda index: index.update(metadata=[1, 2]))
+    _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", "'metadata' is a JSON list")
+
+
+def test_index_weight_map_value_that_is_not_a_string(capsys, tmp_path, sharded):
+    _edit_index(sharded, lambda index: index["weight_map"].update({"model.norm.weight": 3}))
+    _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", "'model.norm.weight' to 3")
+
+
+def test_deeply_nested_config(capsys, tmp_path, src):
+    (src / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    _convert_fails(capsys, tmp_path, src, "config.json", "nested too deeply")
+
+
+def test_config_with_a_repeated_key(capsys, tmp_path, src):
+    (src / "quantize_config.json").write_text('{"bits": 4, "group_size": 64, "bits": 8}')
+    _convert_fails(capsys, tmp_path, src, "quantize_config.json", "duplicate key 'bits'")
