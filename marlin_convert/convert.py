@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import resource
 import shutil
 import time
-from concurrent.futures import as_completed
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +40,9 @@ from .gptq import (
 from .experts import ExpertGroup, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
+from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
-from .workers import kill_workers, worker_pool
+from .workers import run_parallel
 
 ProgressCallback = Callable[[int], None]
 #: worker processes by default: one per core, at most 8 (each holds a few copies of the largest tensor)
@@ -326,9 +325,10 @@ def _stream_slices(job: Job, checkpoint: Checkpoint, writer: ShardWriter, result
 def run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter) -> JobResult:
     """Produce one output tensor into ``writer`` (in this process). Holds one tensor or expert slice at a time."""
     result = JobResult(pid=os.getpid())
-    if job.kind == "copy":
+    if job.kind == "copy":  # hashed while copied: the manifest's passthrough digests
         name = job.output.name
-        result.written[name] = writer.copy_range(name, job.source_path, job.source.begin, job.source.nbytes)
+        result.written[name], result.digests[name] = writer.copy_range(name, job.source_path, job.source.begin,
+                                                                       job.source.nbytes)
         result.consumed = job.source.nbytes
         return result
     layer = job.layer
@@ -386,10 +386,9 @@ def _batches(tasks: list[tuple[Job, ShardWriter]]) -> list[list[int]]:
 
 
 def _run_tasks(checkpoint: Checkpoint, tasks: list[tuple[Job, ShardWriter]], workers: int):
-    """Yield a :class:`JobResult` per task as batches finish: in worker processes (forked, so they inherit the
-    checkpoint and the open output files; see :mod:`marlin_convert.workers`) when ``workers > 1`` and fork
-    exists, else in this process. When the consumer stops early (an error, an interrupt: close the generator),
-    the workers are killed rather than waited for.
+    """Yield a :class:`JobResult` per task as batches finish, in ``workers`` processes
+    (:func:`marlin_convert.workers.run_parallel`: forked, so they inherit the checkpoint and the open output
+    files). Close the generator to abandon the run: the workers are killed rather than waited for.
 
     Processes, not threads: on the machines we measured, two threads doing numpy byte shuffles and SHA-256
     ran no faster than one, while two processes ran twice as fast.
@@ -397,21 +396,9 @@ def _run_tasks(checkpoint: Checkpoint, tasks: list[tuple[Job, ShardWriter]], wor
     global _WORKER_TASKS
     _WORKER_TASKS = (checkpoint, tasks)
     try:
-        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-            for batch in _batches(tasks):
-                yield from _run_batch(batch)
-            return
-        pool = worker_pool(workers)
-        finished = False
-        try:
-            futures = [pool.submit(_run_batch, batch) for batch in _batches(tasks)]
-            for future in as_completed(futures):
-                yield from future.result()  # re-raises a worker's exception here
-            finished = True
-        finally:
-            if not finished:
-                kill_workers(pool)
-            pool.shutdown(wait=True, cancel_futures=True)
+        with closing(run_parallel(_run_batch, _batches(tasks), workers)) as batches:
+            for results in batches:
+                yield from results
     finally:
         _WORKER_TASKS = None
 
@@ -466,15 +453,16 @@ def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
     (tmp / QUANTIZE_CONFIG_FILE).write_text(json.dumps(quantize_json, indent=2) + "\n", encoding="utf-8")
 
 
-def _copy_other_files(in_dir: Path, tmp: Path, shard_names: set[str]) -> None:
-    skip = shard_names | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
-    for entry in sorted(in_dir.iterdir()):
-        if entry.name in skip:
-            continue
-        if entry.is_dir():
-            shutil.copytree(entry, tmp / entry.name)
-        else:
-            shutil.copy2(entry, tmp / entry.name)
+def _produced_names(plan: ConversionPlan) -> set[str]:
+    """File names the converter writes itself into OUT_DIR (never copied from IN_DIR)."""
+    return {shard.file_name for shard in plan.shards} | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
+
+
+def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
+    """The manifest's ``passthrough``: every tensor copied unchanged, where it is, and the digest of its bytes."""
+    return [{"name": job.output.name, "shard": out_shard[job.output.name], "dtype": job.output.dtype,
+             "shape": list(job.output.shape), "sha256": digests[job.output.name]}
+            for shard in plan.shards for job in shard.jobs if job.kind == "copy"]
 
 
 def _source_entry(member: LayerPlan, first: int | None, stop: int | None, digests: dict[str, str]) -> dict:
@@ -566,7 +554,8 @@ def convert(
     if plan is None:
         plan = build_plan(in_dir, skip_incompatible, stack_experts)
     checkpoint = plan.checkpoint
-    notes = list(plan.notes)
+    extra = select_extra_files(in_dir, _produced_names(plan))
+    notes = list(plan.notes) + [f"not copied from IN_DIR: {line}" for line in extra.skipped]
     if out_dir.parent.is_dir():
         notes += clear_stale_partials(out_dir)
 
@@ -616,12 +605,12 @@ def convert(
             }
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         _write_configs(plan, tmp)
-        _copy_other_files(in_dir, tmp, {shard.file_name for shard in plan.shards})
+        files = output_file_digests(tmp, extra.copy, workers)
 
         layers = [_layer_entry(layer, digests, out_shard) for layer in plan.outputs]
         skipped = [{"name": layer.prefix, "reason": layer.reason, "source": layer.source_names} for layer in plan.refused]
         passthrough = plan.passthrough_tensors
-        bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        bytes_out = sum(record["bytes"] for record in files.values())
         manifest = {
             "format": "marlin-convert-manifest",
             "version": MANIFEST_VERSION,
@@ -641,6 +630,8 @@ def convert(
             "expert_groups": _expert_groups(plan),
             "skipped": skipped,
         }
+        manifest["passthrough"] = _passthrough_entries(plan, digests, out_shard)
+        manifest["files"] = files
         write_manifest(tmp, manifest)
         partial.finalize(overwrite)
     except BaseException as exc:

@@ -6,7 +6,7 @@ reads one tensor's bytes with a single positioned read into a fresh numpy array.
 Writing: :class:`ShardWriter` is told every tensor's name, dtype and shape up front, writes the header first,
 and then takes the tensors in any order at their known offsets (positioned writes), so several threads can
 fill one file and nothing larger than one tensor is ever held. Tensors that pass through unchanged are copied
-file-to-file by the kernel (``os.copy_file_range``) without entering this process's memory.
+file-to-file through one small buffer and hashed on the way (:mod:`marlin_convert.fileio`).
 
 File layout (the safetensors format): 8-byte little-endian header length ``L``; ``L`` bytes of JSON mapping each
 name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data start) plus an
@@ -15,6 +15,7 @@ optional ``"__metadata__"`` string map; then the data.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import numpy as np
 
 from . import strict_json
 from .errors import InputError, OutputError
+from .fileio import copy_hashing, digest_text
 
 #: safetensors dtype name -> numpy dtype used to hold the raw bytes (bfloat16 is kept as its uint16 bits)
 NUMPY_DTYPES: dict[str, np.dtype] = {
@@ -50,8 +52,6 @@ DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "I32": "i
 
 #: a header larger than this is not a plausible safetensors header (the reference implementation uses 100 MB)
 MAX_HEADER_BYTES = 100_000_000
-#: chunk size for the copy fallback when ``copy_file_range`` is unavailable
-COPY_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -285,15 +285,17 @@ class ShardWriter:
             raise _os_error(self.path, exc) from exc
         return data.nbytes
 
-    def copy_range(self, name: str, source: Path, begin: int, nbytes: int) -> int:
-        """Copy ``nbytes`` at absolute offset ``begin`` of file ``source`` into declared tensor ``name``."""
+    def copy_range(self, name: str, source: Path, begin: int, nbytes: int) -> tuple[int, str]:
+        """Copy ``nbytes`` at absolute offset ``begin`` of file ``source`` into declared tensor ``name``, hashing
+        them on the way. Returns the bytes written and their ``"sha256:..."`` digest."""
         position = self._position(name, 0, nbytes)
+        digest = hashlib.sha256()
         try:
             with open(source, "rb", buffering=0) as src:
-                _copy_between(src.fileno(), begin, self._fd, position, nbytes)
+                copy_hashing(src.fileno(), begin, self._fd, position, nbytes, digest)
         except OSError as exc:
             raise _os_error(self.path, exc) from exc
-        return nbytes
+        return nbytes, digest_text(digest)
 
     def close(self) -> None:
         """Flush and close; raise if a declared tensor was never written."""
@@ -312,22 +314,3 @@ class ShardWriter:
         except OSError:
             pass
 
-
-def _copy_between(src_fd: int, src_pos: int, dst_fd: int, dst_pos: int, nbytes: int) -> None:
-    done = 0
-    use_kernel_copy = hasattr(os, "copy_file_range")
-    while done < nbytes:
-        if use_kernel_copy:
-            try:
-                got = os.copy_file_range(src_fd, dst_fd, nbytes - done, src_pos + done, dst_pos + done)
-            except OSError as exc:
-                if exc.errno in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: fall back to read/write
-                    use_kernel_copy = False
-                    continue
-                raise
-        else:
-            chunk = os.pread(src_fd, min(COPY_CHUNK_BYTES, nbytes - done), src_pos + done)
-            got = os.pwrite(dst_fd, chunk, dst_pos + done) if chunk else 0
-        if got == 0:
-            raise OSError(5, "source ended early while copying")
-        done += got

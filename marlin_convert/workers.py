@@ -9,7 +9,8 @@ The converter forks its workers (:func:`worker_pool`). Each one, as it starts (:
 - asks the kernel to SIGKILL it when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere a thread
   watches the parent's pid), so a parent killed with SIGKILL leaves no orphans holding the partial directory.
 
-:func:`kill_workers` ends a pool's workers at once, for a run that is being abandoned.
+:func:`run_parallel` maps a function over items in such a pool and, when its caller stops early (an error, an
+interrupt), kills the workers instead of waiting for them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Callable, Iterable, Iterator, TypeVar
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 _PR_SET_PDEATHSIG = 1
 #: how often the fallback watcher (no prctl) checks whether the parent is gone
@@ -55,6 +60,29 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
     """A pool of ``workers`` forked processes set up as the module docstring says."""
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
                                initializer=_worker_started, initargs=(os.getpid(),))
+
+
+def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:
+    """Yield ``function(item)`` for every item, in the order they finish: in ``workers`` forked processes (see
+    the module docstring), or in this process when ``workers <= 1`` or fork is missing. Forked workers inherit
+    this process's state, so ``function`` may read module globals set just before. A worker's exception is
+    raised here. Close the generator (``contextlib.closing``) to abandon the work: the workers are killed."""
+    items = list(items)
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for item in items:
+            yield function(item)
+        return
+    pool = worker_pool(workers)
+    finished = False
+    try:
+        futures = [pool.submit(function, item) for item in items]
+        for future in as_completed(futures):
+            yield future.result()
+        finished = True
+    finally:
+        if not finished:
+            kill_workers(pool)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def kill_workers(pool: ProcessPoolExecutor) -> None:

@@ -371,3 +371,57 @@ def test_deeply_nested_config(capsys, tmp_path, src):
 def test_config_with_a_repeated_key(capsys, tmp_path, src):
     (src / "quantize_config.json").write_text('{"bits": 4, "group_size": 64, "bits": 8}')
     _convert_fails(capsys, tmp_path, src, "quantize_config.json", "duplicate key 'bits'")
+
+
+# ------------------------------------------------------------------- what OUT_DIR gets from IN_DIR (issue #8)
+
+
+def _convert_notes(capsys, tmp_path, src) -> list[str]:
+    report = tmp_path / "report.json"
+    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report)]) == 0
+    capsys.readouterr()
+    return json.loads(report.read_text())["notes"]
+
+
+def test_only_top_level_regular_files_are_copied_and_the_rest_is_named(capsys, tmp_path, src):
+    (src / "alias.json").symlink_to("tokenizer.json")  # a link inside IN_DIR: copied as content
+    (src / "loop").symlink_to(".")  # a directory link (a loop): never followed
+    (src / "extra_dir").mkdir()
+    (src / "extra_dir" / "big.txt").write_text("x")
+    (src / ".git").mkdir()
+    (src / ".git" / "config").write_text("[core]")
+    (src / "pytorch_model.bin").write_bytes(b"old weights")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of the model")
+    (src / "vocab.txt").symlink_to(secret)  # a link to a file outside IN_DIR: not copied
+    notes = _convert_notes(capsys, tmp_path, src)
+    out = tmp_path / "out"
+    copied = sorted(p.name for p in out.iterdir())
+    assert "tokenizer.json" in copied and "alias.json" in copied and not (out / "alias.json").is_symlink()
+    for absent in ("loop", "extra_dir", ".git", "pytorch_model.bin", "vocab.txt"):
+        assert absent not in copied
+        assert any(absent in note for note in notes if note.startswith("not copied from IN_DIR")), (absent, notes)
+    assert any("vocab.txt" in note and "outside IN_DIR" in note for note in notes)
+
+
+def test_files_linked_into_the_hub_cache_blob_store_are_copied(capsys, tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    snapshot = write_checkpoint(repo / "snapshots" / "abc123", _spec(group_size=64))
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "f00d").write_text("{{ messages }}")
+    (snapshot / "chat_template.jinja").symlink_to("../../blobs/f00d")
+    assert main([str(snapshot), str(tmp_path / "out"), "-q"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == "{{ messages }}"
+
+
+def test_a_broken_link_among_the_extra_files_is_named_before_any_work(capsys, tmp_path, src):
+    (src / "merges.txt").symlink_to(tmp_path / "gone.json")
+    _convert_fails(capsys, tmp_path, src, str(src / "merges.txt"), "broken link")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_an_unreadable_extra_file_is_named_before_any_work(capsys, tmp_path, src):
+    (src / "merges.txt").write_text("a b")
+    (src / "merges.txt").chmod(0)
+    _convert_fails(capsys, tmp_path, src, str(src / "merges.txt"), "cannot read")

@@ -201,3 +201,30 @@ def test_bundled_example_converts_and_verifies(tmp_path, capsys):
 def wide_terminal(monkeypatch):
     """Rich wraps tables to the terminal width; give the captured output room for whole cells."""
     monkeypatch.setenv("COLUMNS", "300")
+
+
+def test_manifest_records_every_passthrough_tensor_and_every_file(tmp_path, src, capsys):
+    import hashlib
+
+    (src / "tokenizer.json").write_text('{"vocab": {}}')
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    manifest = load_manifest(out)
+    files = {p.name for p in out.iterdir()} - {"marlin_manifest.json"}
+    assert set(manifest["files"]) == files
+    for name, record in manifest["files"].items():
+        data = (out / name).read_bytes()
+        assert record == {"bytes": len(data), "sha256": "sha256:" + hashlib.sha256(data).hexdigest()}, name
+    converted = {name for entry in manifest["layers"] for name in entry["outputs"].values()}
+    passthrough = {entry["name"]: entry for entry in manifest["passthrough"]}
+    for shard in manifest["shards"]:
+        header = read_header(out / shard)
+        data = (out / shard).read_bytes()
+        for name, info in header.tensors.items():
+            if name in converted:
+                continue
+            entry = passthrough.pop(name)
+            assert (entry["shard"], entry["dtype"], entry["shape"]) == (shard, info.dtype, list(info.shape))
+            assert entry["sha256"] == "sha256:" + hashlib.sha256(data[info.begin:info.end]).hexdigest()
+    assert passthrough == {}
