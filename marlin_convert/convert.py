@@ -3,11 +3,13 @@
 1. :func:`build_plan` opens the checkpoint, plans and checks every layer (:mod:`marlin_convert.gptq`) and
    declares every output tensor of every output shard (name, dtype, shape, and the job that produces it).
    ``inspect`` / ``--dry-run`` stop here; nothing has been written.
-2. :func:`convert` writes into a temporary sibling of OUT_DIR: each shard's header first, then the tensors,
-   produced by a small thread pool (numpy releases the GIL in the repack, the hash and the I/O), each job
-   holding one tensor (or one expert slice) at a time. Tensors that pass through are copied file-to-file.
-3. Then the configs, the index, the other files and the manifest; only when all of that succeeded is the
-   temporary directory renamed to OUT_DIR. On any failure it is removed: no OUT_DIR that looks finished.
+2. :func:`convert` checks OUT_DIR and the other files to copy (:mod:`marlin_convert.outfiles`) and writes into
+   a locked temporary sibling of OUT_DIR (:mod:`marlin_convert.outdir`): each shard's header first, then the
+   tensors, produced by worker processes (:mod:`marlin_convert.workers`), each job holding one tensor (or one
+   expert slice) at a time. Tensors that pass through are copied file-to-file and hashed on the way.
+3. Then the configs, the index, the other files (copied and every file hashed, in the workers) and the
+   manifest; only when all of that succeeded is the temporary directory moved to OUT_DIR. On any failure or
+   interrupt it is removed: no OUT_DIR that looks finished.
 """
 
 from __future__ import annotations
@@ -549,7 +551,7 @@ def convert(
     ``out_dir`` that was not there before.
     """
     start = time.perf_counter()
-    in_dir, out_dir = Path(in_dir), Path(out_dir)
+    in_dir, out_dir = Path(in_dir), Path(os.path.abspath(out_dir))  # "." and ".." get a name and a parent
     check_out_dir(in_dir, out_dir, overwrite)
     if plan is None:
         plan = build_plan(in_dir, skip_incompatible, stack_experts)

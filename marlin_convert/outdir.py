@@ -35,7 +35,9 @@ _RENAME_EXCHANGE = 2
 
 def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
     """Refuse an OUT_DIR that would overlap IN_DIR, is a symbolic link, is not a directory, or (without
-    ``overwrite``) is not empty. Raises :class:`OutputError`; reads only."""
+    ``overwrite``) is not empty. ``out_dir`` is absolute. Raises :class:`OutputError`; reads only."""
+    if not out_dir.name:
+        raise OutputError(f"OUT_DIR {out_dir} is a file system root", hint="choose a directory to create")
     if out_dir.is_symlink():
         raise OutputError(f"OUT_DIR {out_dir} is a symbolic link (to {os.readlink(out_dir)}): the conversion would "
                           "replace the link, not write into its target",

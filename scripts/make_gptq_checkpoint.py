@@ -10,7 +10,7 @@ Importable too (``tests/conftest.py`` puts ``scripts/`` on ``sys.path``)::
     from make_gptq_checkpoint import tiny_llama, write_checkpoint
     write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, shards=2, group_size=64))
 
-What is written follows ``shared/FORMAT.md`` section 1. Per quantized linear with prefix ``P``
+What is written is the GPTQ layout as GPTQ tools store it. Per quantized linear with prefix ``P``
 (``K`` = in_features, ``N`` = out_features, ``b`` = bits, ``p = 32 / b``, ``G = ceil(K / g)`` groups):
 
     P.qweight  int32        [K/p, N]   uniformly random codes (random 32-bit words are valid random codes)

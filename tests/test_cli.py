@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,22 @@ def test_help_shows_flags_without_values_and_arguments_by_name(capsys):
     assert "convert [OPTIONS] IN_DIR OUT_DIR" in text
     assert main([str(REPO), str(REPO / "x"), "--overwrite", "true"]) == 2  # a flag takes no value
     capsys.readouterr()
+
+
+def test_reported_time_includes_planning(tmp_path, src, capsys, monkeypatch):
+    import marlin_convert.cli.convert as cli_convert
+
+    real = cli_convert.build_plan
+
+    def slow_plan(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli_convert, "build_plan", slow_plan)
+    report = tmp_path / "report.json"
+    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report)]) == 0
+    capsys.readouterr()
+    assert json.loads(report.read_text())["seconds"] >= 0.5
 
 
 def test_no_progress_frames_when_stderr_is_not_a_terminal(tmp_path, src):
