@@ -142,29 +142,32 @@ def scale_perm_channelwise() -> np.ndarray:
     return np.array([2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)], dtype=np.int64)
 
 
-def _pack_last_axis(values: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 ``[..., p]`` codes -> int32 ``[...]`` words, value ``i`` in bits ``b*i ..``; ValueError when a
-    code does not fit in ``bits``."""
+def _pack(values: np.ndarray, bits: int, slot_axis: int) -> np.ndarray:
+    """uint8 codes with an axis of length ``p`` at ``slot_axis`` -> int32 words without it, value ``i`` of that
+    axis in bits ``b*i ..``. ValueError when a code does not fit in ``bits``."""
     if values.size and int(values.max()) >> bits:
         raise ValueError(f"codes must lie in 0..{(1 << bits) - 1} at {bits} bits, found {int(values.max())}")
-    words = np.zeros(values.shape[:-1], dtype=np.uint32)
-    for i in range(values.shape[-1]):
-        words |= values[..., i].astype(np.uint32) << np.uint32(bits * i)
+    slots = np.moveaxis(values, slot_axis, 0)
+    words = np.zeros(slots.shape[1:], dtype=np.uint32)
+    for i, slot in enumerate(slots):
+        words |= slot.astype(np.uint32) << np.uint32(bits * i)
     return words.view(np.int32)
 
 
-def _unpack_last_axis(words: np.ndarray, bits: int) -> np.ndarray:
-    """int32 ``[...]`` words -> uint8 ``[..., p]`` codes, value ``i`` from bits ``b*i ..``."""
-    shifts = bits * np.arange(pack_factor(bits), dtype=np.uint32)
-    codes = (np.asarray(words).view(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    return codes.astype(np.uint8)
+def _unpack(words: np.ndarray, bits: int, slot_axis: int) -> np.ndarray:
+    """int32 words -> uint8 codes with a new axis of length ``p`` at ``slot_axis``, value ``i`` from bits
+    ``b*i ..``."""
+    expanded = np.expand_dims(np.asarray(words).view(np.uint32), slot_axis)
+    shape = [1] * expanded.ndim
+    shape[slot_axis] = pack_factor(bits)
+    shifts = (bits * np.arange(pack_factor(bits), dtype=np.uint32)).reshape(shape)
+    return ((expanded >> shifts) & np.uint32((1 << bits) - 1)).astype(np.uint8)
 
 
 def unpack_gptq_qweight(qweight: np.ndarray, bits: int = 4) -> np.ndarray:
     """Unpack GPTQ words. ``qweight`` int32 ``[K/p, N]`` -> codes uint8 ``[K, N]`` in ``0 .. 2^b - 1``."""
     rows, n = qweight.shape
-    codes = _unpack_last_axis(qweight, bits)  # [K/p, N, p]
-    return np.ascontiguousarray(codes.transpose(0, 2, 1)).reshape(rows * pack_factor(bits), n)
+    return _unpack(qweight, bits, 1).reshape(rows * pack_factor(bits), n)  # [K/p, p, N] -> [K, N]
 
 
 def pack_gptq_qweight(q: np.ndarray, bits: int = 4) -> np.ndarray:
@@ -173,7 +176,7 @@ def pack_gptq_qweight(q: np.ndarray, bits: int = 4) -> np.ndarray:
     k, n = q.shape
     if k % p:
         raise ValueError(f"K = {k} must divide by {p} to pack {bits}-bit codes along K")
-    return _pack_last_axis(q.reshape(k // p, p, n).transpose(0, 2, 1), bits)
+    return _pack(q.reshape(k // p, p, n), bits, 1)
 
 
 def unpack_gptq_qzeros(qzeros: np.ndarray, n: int, bits: int = 4) -> np.ndarray:
@@ -183,7 +186,7 @@ def unpack_gptq_qzeros(qzeros: np.ndarray, n: int, bits: int = 4) -> np.ndarray:
     expected = -(-n // pack_factor(bits))
     if words != expected:
         raise ValueError(f"qzeros has {words} words per row; N = {n} at {bits} bits needs {expected}")
-    return _unpack_last_axis(qzeros, bits).reshape(groups, -1)[:, :n]
+    return _unpack(qzeros, bits, 2).reshape(groups, -1)[:, :n]
 
 
 def pack_gptq_qzeros(z: np.ndarray, bits: int = 4) -> np.ndarray:
@@ -194,7 +197,7 @@ def pack_gptq_qzeros(z: np.ndarray, bits: int = 4) -> np.ndarray:
     words = -(-n // p)
     padded = np.zeros((groups, words * p), dtype=np.uint8)
     padded[:, :n] = z
-    return _pack_last_axis(padded.reshape(groups, words, p), bits)
+    return _pack(padded.reshape(groups, words, p), bits, 2)
 
 
 def permute_rows(qweight: np.ndarray, perm: np.ndarray, bits: int = 4) -> np.ndarray:
@@ -394,7 +397,7 @@ def marlin_zero_points(z: np.ndarray, bits: int) -> np.ndarray:
         raise ValueError(f"N = {n} must divide by {TILE_RUN_COLUMNS} for Marlin zero points")
     grouped = np.ascontiguousarray(z).reshape(-1, TILE_RUN_COLUMNS)[:, scale_perm_grouped()]
     interleaved = grouped.reshape(-1, p)[:, word_interleave(bits)]
-    return _pack_last_axis(interleaved.reshape(groups, n // p, p), bits)
+    return _pack(interleaved.reshape(groups, n // p, p), bits, 2)
 
 
 def marlin_to_zero_points(zp: np.ndarray, n: int, bits: int) -> np.ndarray:
@@ -403,7 +406,7 @@ def marlin_to_zero_points(zp: np.ndarray, n: int, bits: int) -> np.ndarray:
     groups, words = zp.shape
     if n % TILE_RUN_COLUMNS or words * p != n:
         raise ValueError(f"zp has {words} words per row: N = {n} at {bits} bits needs N % 64 == 0 and {n // p}")
-    interleaved = _unpack_last_axis(zp, bits).reshape(-1, p)
+    interleaved = _unpack(zp, bits, 2).reshape(-1, p)
     grouped = interleaved[:, np.argsort(word_interleave(bits))].reshape(-1, TILE_RUN_COLUMNS)
     return np.ascontiguousarray(grouped[:, np.argsort(scale_perm_grouped())]).reshape(groups, n)
 
