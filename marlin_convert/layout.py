@@ -270,10 +270,8 @@ def gptq_to_marlin_weight_numpy(qweight: np.ndarray, perm: np.ndarray | None = N
     k = rows * pack_factor(bits)
     _check_weight_shape(k, n)
     out = _output(out, (k // TILE, _marlin_columns(n, bits)))
-    if bits == 4:
-        _repack4_numpy(np.ascontiguousarray(qweight), out)
-    else:
-        _repack8_numpy(np.ascontiguousarray(qweight), out)
+    repack = _repack4_numpy if bits == 4 else _repack8_numpy
+    repack(np.ascontiguousarray(qweight, dtype=np.int32), out)
     return out
 
 
@@ -333,15 +331,16 @@ def marlin_to_gptq_weight(b: np.ndarray, perm: np.ndarray | None = None, bits: i
     if _marlin_columns(n, bits) != columns:
         raise ValueError(f"B has {columns} words per row: not N * {bits} / 2 for any N")
     _check_weight_shape(strips * TILE, n)
-    b = np.ascontiguousarray(b)
-    if bits == 4:
-        qweight = _unrepack4(b, strips, n)
-    else:
-        by_source = np.ascontiguousarray(_marlin8_byte_view(b, strips, n).transpose(_MARLIN8_TO_GPTQ_AXES))
-        qweight = by_source.reshape(-1).view(np.int32).reshape(4 * strips, n)
+    unrepack = _unrepack4 if bits == 4 else _unrepack8
+    qweight = unrepack(np.ascontiguousarray(b, dtype=np.int32), strips, n)
     if perm is not None:
         qweight = permute_rows(qweight, _inverse_perm(perm), bits)
     return qweight
+
+
+def _unrepack8(b: np.ndarray, strips: int, n: int) -> np.ndarray:
+    by_source = np.ascontiguousarray(_marlin8_byte_view(b, strips, n).transpose(_MARLIN8_TO_GPTQ_AXES))
+    return by_source.reshape(-1).view(np.int32).reshape(4 * strips, n)
 
 
 def _unrepack4(b: np.ndarray, strips: int, n: int) -> np.ndarray:
