@@ -678,3 +678,15 @@ def test_padded_layers_go_through_marlin_and_back(bits, k, n, g, symmetric, act_
     np.testing.assert_array_equal(back_q[:k, :n], logical["q"])
     np.testing.assert_array_equal(back_z[:, :n], logical["z"])
     np.testing.assert_array_equal(layout.restore_g_idx(perm, sorted_g_idx)[:k], logical["g_idx"])
+
+
+def test_the_c_entry_points_check_their_buffers(repack_implementation):
+    if repack_implementation != "c-extension":
+        pytest.skip("checks of the C extension itself")
+    qweight = np.zeros((4, 64), dtype=np.int32)  # 8-bit K = 16, N = 64
+    with pytest.raises(ValueError, match=r"buffer sizes 1024 / 512 do not match K = 16, N = 64 at 8 bits"):
+        layout._repack.gptq8_to_marlin(qweight, np.zeros((1, 128), dtype=np.int32), 16, 64)
+    with pytest.raises(ValueError, match=r"K = 20 must divide by 16 and N = 64 by 64"):
+        layout._repack.gptq8_to_marlin(qweight, np.zeros((1, 256), dtype=np.int32), 20, 64)
+    with pytest.raises(ValueError, match=r"not C-contiguous"):  # refused by the buffer protocol ("y*")
+        layout._repack.gptq_to_marlin(np.zeros((2, 128), dtype=np.int32)[:, ::2], np.zeros((1, 128), np.int32), 16, 64)
