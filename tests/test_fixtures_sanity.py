@@ -29,8 +29,17 @@ GPTQMODEL_CASES = (
     "int8",
     "int8_asym",
 )
-SIZE_BUDGET = {"gptqmodel": 10 * 2**20}
-ALL_CASES = [("gptqmodel", c) for c in GPTQMODEL_CASES]
+LLMCOMPRESSOR_CASES = (
+    "w4a16_g128",
+    "w4a16_channel",
+    "w4a16_asym",
+    "w8a16",
+    "qwen3_moe",
+    "w4a16_fp16",
+    "w4a16_lm_head",
+)
+SIZE_BUDGET = {"gptqmodel": 10 * 2**20, "llmcompressor": 6 * 2**20}
+ALL_CASES = [("gptqmodel", c) for c in GPTQMODEL_CASES] + [("llmcompressor", c) for c in LLMCOMPRESSOR_CASES]
 
 
 def checkpoint_tensors(case_dir: Path) -> dict:
@@ -43,14 +52,16 @@ def checkpoint_tensors(case_dir: Path) -> dict:
 
 
 def out_features(producer: str, layer: str, tensors: dict) -> int:
-    """N of a quantized layer from its stored tensors: qweight [K/p, N]."""
-    return tensors[f"{layer}.qweight"].shape[1]
+    """N of a quantized layer from its stored tensors: qweight [K/p, N] or weight_packed [N, K*b/32]."""
+    if producer == "gptqmodel":
+        return tensors[f"{layer}.qweight"].shape[1]
+    return tensors[f"{layer}.weight_packed"].shape[0]
 
 
 @pytest.mark.parametrize("producer", sorted(SIZE_BUDGET))
 def test_no_unexpected_cases_and_within_size_budget(producer):
     root = FIXTURES / producer
-    expected = GPTQMODEL_CASES
+    expected = GPTQMODEL_CASES if producer == "gptqmodel" else LLMCOMPRESSOR_CASES
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted(expected)
     total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     assert total <= SIZE_BUDGET[producer], f"{producer} fixtures are {total} bytes"
@@ -60,10 +71,15 @@ def test_no_unexpected_cases_and_within_size_budget(producer):
 def test_configs_are_json_and_name_the_format(producer, case):
     case_dir = FIXTURES / producer / case
     quantization = json.loads((case_dir / "config.json").read_text())["quantization_config"]
-    standalone = json.loads((case_dir / "quantize_config.json").read_text())
-    assert quantization["quant_method"] == standalone["quant_method"] == "gptq"
-    assert quantization["checkpoint_format"] == standalone["checkpoint_format"]
-    assert standalone["meta"]["quantizer"] == ["gptqmodel:7.7.0"]
+    if producer == "gptqmodel":
+        standalone = json.loads((case_dir / "quantize_config.json").read_text())
+        assert quantization["quant_method"] == standalone["quant_method"] == "gptq"
+        assert quantization["checkpoint_format"] == standalone["checkpoint_format"]
+        assert standalone["meta"]["quantizer"] == ["gptqmodel:7.7.0"]
+    else:
+        assert quantization["quant_method"] == "compressed-tensors"
+        assert quantization["format"] == "pack-quantized"
+        assert quantization["config_groups"]
 
 
 @pytest.mark.parametrize(("producer", "case"), ALL_CASES, ids=[f"{p}-{c}" for p, c in ALL_CASES])
