@@ -25,8 +25,8 @@ files a loader needs (safetensors, config.json, quantize_config.json, generation
 GPTQModel's quant_log.csv is dropped).
 
 It then writes ``reference_dequant.safetensors`` beside them with GPTQModel's own dequantization of a few
-layers: the saved checkpoint is loaded back with ``GPTQModel.load(..., backend=BACKEND.TORCH, dtype=torch.float16)``
-(float16 as saved: GPTQModel's CPU default bfloat16 would round the stored scales; GPTQModel's
+layers: the saved checkpoint is loaded back with ``GPTQModel.load(..., backend=BACKEND.TORCH, dtype=D)`` where D is
+the dtype of the stored scales (otherwise GPTQModel's CPU default, bfloat16, would round float16 scales; GPTQModel's
 loader turns v1 zeros into its internal v2 form, so this is the producer's meaning of the file), the layer's
 scales are upcast to float32, and GPTQModel's ``PackableQuantLinear.dequantize_weight`` computes
 ``scales[g_idx] * (q - z[g_idx])`` in float32, exact for every code. Per reference layer ``P``:
@@ -68,6 +68,7 @@ class Case:
     quantize: dict
     reference_layers: tuple[str, ...]
     intermediate_size: int = 256
+    dtype: str = "float16"
 
 
 DYNAMIC_RULES = {
@@ -128,6 +129,22 @@ CASES = (
         ("model.layers.0.self_attn.k_proj", "model.layers.0.mlp.down_proj"),
     ),
     Case(
+        "k1000_desc_act",
+        "4-bit g128 Llama with desc_act true, intermediate 1000: act-order over a partial last group (K = 1000)",
+        "llama",
+        dict(bits=4, group_size=128, desc_act=True, act_group_aware=False),
+        ("model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_proj"),
+        intermediate_size=1000,
+    ),
+    Case(
+        "bf16_model",
+        "4-bit g32 symmetric Llama whose model dtype is bfloat16",
+        "llama",
+        dict(bits=4, group_size=32),
+        ("model.layers.0.self_attn.k_proj", "model.layers.0.mlp.down_proj"),
+        dtype="bfloat16",
+    ),
+    Case(
         "asym_v1",
         "4-bit g32 asymmetric (sym false) Llama, v1 zeros (checkpoint_format gptq)",
         "llama",
@@ -158,14 +175,29 @@ CASES = (
 )
 
 
+def stored_scales_dtype(quantized_dir: Path):
+    """The torch dtype of the checkpoint's ``.scales`` tensors (one dtype for all, else an error)."""
+    import torch
+    from safetensors import safe_open
+
+    dtypes = set()
+    for path in sorted(quantized_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            dtypes |= {f.get_slice(key).get_dtype() for key in f.keys() if key.endswith(".scales")}
+    if len(dtypes) != 1:
+        raise RuntimeError(f"{quantized_dir}: scales dtypes {sorted(dtypes)}, expected exactly one")
+    return {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[dtypes.pop()]
+
+
 def producer_dequant(quantized_dir: Path, layer_names: tuple[str, ...]) -> dict:
     """GPTQModel's own float32 dequantization of ``layer_names`` in the saved checkpoint, as row subsets."""
     import torch
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.nn_modules.qlinear import PackableQuantLinear
 
-    # dtype float16 as saved: GPTQModel's CPU default (bfloat16) would round the stored scales on load.
-    loaded = GPTQModel.load(str(quantized_dir), device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)
+    # Load in the stored scales' dtype: GPTQModel's CPU default (bfloat16) would round float16 scales.
+    scales_dtype = stored_scales_dtype(quantized_dir)
+    loaded = GPTQModel.load(str(quantized_dir), device="cpu", backend=BACKEND.TORCH, dtype=scales_dtype)
     modules = dict(loaded.model.named_modules())
     tensors = {}
     for index, name in enumerate(layer_names):
@@ -189,10 +221,10 @@ def make_case(case: Case, out_root: Path, work: Path, seed: int) -> Path:
     from gptqmodel import GPTQModel, QuantizeConfig
 
     source, quantized = fixture_common.fresh_work_dirs(work, case.name)
-    fixture_common.save_source(source, case.arch, case.intermediate_size, "float16", seed)
+    fixture_common.save_source(source, case.arch, case.intermediate_size, case.dtype, seed)
 
     config = QuantizeConfig(offload_to_disk=False, **case.quantize)
-    model = GPTQModel.load(str(source), config, device="cpu", dtype=torch.float16)
+    model = GPTQModel.load(str(source), config, device="cpu", dtype=getattr(torch, case.dtype))
     token_ids = fixture_common.random_token_ids(seed)
     calibration = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in token_ids]
     model.quantize(calibration, batch_size=1)
@@ -212,7 +244,7 @@ def make_case(case: Case, out_root: Path, work: Path, seed: int) -> Path:
             "transformers_version": transformers.__version__,
             "torch_version": torch.__version__,
             "formula": "W = scales[g_idx] * (q - z), z in GPTQModel's internal v2 form",
-            "how": "GPTQModel.load(backend=BACKEND.TORCH, dtype=float16), scales upcast to float32, "
+            "how": "GPTQModel.load(backend=BACKEND.TORCH, dtype=stored scales dtype), scales upcast to float32, "
             "PackableQuantLinear.dequantize_weight",
             "case": case.name,
             "what": case.what,

@@ -24,6 +24,8 @@ GPTQMODEL_CASES = (
     "qwen3_moe",
     "v2_zeros",
     "desc_act",
+    "k1000_desc_act",
+    "bf16_model",
     "asym_v1",
     "asym_v2",
     "int8",
