@@ -21,7 +21,7 @@ import resource
 import shutil
 import time
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,21 +29,13 @@ import numpy as np
 
 from . import __version__, layout
 from .errors import InputError, OutputError, UnsupportedLayerError
-from .gptq import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    QUANTIZE_CONFIG_FILE,
-    SYMMETRIC_ZERO,
-    Checkpoint,
-    LayerPlan,
-    open_checkpoint,
-    plan_layers,
-)
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, open_checkpoint, plan_layers
 from .experts import ExpertGroup, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
+from .spec import QuantSpec
 from .workers import run_parallel
 
 ProgressCallback = Callable[[int], None]
@@ -55,8 +47,8 @@ DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
 class OutputLayer:
     """One Marlin matrix, or one stacked set of expert matrices, in the output.
 
-    ``plan`` gives the per-expert shape. ``members`` lists the per-expert source layers when
-    ``--stack-experts`` fuses keys ``<base>.<e>.<projection>`` into one stacked ``<base>.<projection>``.
+    ``plan`` (its spec) gives the per-expert shape and settings. ``members`` lists the per-expert source layers
+    when ``--stack-experts`` fuses keys ``<base>.<e>.<projection>`` into one stacked ``<base>.<projection>``.
     """
 
     prefix: str
@@ -64,12 +56,16 @@ class OutputLayer:
     members: list[LayerPlan] | None = None
 
     @property
+    def spec(self) -> QuantSpec:
+        return self.plan.spec
+
+    @property
     def num_experts(self) -> int:
-        return len(self.members) if self.members else self.plan.num_experts
+        return len(self.members) if self.members else self.plan.spec.num_experts
 
     @property
     def act_order(self) -> bool:
-        return any(m.act_order for m in self.members) if self.members else self.plan.act_order
+        return any(m.spec.act_order for m in self.sources)
 
     @property
     def sources(self) -> list[LayerPlan]:
@@ -80,14 +76,14 @@ class OutputLayer:
         """(source layer, leading index) per expert slice in output order; ``[(plan, None)]`` for a 2-D layer."""
         if self.members:
             return [(member, None) for member in self.members]
-        if self.plan.num_experts:
-            return [(self.plan, e) for e in range(self.plan.num_experts)]
+        if self.plan.spec.num_experts:
+            return [(self.plan, e) for e in range(self.plan.spec.num_experts)]
         return [(self.plan, None)]
 
 
 @dataclass(frozen=True)
 class Job:
-    """How one output tensor is produced: ``kind`` is "copy", "B", "s", "perm" or "g_idx"."""
+    """How one output tensor is produced: ``kind`` is "copy", "B", "s", "zp", "perm" or "g_idx"."""
 
     kind: str
     output: PlannedTensor
@@ -147,37 +143,56 @@ class ConversionPlan:
     def passthrough_tensors(self) -> int:
         return sum(job.kind == "copy" for shard in self.shards for job in shard.jobs)
 
+    @property
+    def checkpoint_format(self) -> str:
+        """"marlin" when every quantized layer is converted, "marlin-partial" when some stay in GPTQ form."""
+        return "marlin-partial" if self.refused else "marlin"
+
+
+SCALE_DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
+
 
 def marlin_outputs(layer: OutputLayer) -> dict[str, PlannedTensor]:
-    """Declare the Marlin tensors of one output layer: name, dtype, shape (a leading E for stacked experts)."""
+    """Declare the Marlin tensors of one output layer (CONTRACT C): name, dtype, padded shape, and a leading E for
+    stacked experts. ``B`` int32 [K_pad/16, N_pad*b/2], ``s`` [G, N_pad], ``zp`` int32 [G, N_pad/p] (asymmetric),
+    ``perm`` / ``g_idx`` int32 [K_pad] (act-order)."""
+    spec = layer.spec
     lead = (layer.num_experts,) if layer.num_experts else ()
-    k, n = layer.plan.in_features, layer.plan.out_features
-    names = layer_outputs_names(layer.prefix, layer.act_order)
+    k_pad, n_pad = spec.padded_shape
+    names = layer_outputs_names(layer.prefix, layer.act_order, zero_points=not spec.sym)
     out = {
-        "B": PlannedTensor(names["B"], "I32", (*lead, k // layout.TILE, 2 * n)),
-        "s": PlannedTensor(names["s"], layer.plan.scale_dtype, (*lead, layer.plan.num_groups, n)),
+        "B": PlannedTensor(names["B"], "I32", (*lead, k_pad // layout.TILE, n_pad * spec.bits // 2)),
+        "s": PlannedTensor(names["s"], SCALE_DTYPE_CODES[spec.scale_dtype], (*lead, spec.num_groups, n_pad)),
     }
+    if not spec.sym:
+        out["zp"] = PlannedTensor(names["zp"], "I32", (*lead, spec.num_groups, n_pad // spec.pack_factor))
     if layer.act_order:
-        out["perm"] = PlannedTensor(names["perm"], "I32", (*lead, k))
-        out["g_idx"] = PlannedTensor(names["g_idx"], "I32", (*lead, k))
+        out["perm"] = PlannedTensor(names["perm"], "I32", (*lead, k_pad))
+        out["g_idx"] = PlannedTensor(names["g_idx"], "I32", (*lead, k_pad))
     return out
 
 
 def _zero_format_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
-    label = checkpoint.config.zero_format_label
-    decided = sorted({layer.zero_format for layer in layers if layer.zero_format})
+    """Say how each layer's zero format was decided where the config did not settle it alone."""
+    config = checkpoint.config
+    label = config.zero_format_label
     notes = []
-    for fmt in decided:
+    symmetric = [layer for layer in layers if layer.zero_stored is not None]
+    for fmt in sorted({layer.spec.zero_format for layer in symmetric}):
+        chosen = [layer for layer in symmetric if layer.spec.zero_format == fmt]
+        stored = sorted({layer.zero_stored for layer in chosen})
         if fmt != label:
-            count = sum(layer.zero_format == fmt for layer in layers)
-            notes.append(
-                f"checkpoint_format says {checkpoint.config.checkpoint_format} ({label} zeros) but qzeros of {count} "
-                f"layer(s) hold {SYMMETRIC_ZERO[fmt]}, the {fmt} value for symmetric 4-bit: treated as {fmt}"
-            )
-    if decided == [label]:
-        notes.append(f"zero format {label} (qzeros hold {SYMMETRIC_ZERO[label]}), as labelled")
-    if not checkpoint.config.sym and decided:
-        notes.append("config says sym = false, but the converted layers' zero points are all the symmetric value")
+            notes.append(f"checkpoint_format says {config.checkpoint_format} ({label} zeros) but qzeros of "
+                         f"{len(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} value: "
+                         f"treated as {fmt}")
+        else:
+            notes.append(f"zero format {label} for {len(chosen)} symmetric layer(s) (qzeros hold "
+                         f"{'/'.join(map(str, stored))}), as labelled")
+    unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]
+    if unstated:
+        asymmetric = sum(not layer.spec.sym for layer in unstated)
+        notes.append(f"no 'sym' in the config for {len(unstated)} layer(s): decided from the stored zero points "
+                     f"({len(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
     return notes
 
 
@@ -193,7 +208,7 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
                 f"(no {group.base}.<e>.{projection}.qweight)"
             )
         for projection, per_expert in group.members.items():
-            sizes = {by_prefix[p].num_groups for p in per_expert.values()}
+            sizes = {by_prefix[p].spec.num_groups for p in per_expert.values()}
             if len(sizes) > 1:
                 raise InputError(f"layer '{group.base}': experts of '{projection}' have different numbers of "
                                  f"scale groups {sorted(sizes)} (mixed group sizes)")
@@ -206,10 +221,11 @@ def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
     for group in groups:
         for projection, per_expert in group.members.items():
             members = [by_prefix[per_expert[e]] for e in sorted(per_expert)]
-            kinds = {(m.in_features, m.out_features, m.num_groups, m.scale_dtype, m.num_experts) for m in members}
-            if any(not m.convertible for m in members) or len(kinds) != 1 or members[0].num_experts:
-                notes.append(f"{group.base}.*.{projection}: not stacked (experts differ in shape or some stay in "
-                             "GPTQ form); written per expert")
+            # one stacked tensor needs one layout: act-order and the stored zero format may differ per expert
+            kinds = {replace(m.spec, act_order=False, zero_format="v2") for m in members}
+            if any(not m.convertible for m in members) or len(kinds) != 1 or members[0].spec.num_experts:
+                notes.append(f"{group.base}.*.{projection}: not stacked (experts differ in shape or settings, or "
+                             "some stay in GPTQ form); written per expert")
                 continue
             stacked.append(OutputLayer(f"{group.base}.{projection}", members[0], members))
             taken.update(m.prefix for m in members)
@@ -241,7 +257,8 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 
     # Each source tensor of a converted layer is consumed by one output layer. The Marlin tensors go to the
-    # shards holding the first source's qweight (B, and perm/g_idx when it has no g_idx), scales (s) and g_idx.
+    # shards holding the first source's qweight (B, and perm/g_idx when it has no g_idx), scales (s), qzeros (zp)
+    # and g_idx.
     role: dict[str, tuple[str, OutputLayer, bool]] = {}
     for output in outputs:
         for position, member in enumerate(output.sources):
@@ -266,7 +283,9 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
                 jobs.append(Job("g_idx", declared["g_idx"], layer=output))
             if kind == "scales":
                 jobs.append(Job("s", declared["s"], layer=output))
-            # qzeros and a trivial g_idx carry nothing Marlin needs: the manifest says how to rebuild them
+            if kind == "qzeros" and "zp" in declared:
+                jobs.append(Job("zp", declared["zp"], layer=output))
+            # symmetric qzeros and a trivial g_idx carry nothing Marlin needs: the manifest says how to rebuild them
         shards.append(ShardPlan(shard.path.name, jobs))
     return ConversionPlan(checkpoint, layers, outputs, shards, notes)
 
@@ -294,7 +313,7 @@ def _bytes(array: np.ndarray) -> memoryview:
 def _g_idx(checkpoint: Checkpoint, layer: LayerPlan, index: int | None) -> np.ndarray:
     if layer.has_g_idx:
         return checkpoint.read(layer.tensor("g_idx"), index)
-    return layout.trivial_g_idx(layer.in_features, layer.effective_group_size)
+    return layout.trivial_g_idx(layer.spec.in_features, layer.spec.effective_group_size)
 
 
 def _write(result: JobResult, writer: ShardWriter, name: str, array: np.ndarray, at: int) -> int:
@@ -327,7 +346,7 @@ def _stream_slices(job: Job, checkpoint: Checkpoint, writer: ShardWriter, result
 def run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter) -> JobResult:
     """Produce one output tensor into ``writer`` (in this process). Holds one tensor or expert slice at a time."""
     result = JobResult(pid=os.getpid())
-    if job.kind == "copy":  # hashed while copied: the manifest's passthrough digests
+    if job.kind == "copy":  # hashed while copied: the digests of passthrough tensors and of kept layers' tensors
         name = job.output.name
         result.written[name], result.digests[name] = writer.copy_range(name, job.source_path, job.source.begin,
                                                                        job.source.nbytes)
@@ -430,28 +449,37 @@ class ConversionReport:
         return dict(self.__dict__)
 
 
-def _marlin_quant_config(original: dict) -> dict:
+#: key of the output configs listing the modules a partly converted checkpoint keeps in GPTQ form
+GPTQ_MODULES_KEY = "modules_in_gptq_form"
+
+
+def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:
+    """A quantization config as read, with every format key saying the same thing: "marlin" (and
+    ``is_marlin_format: true``) when every quantized layer was converted; "marlin-partial" (and
+    ``is_marlin_format: false``, so no legacy loader takes it for Marlin) plus the list of modules still in
+    GPTQ form when some were kept. GPTQModel's ``format`` key is rewritten where the source has one."""
+    label = plan.checkpoint_format
     updated = dict(original)
-    updated.update(quant_method="gptq", checkpoint_format="marlin", is_marlin_format=True)
+    updated.update(quant_method="gptq", checkpoint_format=label, is_marlin_format=label == "marlin")
+    if "format" in original:
+        updated["format"] = label
+    if plan.refused:
+        updated[GPTQ_MODULES_KEY] = [layer.prefix for layer in plan.refused]
     return updated
 
 
 def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
+    """config.json (``quantization_config``) and quantize_config.json, each with the values it was read with
+    (the other file's where it had none), and the format keys of :func:`_marlin_quant_config`."""
     checkpoint = plan.checkpoint
-    config = checkpoint.config
-    merged = {
-        "bits": config.bits,
-        "group_size": config.group_size,
-        "desc_act": config.desc_act,
-        "sym": config.sym,
-    }
+    section = (checkpoint.config_json or {}).get("quantization_config")
+    own = section if section is not None else checkpoint.quantize_json
     if checkpoint.config_json is not None:
         config_json = dict(checkpoint.config_json)
-        config_json["quantization_config"] = _marlin_quant_config(
-            {**config_json.get("quantization_config", {}), **merged}
-        )
+        config_json["quantization_config"] = _marlin_quant_config(own, plan)
         (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
-    quantize_json = _marlin_quant_config({**(checkpoint.quantize_json or {}), **merged})
+    quantize_json = _marlin_quant_config(checkpoint.quantize_json if checkpoint.quantize_json is not None else own,
+                                         plan)
     (tmp / QUANTIZE_CONFIG_FILE).write_text(json.dumps(quantize_json, indent=2) + "\n", encoding="utf-8")
 
 
@@ -461,10 +489,12 @@ def _produced_names(plan: ConversionPlan) -> set[str]:
 
 
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
-    """The manifest's ``passthrough``: every tensor copied unchanged, where it is, and the digest of its bytes."""
+    """The manifest's ``passthrough``: every tensor copied unchanged that is not part of a layer kept in GPTQ form
+    (those are in ``kept``), where it is, and the digest of its bytes."""
+    kept = {name for layer in plan.refused for name in layer.source_names.values()}
     return [{"name": job.output.name, "shard": out_shard[job.output.name], "dtype": job.output.dtype,
              "shape": list(job.output.shape), "sha256": digests[job.output.name]}
-            for shard in plan.shards for job in shard.jobs if job.kind == "copy"]
+            for shard in plan.shards for job in shard.jobs if job.kind == "copy" and job.output.name not in kept]
 
 
 def _source_entry(member: LayerPlan, first: int | None, stop: int | None, digests: dict[str, str]) -> dict:
@@ -472,48 +502,75 @@ def _source_entry(member: LayerPlan, first: int | None, stop: int | None, digest
         "name": member.prefix,
         "tensors": member.source_names,
         "slices": None if first is None else [first, stop],
-        "g_idx": "act_order" if member.act_order else ("trivial" if member.has_g_idx else "absent"),
-        "zero_format": member.zero_format,
-        "zero_stored": SYMMETRIC_ZERO[member.zero_format],
+        "g_idx": "act_order" if member.spec.act_order else ("trivial" if member.has_g_idx else "absent"),
+        "zero_format": member.spec.zero_format,
+        "zero_stored": member.zero_stored,
         "digests": {kind: digests[name] for kind, name in member.source_names.items()},
     }
 
 
 def _layer_entry(layer: OutputLayer, digests: dict[str, str], out_shard: dict[str, str]) -> dict:
-    """The manifest's record of one output layer (README, "The manifest")."""
+    """The manifest's record of one output layer (CONTRACT C; README, "The manifest")."""
     outputs = marlin_outputs(layer)
-    plan = layer.plan
-    k, n = plan.in_features, plan.out_features
+    plan, spec = layer.plan, layer.spec
+    k_pad, n_pad = spec.padded_shape
     if layer.members:
         sources = [_source_entry(m, e, e + 1, digests) for e, m in enumerate(layer.members)]
     else:
-        sources = [_source_entry(plan, 0 if plan.num_experts else None, plan.num_experts or None, digests)]
+        sources = [_source_entry(plan, 0 if spec.num_experts else None, spec.num_experts or None, digests)]
     entry = {
         "name": layer.prefix,
         "outputs": {kind: t.name for kind, t in outputs.items()},
         "shards": {kind: out_shard[t.name] for kind, t in outputs.items()},
         "shapes": {kind: list(t.shape) for kind, t in outputs.items()},
-        "in_features": k,
-        "out_features": n,
-        "bits": plan.bits,
-        "group_size": plan.group_size,
-        "num_groups": plan.num_groups,
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "num_groups": spec.num_groups,
+        "sym": spec.sym,
+        "zero_format": spec.zero_format,
         "act_order": layer.act_order,
-        "scale_dtype": DTYPE_NAMES.get(plan.scale_dtype, plan.scale_dtype),
+        "in_features": spec.in_features,
+        "out_features": spec.out_features,
+        "padded_in_features": k_pad,
+        "padded_out_features": n_pad,
+        "scale_dtype": spec.scale_dtype,
         "num_experts": layer.num_experts,
         "workspace": {"rule": layout.WORKSPACE_RULE, "ints": plan.workspace_ints},
+        "source_format": spec.source_format,
         "sources": sources,
     }
     if layer.num_experts:
-        entry["expert_stride_int32"] = k * n // layout.PACK_FACTOR
+        entry["expert_stride_int32"] = k_pad * n_pad * spec.bits // 32
         entry["workspace"]["per_expert"] = True
     return entry
+
+
+def _kept_entry(layer: LayerPlan, digests: dict[str, str], out_shard: dict[str, str]) -> dict:
+    """The manifest's record of a layer left in GPTQ form: its tensors, where they are, and their digests."""
+    names = layer.source_names
+    return {
+        "name": layer.prefix,
+        "reason": layer.reason,
+        "tensors": names,
+        "shards": {kind: out_shard[name] for kind, name in names.items()},
+        "digests": {kind: digests[name] for kind, name in names.items()},
+    }
+
+
+def _quantization_defaults(plan: ConversionPlan) -> dict:
+    """The config's global settings exactly as read (null where absent): defaults, not any layer's truth."""
+    read = plan.checkpoint.config.as_read
+    keys = ("bits", "group_size", "desc_act", "sym", "checkpoint_format", "dynamic")
+    defaults = {key: read.get(key) for key in keys}
+    if defaults["checkpoint_format"] is None:
+        defaults["checkpoint_format"] = read.get("format")
+    return defaults
 
 
 def _expert_groups(plan: ConversionPlan) -> list[dict]:
     """Per-expert keys written per expert (no ``--stack-experts``): one summary per group and projection, so an
     engine can find all experts of a layer without parsing names. Stacked outputs describe themselves."""
-    converted = [o.plan for o in plan.outputs if not o.members and not o.plan.num_experts]
+    converted = [o.plan for o in plan.outputs if not o.members and not o.spec.num_experts]
     groups, _ = group_experts([layer.prefix for layer in converted])
     by_prefix = {layer.prefix: layer for layer in converted}
     summary = []
@@ -524,8 +581,8 @@ def _expert_groups(plan: ConversionPlan) -> list[dict]:
                 "base": group.base,
                 "projection": projection,
                 "num_experts": len(members),
-                "in_features": first.in_features,
-                "out_features": first.out_features,
+                "in_features": first.spec.in_features,
+                "out_features": first.spec.out_features,
                 "workspace_ints_per_expert": first.workspace_ints,
                 "layers": [members[e] for e in sorted(members)],
             })
@@ -610,7 +667,7 @@ def convert(
         files = output_file_digests(tmp, extra.copy, workers)
 
         layers = [_layer_entry(layer, digests, out_shard) for layer in plan.outputs]
-        skipped = [{"name": layer.prefix, "reason": layer.reason, "source": layer.source_names} for layer in plan.refused]
+        kept = [_kept_entry(layer, digests, out_shard) for layer in plan.refused]
         passthrough = plan.passthrough_tensors
         bytes_out = sum(record["bytes"] for record in files.values())
         manifest = {
@@ -618,19 +675,16 @@ def convert(
             "version": MANIFEST_VERSION,
             "tool": f"marlin-convert {__version__}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {"path": str(in_dir.resolve()), "bytes": plan.bytes_in,
+            "source": {"path": str(in_dir.resolve()), "bytes": plan.bytes_in, "format": "gptq",
                        "quantization_config": checkpoint.config.sources},
-            "checkpoint_format": "marlin",
-            "bits": checkpoint.config.bits,
-            "group_size": checkpoint.config.group_size,
-            "desc_act": checkpoint.config.desc_act,
-            "sym": checkpoint.config.sym,
+            "checkpoint_format": plan.checkpoint_format,
+            "model_dtype": checkpoint.model_dtype,
+            "quantization_defaults": _quantization_defaults(plan),
             "notes": plan.notes,
             "shards": [shard.file_name for shard in plan.shards],
-            "passthrough_tensors": passthrough,
             "layers": layers,
+            "kept": kept,
             "expert_groups": _expert_groups(plan),
-            "skipped": skipped,
         }
         manifest["passthrough"] = _passthrough_entries(plan, digests, out_shard)
         manifest["files"] = files
@@ -649,9 +703,9 @@ def convert(
     return ConversionReport(
         in_dir=str(in_dir),
         out_dir=str(out_dir),
-        layers=[{key: entry[key] for key in ("name", "in_features", "out_features", "group_size", "act_order",
-                                             "num_experts")} for entry in layers],
-        skipped=[{"name": s["name"], "reason": s["reason"]} for s in skipped],
+        layers=[{key: entry[key] for key in ("name", "bits", "in_features", "out_features", "group_size", "sym",
+                                             "act_order", "num_experts")} for entry in layers],
+        skipped=[{"name": k["name"], "reason": k["reason"]} for k in kept],
         passthrough_tensors=passthrough,
         shards=len(plan.shards),
         bytes_in=plan.bytes_in,

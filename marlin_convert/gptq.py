@@ -1,16 +1,20 @@
 """Reading a GPTQ checkpoint: its config, its shards, and one checked plan per quantized linear.
 
-Everything here reads; nothing writes. :func:`open_checkpoint` parses the configs and every shard header and
-checks the index; :func:`plan_layers` finds each quantized linear (prefix ``P`` with ``P.qweight``), checks the
-shapes and dtypes of its tensors against each other and the config, reads the small tensors (``qzeros``,
-``g_idx``) to decide the zero format and act-order, and says whether the layer can become Marlin and, if not,
+Everything here reads; nothing writes. :func:`open_checkpoint` parses the configs (every value type-checked)
+and every shard header and checks the index; :func:`plan_layers` finds each quantized linear (prefix ``P`` with
+``P.qweight``), resolves its settings once (the config's defaults overridden by the first matching GPTQModel
+``dynamic`` rule), checks the shapes and dtypes of its tensors against each other and those settings, reads
+the small tensors (``qzeros``, ``g_idx``) to decide the zero format and act-order, and records the result as
+one :class:`~marlin_convert.spec.QuantSpec` per layer, plus whether the layer can become Marlin and, if not,
 why. All of that happens before a single byte is written.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,33 +22,157 @@ import numpy as np
 from . import layout, strict_json
 from .errors import InputError
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, TensorInfo, read_header, read_tensor
+from .spec import QuantSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 QUANTIZE_CONFIG_FILE = "quantize_config.json"
 
-#: Marlin has a form for these group sizes (plus group size == K, which uses the channelwise layout)
+#: bit widths GPTQ writes; Marlin has forms for 4 and 8
+GPTQ_BITS = (2, 3, 4, 8)
+MARLIN_BITS = (4, 8)
+#: Marlin has a form for these group sizes (plus any group size >= K, which is channelwise)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 SCALE_DTYPES = ("F16", "BF16", "F32")
-#: stored zero point of a symmetric 4-bit layer: v1 stores z - 1, v2 stores z (z = 8)
-SYMMETRIC_ZERO = {"v1": 7, "v2": 8}
+#: values of the config's format keys (``checkpoint_format``, GPTQModel's ``format``) and the zero format each means
+ZERO_FORMAT_OF_LABEL = {"gptq": "v1", "gptq_v2": "v2"}
+#: labels that mean the directory is already (partly) converted
+MARLIN_LABELS = ("marlin", "marlin-partial")
+#: the per-module settings a ``dynamic`` rule may override, and their JSON types
+RULE_KEYS = {"bits": int, "group_size": int, "sym": bool, "desc_act": bool}
 
 
-@dataclass
+def symmetric_stored_zero(bits: int, zero_format: str) -> int:
+    """The value a symmetric layer stores in every qzeros slot: 2^(b-1) - 1 in v1 (7 / 127), 2^(b-1) in v2."""
+    return (1 << (bits - 1)) - (1 if zero_format == "v1" else 0)
+
+
+# ----------------------------------------------------------------------------------------------- the config
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number with a fraction" if value != int(value) else "a float"
+    if isinstance(value, str):
+        return "a string"
+    return "null" if value is None else ("a list" if isinstance(value, list) else "an object")
+
+
+def _typed(value, kind: type, key: str, where: str):
+    """``value`` if it is a JSON ``kind`` (bool is not an int; 4.0 is not an int), else InputError naming both."""
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        wanted = {bool: "a JSON boolean (true or false)", int: "a JSON integer", str: "a JSON string",
+                  dict: "a JSON object"}[kind]
+        raise InputError(f"{where}: '{key}' must be {wanted}, found {_json_kind(value)} {json.dumps(value)}")
+    return value
+
+
+def _check_bits(bits: int, key: str, where: str) -> int:
+    if bits not in GPTQ_BITS:
+        raise InputError(f"{where}: '{key}' is {bits}; GPTQ has {', '.join(map(str, GPTQ_BITS))} bits")
+    return bits
+
+
+def _check_group_size(group_size: int, key: str, where: str) -> int:
+    if group_size != -1 and group_size <= 0:
+        raise InputError(f"{where}: '{key}' is {group_size}; expected -1 (channelwise) or a positive group size")
+    return group_size
+
+
+@dataclass(frozen=True)
+class DynamicRule:
+    """One GPTQModel ``dynamic`` entry. ``key`` as written: ``+:REGEX`` or a bare ``REGEX`` overrides settings of
+    the modules it matches, ``-:REGEX`` says they are not quantized. Matching is ``re.match`` on the module
+    name (anchored at the start, not at the end), as GPTQModel and vLLM do; the first matching rule wins."""
+
+    key: str
+    pattern: re.Pattern
+    excluded: bool
+    overrides: dict  # a subset of RULE_KEYS, type-checked
+    where: str  # the config file it came from
+
+
+def _parse_dynamic(value, where: str) -> tuple[DynamicRule, ...]:
+    if value is None:
+        return ()
+    _typed(value, dict, "dynamic", where)
+    rules = []
+    for key, body in value.items():
+        rule_where = f"{where}: dynamic rule {json.dumps(key)}"
+        _typed(body, dict, "value", rule_where)
+        excluded = key.startswith("-:")
+        regex = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            pattern = re.compile(regex)
+        except re.error as exc:
+            raise InputError(f"{rule_where}: not a valid regular expression: {exc}") from exc
+        overrides = {name: _typed(body[name], kind, name, rule_where) for name, kind in RULE_KEYS.items()
+                     if name in body}
+        if "bits" in overrides:
+            _check_bits(overrides["bits"], "bits", rule_where)
+        if "group_size" in overrides:
+            _check_group_size(overrides["group_size"], "group_size", rule_where)
+        rules.append(DynamicRule(key, pattern, excluded, overrides, where))
+    return tuple(rules)
+
+
+@dataclass(frozen=True)
+class ModuleSettings:
+    """What the config says about one module: the defaults, overridden by ``rule`` (the first matching
+    ``dynamic`` key, or None). ``quantized`` is False when that rule is a ``-:`` exclusion. ``sym`` is None when
+    no file states it (the stored zero points then decide)."""
+
+    bits: int
+    group_size: int
+    sym: bool | None
+    desc_act: bool
+    rule: DynamicRule | None = None
+    quantized: bool = True
+
+    @property
+    def origin(self) -> str:
+        """Where these settings come from, for messages."""
+        return f"dynamic rule {json.dumps(self.rule.key)} in {self.rule.where}" if self.rule else "the config"
+
+
+@dataclass(frozen=True)
 class QuantConfig:
-    """The quantization settings that matter, merged from ``config.json`` and ``quantize_config.json``."""
+    """The GPTQ settings of a checkpoint, merged from ``config.json`` (``quantization_config``) and
+    ``quantize_config.json`` (which wins where both name a key), every value type-checked.
+
+    These are defaults: a layer's own settings come from :meth:`settings_for`, its full description from
+    :func:`plan_layer`. ``as_read`` keeps the merged values exactly as the files wrote them.
+    """
 
     bits: int
     group_size: int
     desc_act: bool
-    sym: bool
-    checkpoint_format: str  # "gptq" (v1) or "gptq_v2"; absent in the files means v1
+    sym: bool | None
+    checkpoint_format: str  # "gptq" (v1) or "gptq_v2"; absent in the files means "gptq"
+    dynamic: tuple[DynamicRule, ...]
     sources: list[str]
+    as_read: dict
 
     @property
     def zero_format_label(self) -> str:
-        return "v2" if self.checkpoint_format == "gptq_v2" else "v1"
+        return ZERO_FORMAT_OF_LABEL[self.checkpoint_format]
+
+    def settings_for(self, module: str) -> ModuleSettings:
+        """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``)."""
+        for rule in self.dynamic:
+            if rule.pattern.match(module):
+                if rule.excluded:
+                    return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act, rule, quantized=False)
+                o = rule.overrides
+                return ModuleSettings(o.get("bits", self.bits), o.get("group_size", self.group_size),
+                                      o.get("sym", self.sym), o.get("desc_act", self.desc_act), rule)
+        return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act)
 
 
 def _read_json(path: Path) -> dict:
@@ -59,21 +187,45 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | None]:
-    """Merge the GPTQ settings. Returns ``(config, config_json, quantize_config_json)`` (the raw dicts or None).
+def _format_label(merged: dict, origin: dict[str, str]) -> str:
+    """The one format label the config states (``checkpoint_format`` and GPTQModel's ``format`` must agree)."""
+    labels = {}
+    for key in ("checkpoint_format", "format"):
+        if key in merged:
+            labels[key] = _typed(merged[key], str, key, origin[key]).lower()
+    if "is_marlin_format" in merged and _typed(merged["is_marlin_format"], bool, "is_marlin_format",
+                                               origin["is_marlin_format"]):
+        labels["is_marlin_format"] = "marlin"
+    if any(label in MARLIN_LABELS for label in labels.values()):
+        raise InputError(f"{origin[next(iter(labels))]}: already in Marlin format "
+                         f"({', '.join(f'{k}: {v}' for k, v in labels.items())})")
+    if len(set(labels.values())) > 1:
+        raise InputError(f"{', '.join(sorted({origin[k] for k in labels}))}: format keys disagree: "
+                         + ", ".join(f"{k} is {json.dumps(v)}" for k, v in labels.items()))
+    label = next(iter(labels.values()), "gptq")
+    if label not in ZERO_FORMAT_OF_LABEL:
+        key = next(iter(labels))
+        raise InputError(f"{origin[key]}: unknown {key} {json.dumps(label)} (expected gptq or gptq_v2)")
+    return label
 
-    ``quantize_config.json`` wins where both name a key (it is what GPTQ tools write and read).
-    """
+
+def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | None]:
+    """Merge and type-check the GPTQ settings. Returns ``(config, config_json, quantize_config_json)`` (the raw
+    dicts or None). Raises :class:`InputError` naming the file and key of a missing or ill-typed value."""
     config_path, quantize_path = in_dir / CONFIG_FILE, in_dir / QUANTIZE_CONFIG_FILE
     config_json = _read_json(config_path) if config_path.exists() else None
     quantize_json = _read_json(quantize_path) if quantize_path.exists() else None
     merged: dict = {}
+    origin: dict[str, str] = {}
     sources: list[str] = []
-    if config_json is not None and isinstance(config_json.get("quantization_config"), dict):
-        merged.update(config_json["quantization_config"])
+    if config_json is not None and "quantization_config" in config_json:
+        section = _typed(config_json["quantization_config"], dict, "quantization_config", str(config_path))
+        merged.update(section)
+        origin.update(dict.fromkeys(section, f"{config_path} (quantization_config)"))
         sources.append(f"{CONFIG_FILE}:quantization_config")
     if quantize_json is not None:
         merged.update(quantize_json)
+        origin.update(dict.fromkeys(quantize_json, str(quantize_path)))
         sources.append(QUANTIZE_CONFIG_FILE)
     if not sources:
         raise InputError(
@@ -82,26 +234,30 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
             hint="is this a GPTQ checkpoint directory?",
         )
     method = merged.get("quant_method", "gptq")
-    if str(method).lower() != "gptq":
-        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {method!r}")
-    if str(merged.get("checkpoint_format", "")).lower() == "marlin" or merged.get("is_marlin_format"):
-        raise InputError(f"{in_dir}: already in Marlin format (checkpoint_format says so)")
-    try:
-        config = QuantConfig(
-            bits=int(merged["bits"]),
-            group_size=int(merged.get("group_size", -1)),
-            desc_act=bool(merged.get("desc_act", False)),
-            sym=bool(merged.get("sym", True)),
-            checkpoint_format=str(merged.get("checkpoint_format", "gptq")).lower(),
-            sources=sources,
-        )
-    except KeyError as exc:
-        raise InputError(f"{in_dir}: quantization config ({', '.join(sources)}) has no {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
-        raise InputError(f"{in_dir}: quantization config ({', '.join(sources)}) has a malformed value: {exc}") from exc
-    if config.checkpoint_format not in ("gptq", "gptq_v2"):
-        raise InputError(f"{in_dir}: unknown checkpoint_format {config.checkpoint_format!r} (expected gptq or gptq_v2)")
+    if not isinstance(method, str) or method.lower() != "gptq":
+        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}")
+    if "bits" not in merged:
+        raise InputError(f"{in_dir}: quantization config ({', '.join(sources)}) has no 'bits'")
+
+    def value(key: str, kind: type, default):
+        return _typed(merged[key], kind, key, origin[key]) if key in merged else default
+
+    config = QuantConfig(
+        bits=_check_bits(value("bits", int, None), "bits", origin["bits"]),
+        group_size=_check_group_size(value("group_size", int, -1), "group_size", origin.get("group_size", "")),
+        desc_act=value("desc_act", bool, False),
+        sym=value("sym", bool, None),
+        checkpoint_format=_format_label(merged, origin),
+        dynamic=_parse_dynamic(merged.get("dynamic"), origin.get("dynamic", "")),
+        sources=sources,
+        as_read=merged,
+    )
+    if "lm_head" in merged:
+        value("lm_head", bool, False)
     return config, config_json, quantize_json
+
+
+# ----------------------------------------------------------------------------------------------- the shards
 
 
 @dataclass
@@ -126,6 +282,12 @@ class Checkpoint:
     @property
     def total_bytes(self) -> int:
         return sum(s.path.stat().st_size for s in self.shards)
+
+    @property
+    def model_dtype(self):
+        """config.json's ``torch_dtype`` (or newer ``dtype``) exactly as written, or None."""
+        config = self.config_json or {}
+        return config.get("torch_dtype", config.get("dtype"))
 
 
 def open_checkpoint(in_dir: Path) -> Checkpoint:
@@ -205,30 +367,21 @@ def shard_path(directory: Path, name: str, where: Path) -> Path:
 class LayerPlan:
     """One quantized linear (or one stacked set of experts) and what will become of it.
 
-    ``in_features`` (K) and ``out_features`` (N) are per expert; ``num_experts`` is 0 for a 2-D layer.
+    ``spec`` describes it (shapes per expert); ``settings`` says what the config said and which ``dynamic`` rule
+    applied. ``zero_stored`` is the constant stored qzeros value of a symmetric layer (None when asymmetric).
     ``convertible`` is False with ``reason`` set when the layer stays in GPTQ form (or stops the run).
     """
 
     prefix: str
-    in_features: int
-    out_features: int
-    bits: int
-    group_size: int  # as the config says (-1 = channelwise)
-    num_groups: int
-    scale_dtype: str  # safetensors dtype name of the scales
-    num_experts: int = 0
-    act_order: bool = False
-    zero_format: str | None = None  # "v1"/"v2" as decided from the stored values
-    has_g_idx: bool = False
+    spec: QuantSpec
+    settings: ModuleSettings
+    has_g_idx: bool
+    zero_stored: int | None = None
     convertible: bool = True
     reason: str | None = None
 
     def tensor(self, suffix: str) -> str:
         return f"{self.prefix}.{suffix}"
-
-    @property
-    def effective_group_size(self) -> int:
-        return self.in_features if self.group_size == -1 else self.group_size
 
     @property
     def source_names(self) -> dict[str, str]:
@@ -239,7 +392,7 @@ class LayerPlan:
 
     @property
     def workspace_ints(self) -> int:
-        return layout.workspace_ints(self.out_features)
+        return layout.workspace_ints(self.spec.padded_out_features)
 
     def refuse(self, reason: str) -> None:
         self.convertible = False
@@ -264,8 +417,13 @@ def _expect(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], shape: t
     return info
 
 
-def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_experts: int, k: int, num_groups: int,
-                    group_size: int) -> None:
+def num_groups(k: int, group_size: int) -> int:
+    """G = ceil(K / g), 1 when channelwise (-1) or when the group size is at least K."""
+    return 1 if group_size == -1 or group_size >= k else -(-k // group_size)
+
+
+def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_experts: int, k: int,
+                    settings: ModuleSettings) -> None:
     """Clearer messages than a bare shape mismatch for the two mistakes seen with experts: a stacked tensor
     whose expert count differs from qweight's, and scales/qzeros whose row count implies another group size."""
     name = f"{prefix}.{suffix}"
@@ -276,111 +434,147 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
     if num_experts and (len(shape) != 3 - (suffix == "g_idx") or shape[0] != num_experts):
         raise InputError(f"{where}: tensor '{name}' has shape {list(shape)}: {shape[0] if shape else 0} experts, "
                          f"but {prefix}.qweight has {num_experts}")
-    if suffix in ("scales", "qzeros") and len(shape) >= 2 and shape[-2] != num_groups and shape[-2] > 0 \
-            and k % shape[-2] == 0:
-        raise InputError(f"{where}: tensor '{name}' has {shape[-2]} rows: that is group size {k // shape[-2]} "
-                         f"for K = {k}, but the config says {group_size} ({num_groups} rows)")
+    expected = num_groups(k, settings.group_size)
+    if suffix in ("scales", "qzeros") and len(shape) >= 2 and shape[-2] != expected and shape[-2] > 0:
+        rows = shape[-2]
+        implied = k if rows == 1 else -(-k // rows)
+        fits = rows == num_groups(k, implied)
+        raise InputError(f"{where}: tensor '{name}' has {rows} rows"
+                         + (f": that is group size {implied} for K = {k}" if fits else f" for K = {k}")
+                         + f", but {settings.origin} says group size {settings.group_size} ({expected} rows)")
 
 
 def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
-    """Check one quantized linear against its config and siblings; decide zero format and act-order.
+    """Resolve one quantized linear's spec from its settings and tensors; check it; decide whether Marlin takes it.
 
-    Raises :class:`InputError` for a malformed layer (inconsistent shapes, wrong dtypes, bad g_idx). Returns a
-    plan with ``convertible=False`` and a reason for a well-formed layer that has no Marlin form.
+    Raises :class:`InputError` for a malformed layer (inconsistent shapes, wrong dtypes, bad g_idx, settings the
+    tensors contradict). Returns a plan with ``convertible=False`` and a reason for a well-formed layer that
+    has no Marlin form here, or whose config and stored zero points contradict each other.
     """
-    config = checkpoint.config
+    settings = checkpoint.config.settings_for(prefix)
     qweight = _expect(checkpoint, f"{prefix}.qweight", ("I32",), None)
     where = checkpoint.location[qweight.name].path.name
     if len(qweight.shape) not in (2, 3):
         raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}, expected 2-D or 3-D")
+    if not settings.quantized:
+        raise InputError(f"layer '{prefix}': {settings.origin} says this module is not quantized, "
+                         f"but '{qweight.name}' is stored")
+    bits = settings.bits
     stacked = len(qweight.shape) == 3
     lead = qweight.shape[:1] if stacked else ()
     num_experts = qweight.shape[0] if stacked else 0
-    if config.bits not in (2, 3, 4, 8):
-        raise InputError(f"{checkpoint.path}: quantization config says bits = {config.bits}; GPTQ has 2, 3, 4 or 8")
-    pack = 32 // config.bits if config.bits != 3 else None
     rows, n = qweight.shape[-2:]
-    k = rows * pack if pack else rows * 32 // 3
-    group = k if config.group_size == -1 else config.group_size
-    if group <= 0 or k % group:
-        raise InputError(f"layer '{prefix}': group size {config.group_size} does not divide K = {k}")
-    num_groups = k // group
-    for suffix in ("scales", "qzeros", "g_idx"):
-        _check_siblings(checkpoint, prefix, suffix, num_experts, k, num_groups, config.group_size)
-    scales = _expect(checkpoint, f"{prefix}.scales", SCALE_DTYPES, (*lead, num_groups, n))
-    zero_cols = -(-n // pack) if pack else n * 3 // 32
-    _expect(checkpoint, f"{prefix}.qzeros", ("I32",), (*lead, num_groups, zero_cols))
+    k = rows * 32 // bits
     has_g_idx = f"{prefix}.g_idx" in checkpoint.location
     if has_g_idx:
-        _expect(checkpoint, f"{prefix}.g_idx", ("I32",), (*lead, k))
-    plan = LayerPlan(
-        prefix=prefix,
-        in_features=k,
-        out_features=n,
-        bits=config.bits,
-        group_size=config.group_size,
-        num_groups=num_groups,
-        scale_dtype=scales.dtype,
-        num_experts=num_experts,
-        has_g_idx=has_g_idx,
-    )
-
-    if config.bits != 4:
-        plan.refuse(f"{config.bits}-bit weights: only 4-bit has a Marlin form here (8-bit is planned)")
-        return plan
+        g_idx_shape = checkpoint.info(f"{prefix}.g_idx").shape
+        if len(g_idx_shape) == len(lead) + 1 and g_idx_shape[-1] != k:
+            raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path.name}: tensor '{prefix}.g_idx' has shape "
+                             f"{list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of packed {bits}-bit "
+                             f"values are K = {k} ({settings.origin} says bits = {bits})")
+    for suffix in ("scales", "qzeros", "g_idx"):
+        _check_siblings(checkpoint, prefix, suffix, num_experts, k, settings)
+    groups = num_groups(k, settings.group_size)
+    scales = _expect(checkpoint, f"{prefix}.scales", SCALE_DTYPES, (*lead, groups, n))
+    _expect(checkpoint, f"{prefix}.qzeros", ("I32",), (*lead, groups, -(-n * bits // 32)))
     if has_g_idx:
-        plan.act_order = _check_g_idx(checkpoint, plan)
-    if config.group_size not in SUPPORTED_GROUP_SIZES and group != k:
-        plan.refuse(f"group size {config.group_size}: Marlin supports -1, 32, 64, 128 or group size == K")
+        _expect(checkpoint, f"{prefix}.g_idx", ("I32",), (*lead, k))
+    act_order = _check_g_idx(checkpoint, prefix, k, settings.group_size, num_experts) if has_g_idx else False
+    spec = QuantSpec.create(bits=bits, group_size=settings.group_size, sym=settings.sym is not False,
+                            zero_format=checkpoint.config.zero_format_label, act_order=act_order, in_features=k,
+                            out_features=n, scale_dtype=DTYPE_NAMES[scales.dtype], num_experts=num_experts)
+    plan = LayerPlan(prefix, spec, settings, has_g_idx)
+    if bits not in MARLIN_BITS:
+        plan.refuse(f"{bits}-bit weights: Marlin has 4- and 8-bit forms only")
         return plan
-    if k % layout.TILE or n % layout.MIN_N_MULTIPLE:
-        plan.refuse(
-            f"shape K = {k}, N = {n}: Marlin needs K % {layout.TILE} == 0 and N % {layout.MIN_N_MULTIPLE} == 0"
-        )
+    if bits == 8:  # interim: until the 8-bit layout functions of CONTRACT A are merged
+        plan.refuse("8-bit weights: not wired in yet")
         return plan
-    plan.zero_format = _decide_zero_format(checkpoint, plan)
-    if plan.zero_format is None:
-        plan.refuse("asymmetric zero points (qzeros hold more than one value): not supported yet")
+    _decide_zeros(checkpoint, plan)
+    if not plan.convertible:
+        return plan
+    if not plan.spec.sym:  # interim: until the zero-point layout functions of CONTRACT A are merged
+        plan.refuse("asymmetric zero points: not wired in yet")
+        return plan
+    if settings.group_size not in SUPPORTED_GROUP_SIZES and not spec.channelwise:
+        plan.refuse(f"group size {settings.group_size}: Marlin supports -1, 32, 64, 128 or a group size >= K")
+        return plan
+    try:
+        spec.padded_shape
+    except ValueError as exc:
+        plan.refuse(f"shape K = {k}, N = {n}, group size {spec.effective_group_size}: {exc}")
     return plan
 
 
-def _check_g_idx(checkpoint: Checkpoint, plan: LayerPlan) -> bool:
-    """Read g_idx; raise on values out of range or groups of the wrong size; return True when non-trivial."""
-    name = plan.tensor("g_idx")
-    g_idx = checkpoint.read(name)
-    per_expert = g_idx.reshape(-1, plan.in_features)
-    group = plan.effective_group_size
-    if per_expert.min() < 0 or per_expert.max() >= plan.num_groups:
+def _check_g_idx(checkpoint: Checkpoint, prefix: str, k: int, group_size: int, num_experts: int) -> bool:
+    """Read g_idx; raise on values out of range or groups of the wrong size; return True when non-trivial.
+
+    Every group holds g rows, except the last, which holds K - (G - 1) * g (fewer when g does not divide K).
+    """
+    name = f"{prefix}.g_idx"
+    per_expert = checkpoint.read(name).reshape(-1, k)
+    groups = num_groups(k, group_size)
+    group = k if groups == 1 else group_size
+    if per_expert.min() < 0 or per_expert.max() >= groups:
         raise InputError(
-            f"tensor '{name}': g_idx values must lie in 0..{plan.num_groups - 1}, "
+            f"tensor '{name}': g_idx values must lie in 0..{groups - 1}, "
             f"found {int(per_expert.min())}..{int(per_expert.max())}"
         )
-    trivial = layout.trivial_g_idx(plan.in_features, group)
+    expected = np.full(groups, group)
+    expected[-1] = k - (groups - 1) * group
+    trivial = layout.trivial_g_idx(k, group)
     non_trivial = False
     for expert, row in enumerate(per_expert):
-        counts = np.bincount(row, minlength=plan.num_groups)
-        if (counts != group).any():
-            bad = int(np.flatnonzero(counts != group)[0])
-            where = f" (expert {expert})" if plan.num_experts else ""
+        counts = np.bincount(row, minlength=groups)
+        if (counts != expected).any():
+            bad = int(np.flatnonzero(counts != expected)[0])
+            where = f" (expert {expert})" if num_experts else ""
             raise InputError(
                 f"tensor '{name}'{where}: g_idx is unbalanced: group {bad} has {int(counts[bad])} rows, "
-                f"every group must have {group}"
+                f"expected {int(expected[bad])} (K = {k}, group size {group})"
             )
         non_trivial |= not np.array_equal(row, trivial)
     return non_trivial
 
 
-def _decide_zero_format(checkpoint: Checkpoint, plan: LayerPlan) -> str | None:
-    """Symmetric 4-bit layers store one value everywhere in qzeros: 7 (v1) or 8 (v2). Decide from the values."""
-    zeros = layout.unpack_gptq_qzeros(checkpoint.read(plan.tensor("qzeros")).reshape(-1, plan.out_features // 8),
-                                      plan.out_features)
-    values = np.unique(zeros)
-    if values.size != 1:
-        return None
-    for fmt, value in SYMMETRIC_ZERO.items():
-        if values[0] == value:
-            return fmt
-    return None
+def _stored_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> np.ndarray:
+    """Every stored qzeros value of the layer (all experts): uint8 ``[E*G, N]``."""
+    spec = plan.spec
+    words = checkpoint.read(plan.tensor("qzeros"))
+    return layout.unpack_gptq_qzeros(words.reshape(-1, words.shape[-1]), spec.out_features)
+
+
+def _decide_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> None:
+    """Settle ``sym`` and ``zero_format`` from the config and the stored qzeros, or refuse the layer.
+
+    - ``sym: false`` stays asymmetric whatever the values (zero format from the config's label: v1 stores
+      zero - 1, so a stored 2^b - 1 means a zero point of 2^b, which does not exist: refused).
+    - ``sym: true`` needs one value everywhere, the symmetric one (7 / 127 for v1, 8 / 128 for v2): the values
+      decide v1 or v2, whatever the label says (a note reports it). Anything else contradicts the config.
+    - ``sym`` not stated: the symmetric value everywhere means symmetric, anything else asymmetric.
+    """
+    spec, settings = plan.spec, plan.settings
+    stored = _stored_zeros(checkpoint, plan)
+    values = np.unique(stored)
+    symmetric = {fmt: symmetric_stored_zero(spec.bits, fmt) for fmt in ("v1", "v2")}
+    by_value = {value: fmt for fmt, value in symmetric.items()}
+    if settings.sym is not False and values.size == 1 and int(values[0]) in by_value:
+        fmt = by_value[int(values[0])]
+        plan.spec = replace(spec, sym=True, zero_format=fmt)
+        plan.zero_stored = int(values[0])
+        return
+    if settings.sym is True:
+        found = (f"{values.size} different values ({int(values.min())}..{int(values.max())})" if values.size > 1
+                 else f"{int(values[0])} everywhere")
+        plan.refuse(f"{settings.origin} says sym: true, but qzeros hold {found}, not the symmetric value "
+                    f"{symmetric['v1']} (v1) or {symmetric['v2']} (v2): the config contradicts the stored zero "
+                    "points; not converted")
+        return
+    plan.spec = replace(spec, sym=False)
+    top = (1 << spec.bits) - 1
+    if spec.zero_format == "v1" and int(values.max()) == top:
+        plan.refuse(f"asymmetric v1 zero points: stored value {top} means zero point {top + 1}, outside "
+                    f"0..{top} (v1 stores zero - 1, so it cannot hold zero point 0)")
 
 
 def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:

@@ -1,9 +1,10 @@
 """The manifest written beside a converted checkpoint (``marlin_manifest.json``).
 
-It records, per converted layer, everything an engine needs to load it without guessing (shapes, group size,
-act-order, the workspace rule and size) and everything :mod:`marlin_convert.verify` needs to prove the
-conversion lossless later (the SHA-256 of every source tensor, and how the tensors that Marlin does not store
-are rebuilt: the zero format and the g_idx kind). The README documents each field.
+It records, per converted layer, everything an engine needs to load it without guessing (bits, group size, zero
+points, act-order, logical and padded shapes, the workspace rule and size) and everything
+:mod:`marlin_convert.verify` needs to prove the conversion lossless later (the SHA-256 of every source tensor, and
+how the tensors that Marlin does not store are rebuilt: the zero format and the g_idx kind); per layer kept in
+GPTQ form, its tensors and their digests. Version 2 (CONTRACT C); the README documents each field.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from pathlib import Path
 from .errors import ManifestError
 
 MANIFEST_FILE = "marlin_manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
-def layer_outputs_names(prefix: str, act_order: bool) -> dict[str, str]:
-    """Names of the Marlin tensors of layer ``prefix``: ``B``, ``s`` and, with act-order, ``perm``/``g_idx``."""
+def layer_outputs_names(prefix: str, act_order: bool, zero_points: bool = False) -> dict[str, str]:
+    """Names of the Marlin tensors of layer ``prefix``: ``B``, ``s``, with zero points ``zp`` and, with
+    act-order, ``perm``/``g_idx``."""
     names = {"B": f"{prefix}.B", "s": f"{prefix}.s"}
+    if zero_points:
+        names["zp"] = f"{prefix}.zp"
     if act_order:
         names.update(perm=f"{prefix}.perm", g_idx=f"{prefix}.g_idx")
     return names
@@ -47,7 +51,7 @@ def load_manifest(directory: Path) -> dict:
         raise ManifestError(f"{path}: not a marlin-convert manifest")
     if manifest.get("version") != MANIFEST_VERSION:
         raise ManifestError(f"{path}: manifest version {manifest.get('version')!r}, this tool reads {MANIFEST_VERSION}")
-    for key in ("layers", "skipped"):
+    for key in ("layers", "kept"):
         if not isinstance(manifest.get(key), list):
             raise ManifestError(f"{path}: field '{key}' is missing or not a list")
     return manifest

@@ -60,6 +60,13 @@ for name, spec in cases.items():
     gen.write_checkpoint(root / f"{name}-gptq", spec)
 print("generated", ", ".join(cases))
 PYEOF
+# real producer output (tests/fixtures, README there): every GPTQModel and llm-compressor case, without the
+# producer's reference file (it is not part of the checkpoint)
+for fixture in tests/fixtures/gptqmodel/*/ tests/fixtures/llmcompressor/*/; do
+  producer=$(basename "$(dirname "$fixture")")
+  dest="$E2E/fx-$producer-$(basename "$fixture")-gptq"
+  cp -r "$fixture" "$dest" && rm -f "$dest/reference_dequant.safetensors"
+done
 e2e_failed=0
 e2e_rows=()
 for src in "$E2E"/*-gptq; do
@@ -82,7 +89,7 @@ except OSError:
 errs = [c['relative_error'] for x in r['results'] for c in x['kernel'] if c['batch']]
 print(f\"{r['layers_checked']} checked, {len(r['failures'])} failed, worst rel err {max(errs):.2e}\" if errs else 'no kernel runs')
 ")
-  e2e_rows+=("$(printf '  %-22s %-7s %s' "$name" "$status" "$summary")")
+  e2e_rows+=("$(printf "  %-34s %-7s %s" "$name" "$status" "$summary")")
 done
 RESULT[e2e]=$([ $e2e_failed = 0 ] && echo "ok (${#e2e_rows[@]} checkpoints converted and verified)" || echo "FAILED")
 

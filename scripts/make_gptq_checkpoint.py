@@ -11,13 +11,22 @@ Importable too (``tests/conftest.py`` puts ``scripts/`` on ``sys.path``)::
     write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, shards=2, group_size=64))
 
 What is written is the GPTQ layout as GPTQ tools store it. Per quantized linear with prefix ``P``
-(``K`` = in_features, ``N`` = out_features, ``b`` = bits, ``p = 32 / b``, ``G = ceil(K / g)`` groups):
+(``K`` = in_features, ``N`` = out_features, ``b`` = bits, ``p = 32 / b``, ``G = ceil(K / g)`` groups; K must
+divide by p, N need not, g need not divide K):
 
-    P.qweight  int32        [K/p, N]   uniformly random codes (random 32-bit words are valid random codes)
-    P.qzeros   int32        [G, N/p]   symmetric: 2**(b-1) - 1 everywhere (v1) or 2**(b-1) (v2); else random
-    P.scales   scale_dtype  [G, N]     uniform in [0.001, 0.02)
-    P.g_idx    int32        [K]        k // g, or with act_order a shuffled assignment of exactly g rows per group
-    P.bias     float16      [N]        only when the spec asks for it
+    P.qweight  int32        [K/p, N]        uniformly random codes (random 32-bit words are valid random codes)
+    P.qzeros   int32        [G, ceil(N/p)]  symmetric: 2**(b-1) - 1 everywhere (v1) or 2**(b-1) (v2); asymmetric:
+                                            random true zero points, stored minus 1 (v1: 0..2**b - 2) or as
+                                            they are (v2: 0..2**b - 1); unused high slots of the last word 0
+    P.scales   scale_dtype  [G, N]          uniform in [0.001, 0.02)
+    P.g_idx    int32        [K]             k // g, or with act_order a shuffled assignment of g rows per group
+                                            (the last group K - (G-1)*g)
+    P.bias     float16      [N]             only when the spec asks for it
+
+Each linear takes the checkpoint's bits, group size and sym unless its :class:`LinearSpec` sets its own; the
+``dynamic`` rules written to the config (GPTQModel's per-module overrides) are the spec's ``dynamic`` verbatim,
+so a test states both sides and can make them agree or not. :func:`with_quantized_lm_head` turns ``lm_head``
+into an 8-bit g32 linear with the rule GPTQModel writes for it.
 
 Stacked experts (``num_experts > 0``) get a leading ``[E, ...]`` dimension on all five. Every tensor is drawn
 from its own generator seeded by ``(seed, sha256(name))``, so the values do not depend on the shard count and
@@ -60,6 +69,9 @@ class LinearSpec:
     out_features: int  # N
     bias: bool = False
     num_experts: int = 0  # > 0: stacked 3-D tensors [E, ...] under the same names
+    bits: int | None = None  # None: the checkpoint's
+    group_size: int | None = None  # None: the checkpoint's
+    sym: bool | None = None  # None: the checkpoint's
 
 
 @dataclass
@@ -90,6 +102,14 @@ class CheckpointSpec:
     extra_files: bool = True  # tokenizer.json, tokenizer_config.json, generation_config.json
     seed: int = 0
     config_extra: dict = field(default_factory=dict)  # more config.json keys (presets: sizes, architectures)
+    dynamic: dict | None = None  # GPTQModel per-module rules, written to the quantization config as given
+    quantization_extra: dict = field(default_factory=dict)  # more quantization config keys (format, lm_head, ...)
+
+
+def layer_settings(lin: LinearSpec, spec: CheckpointSpec) -> tuple[int, int, bool]:
+    """(bits, group_size, sym) of one linear: its own where set, else the checkpoint's."""
+    return (spec.bits if lin.bits is None else lin.bits, spec.group_size if lin.group_size is None else lin.group_size,
+            spec.sym if lin.sym is None else lin.sym)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -110,20 +130,17 @@ def _random_words(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarra
 
 
 def _pack_along_last(values: np.ndarray, bits: int) -> np.ndarray:
-    """Pack ``values`` uint8 ``[..., M]`` (M % (32/bits) == 0) into int32 ``[..., M*bits/32]``, low bits first."""
+    """Pack ``values`` uint8 ``[..., M]`` into int32 ``[..., ceil(M*bits/32)]``, low bits first; the slots past M
+    in the last word are 0."""
     per_word = 32 // bits
-    grouped = values.reshape(*values.shape[:-1], values.shape[-1] // per_word, per_word).astype(np.uint32)
+    m = values.shape[-1]
+    padded = np.zeros((*values.shape[:-1], -(-m // per_word) * per_word), dtype=np.uint32)
+    padded[..., :m] = values
+    grouped = padded.reshape(*values.shape[:-1], -1, per_word)
     words = np.zeros(grouped.shape[:-1], dtype=np.uint32)
     for i in range(per_word):
         words |= grouped[..., i] << np.uint32(bits * i)
     return words.view(np.int32)
-
-
-def _pack_zeros(z: np.ndarray, bits: int) -> np.ndarray:
-    """Zero points uint8 ``[G, N]`` -> GPTQ ``qzeros`` int32 ``[G, N/p]``."""
-    if bits == 4:
-        return layout.pack_gptq_qzeros(z)
-    return _pack_along_last(z, bits)
 
 
 def num_groups(in_features: int, group_size: int) -> int:
@@ -134,7 +151,7 @@ def num_groups(in_features: int, group_size: int) -> int:
 def _balanced_g_idx(rng: np.random.Generator, k: int, group_size: int) -> np.ndarray:
     """Act-order g_idx: exactly ``g`` rows per group (the last group takes the remainder), shuffled until it is
     not the trivial ``k // g`` (impossible only with a single group)."""
-    g = k if group_size == -1 else group_size
+    g = k if num_groups(k, group_size) == 1 else group_size
     trivial = layout.trivial_g_idx(k, g)
     g_idx = trivial.copy()
     if num_groups(k, group_size) > 1:
@@ -144,10 +161,11 @@ def _balanced_g_idx(rng: np.random.Generator, k: int, group_size: int) -> np.nda
 
 
 def _validate(spec: CheckpointSpec) -> None:
-    if spec.bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits = {spec.bits} is not generated (supported: {SUPPORTED_BITS})")
-    if spec.group_size != -1 and spec.group_size <= 0:
-        raise ValueError(f"group_size = {spec.group_size} must be positive or -1 (channelwise)")
+    for bits, group_size, _ in [(spec.bits, spec.group_size, None)] + [layer_settings(x, spec) for x in spec.linears]:
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits = {bits} is not generated (supported: {SUPPORTED_BITS})")
+        if group_size != -1 and group_size <= 0:
+            raise ValueError(f"group_size = {group_size} must be positive or -1 (channelwise)")
     if spec.zero_format not in ZERO_FORMATS:
         raise ValueError(f"zero_format = {spec.zero_format!r} must be one of {ZERO_FORMATS}")
     if spec.checkpoint_format_label not in (None, *CHECKPOINT_FORMAT_LABELS):
@@ -158,11 +176,11 @@ def _validate(spec: CheckpointSpec) -> None:
     for dtype in [spec.scale_dtype] + [t.dtype for t in spec.extras]:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} must be one of {DTYPES}")
-    per_word = 32 // spec.bits
     for lin in spec.linears:
-        if lin.in_features % per_word or lin.out_features % per_word:
-            raise ValueError(f"{lin.name}: K = {lin.in_features} and N = {lin.out_features} must divide by "
-                             f"{per_word} to pack {spec.bits}-bit values into int32 words")
+        bits = layer_settings(lin, spec)[0]
+        if lin.in_features % (32 // bits):
+            raise ValueError(f"{lin.name}: K = {lin.in_features} must divide by {32 // bits} to pack {bits}-bit "
+                             "values into int32 words")
     if spec.shards < 1:
         raise ValueError(f"shards = {spec.shards} must be at least 1")
 
@@ -183,31 +201,32 @@ def linear_tensors(lin: LinearSpec, spec: CheckpointSpec) -> dict:
     """name -> torch tensor for one quantized linear (stacked when ``lin.num_experts > 0``)."""
     import torch
 
-    k, n, bits = lin.in_features, lin.out_features, spec.bits
+    k, n = lin.in_features, lin.out_features
+    bits, group_size, sym = layer_settings(lin, spec)
     per_word = 32 // bits
-    groups = num_groups(k, spec.group_size)
+    groups = num_groups(k, group_size)
     lead = (lin.num_experts,) if lin.num_experts else ()
     p = lin.name
     out = {}
 
     out[f"{p}.qweight"] = torch.from_numpy(_random_words(_rng(spec.seed, f"{p}.qweight"), (*lead, k // per_word, n)))
 
-    if spec.sym:
-        zero = 2 ** (bits - 1) - (1 if spec.zero_format == "v1" else 0)
-        z = np.full((groups, n), zero, dtype=np.uint8)
-        qzeros = np.broadcast_to(_pack_zeros(z, bits), (*lead, groups, n // per_word))
-    else:
-        qzeros = _random_words(_rng(spec.seed, f"{p}.qzeros"), (*lead, groups, n // per_word))
-    out[f"{p}.qzeros"] = torch.from_numpy(np.array(qzeros, dtype=np.int32, order="C"))  # a writable copy
+    v1 = spec.zero_format == "v1"
+    if sym:
+        z = np.full((*lead, groups, n), 2 ** (bits - 1) - (1 if v1 else 0), dtype=np.uint8)
+    else:  # true zero points 1..2**b - 1 (v1 cannot store 0) or 0..2**b - 1, stored minus 1 in v1
+        z = _rng(spec.seed, f"{p}.qzeros").integers(0, 2 ** bits - (1 if v1 else 0), size=(*lead, groups, n),
+                                                    dtype=np.uint8)
+    out[f"{p}.qzeros"] = torch.from_numpy(np.ascontiguousarray(_pack_along_last(z, bits)))
 
     scales = _float_array(_rng(spec.seed, f"{p}.scales"), (*lead, groups, n), *SCALE_RANGE)
     out[f"{p}.scales"] = _to_torch(scales, spec.scale_dtype)
 
     if spec.include_g_idx:
         rng = _rng(spec.seed, f"{p}.g_idx")
-        g = k if spec.group_size == -1 else spec.group_size
+        g = k if groups == 1 else group_size
         if spec.act_order:
-            rows = [_balanced_g_idx(rng, k, spec.group_size) for _ in range(lin.num_experts or 1)]
+            rows = [_balanced_g_idx(rng, k, group_size) for _ in range(lin.num_experts or 1)]
             g_idx = np.stack(rows) if lead else rows[0]
         else:
             g_idx = np.broadcast_to(layout.trivial_g_idx(k, g), (*lead, k))
@@ -231,10 +250,11 @@ def extra_tensor(t: TensorSpec, spec: CheckpointSpec):
 
 
 def _linear_bytes(lin: LinearSpec, spec: CheckpointSpec) -> int:
-    k, n, per_word = lin.in_features, lin.out_features, 32 // spec.bits
-    groups = num_groups(k, spec.group_size)
+    bits, group_size, _ = layer_settings(lin, spec)
+    k, n, per_word = lin.in_features, lin.out_features, 32 // bits
+    groups = num_groups(k, group_size)
     scale_bytes = 4 if spec.scale_dtype == "float32" else 2
-    total = 4 * (k // per_word) * n + 4 * groups * (n // per_word) + scale_bytes * groups * n
+    total = 4 * (k // per_word) * n + 4 * groups * -(-n // per_word) + scale_bytes * groups * n
     total += 4 * k if spec.include_g_idx else 0
     total += 2 * n if lin.bias else 0
     return total * max(lin.num_experts, 1)
@@ -313,6 +333,9 @@ def quantization_config(spec: CheckpointSpec) -> dict:
     }
     if spec.checkpoint_format_label is not None:
         config["checkpoint_format"] = spec.checkpoint_format_label
+    if spec.dynamic is not None:
+        config["dynamic"] = spec.dynamic
+    config.update(spec.quantization_extra)
     return config
 
 
@@ -495,6 +518,19 @@ def mixtral_like(num_layers: int = 1, num_experts: int = 8, hidden: int = 256, i
     return CheckpointSpec(linears=linears, extras=extras, model_type="mixtral", config_extra=config, **kw)
 
 
+def with_quantized_lm_head(spec: CheckpointSpec, bits: int = 8, group_size: int = 32) -> CheckpointSpec:
+    """``spec`` with the plain ``lm_head.weight`` [vocab, hidden] replaced by a quantized linear ``lm_head``
+    (K = hidden, N = vocab) of its own bits and group size, and what GPTQModel writes for it in the config:
+    ``lm_head: true`` and the rule ``"lm_head": {"bits": ..., "group_size": ...}`` after any existing rules."""
+    head = next(t for t in spec.extras if t.name == "lm_head.weight")
+    vocab, hidden = head.shape
+    spec.extras = [t for t in spec.extras if t is not head]
+    spec.linears.append(LinearSpec("lm_head", hidden, vocab, bits=bits, group_size=group_size))
+    spec.dynamic = {**(spec.dynamic or {}), "lm_head": {"bits": bits, "group_size": group_size}}
+    spec.quantization_extra = {**spec.quantization_extra, "lm_head": True}
+    return spec
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CLI
 
@@ -504,7 +540,7 @@ PRESETS = ("tiny", "llama-7b", "qwen3-moe", "mixtral")
 def spec_from_args(args: argparse.Namespace) -> CheckpointSpec:
     kw = dict(shards=args.shards, group_size=args.group_size, act_order=args.act_order, zero_format=args.zero_format,
               checkpoint_format_label=args.label, scale_dtype=args.scale_dtype, extra_dtype=args.extra_dtype,
-              seed=args.seed)
+              seed=args.seed, bits=args.bits, sym=not args.asym)
     if args.layers is not None:
         kw["num_layers"] = args.layers
     if args.vocab is not None:
@@ -519,12 +555,14 @@ def spec_from_args(args: argparse.Namespace) -> CheckpointSpec:
     if args.stacked and args.preset != "qwen3-moe":
         raise SystemExit(f"--stacked applies to the qwen3-moe preset, not {args.preset}")
     if args.preset == "tiny":
-        return tiny_llama(**kw)
-    if args.preset == "llama-7b":
-        return llama_7b(**kw)
-    if args.preset == "qwen3-moe":
-        return qwen3_moe(stacked=args.stacked, **kw)
-    return mixtral_like(**kw)
+        spec = tiny_llama(**kw)
+    elif args.preset == "llama-7b":
+        spec = llama_7b(**kw)
+    elif args.preset == "qwen3-moe":
+        spec = qwen3_moe(stacked=args.stacked, **kw)
+    else:
+        spec = mixtral_like(**kw)
+    return with_quantized_lm_head(spec) if args.quantized_lm_head else spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -538,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--group-size", type=int, default=128, help="-1 = channelwise")
     parser.add_argument("--act-order", action="store_true", help="shuffled, balanced g_idx (desc_act: true)")
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    parser.add_argument("--asym", action="store_true", help="asymmetric: random zero points (sym: false)")
+    parser.add_argument("--quantized-lm-head", action="store_true",
+                        help="quantize lm_head 8-bit g32 with the dynamic rule GPTQModel writes (lm_head: true)")
     parser.add_argument("--zero-format", choices=ZERO_FORMATS, default="v1", help="values stored in qzeros")
     parser.add_argument("--label", choices=CHECKPOINT_FORMAT_LABELS, help="checkpoint_format written to the config")
     parser.add_argument("--scale-dtype", choices=("float16", "bfloat16"), default="float16")

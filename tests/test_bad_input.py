@@ -142,7 +142,7 @@ def test_scales_shape_disagrees_with_qweight(capsys, tmp_path, src):
 
 def test_qzeros_shape_disagrees(capsys, tmp_path, src):
     _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.qzeros": t[f"{LAYER}.qzeros"][:2].copy()}))
-    _convert_fails(capsys, tmp_path, src, f"{LAYER}.qzeros", "has 2 rows", "config says 64")
+    _convert_fails(capsys, tmp_path, src, f"{LAYER}.qzeros", "has 2 rows", "config says group size 64")
 
 
 def test_g_idx_shape_disagrees(capsys, tmp_path, src):
@@ -160,12 +160,13 @@ def test_wrong_scales_dtype(capsys, tmp_path, src):
     _convert_fails(capsys, tmp_path, src, f"{LAYER}.scales", "expected float16 or bfloat16 or float32")
 
 
-def test_group_size_does_not_divide_k(capsys, tmp_path):
+def test_config_group_size_disagrees_with_the_scale_rows(capsys, tmp_path):
     src = write_checkpoint(tmp_path / "in", _spec(group_size=64))
     config = json.loads((src / "quantize_config.json").read_text())
-    config["group_size"] = 96
+    config["group_size"] = 96  # valid for K = 256 (groups of 96, 96, 64: 3 rows), but the scales have 4 rows
     (src / "quantize_config.json").write_text(json.dumps(config))
-    _convert_fails(capsys, tmp_path, src, LAYER, "group size 96 does not divide K = 256")
+    _convert_fails(capsys, tmp_path, src, f"{LAYER}.scales", "has 4 rows: that is group size 64 for K = 256",
+                   "config says group size 96 (3 rows)")
 
 
 def test_g_idx_out_of_range(capsys, tmp_path, src):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -152,7 +153,7 @@ def test_bf16_extras_and_scales_keep_their_dtype(tmp_path):
 def test_zero_format_is_decided_from_the_values_and_reported(tmp_path, label, stored, decided):
     src = write_checkpoint(tmp_path / "in", _linear_spec(zero_format=stored, checkpoint_format_label=label))
     plan = build_plan(src)
-    assert plan.layers[0].zero_format == decided
+    assert plan.layers[0].spec.zero_format == decided
     if label == "gptq" and stored == "v2":
         assert any("treated as v2" in note for note in plan.notes)
     else:
@@ -178,16 +179,20 @@ def test_skip_incompatible_keeps_layers_in_gptq_form_and_lists_them(tmp_path, sp
     report = convert(src, out, skip_incompatible=True)
     assert report.layers == [] and report.skipped[0]["name"] == "model.layers.0.mlp.down_proj"
     assert reason in report.skipped[0]["reason"]
-    manifest = load_manifest(out)
-    assert manifest["skipped"][0]["name"] == "model.layers.0.mlp.down_proj"
+    kept = load_manifest(out)["kept"][0]
+    assert kept["name"] == "model.layers.0.mlp.down_proj" and reason in kept["reason"]
     source, converted = _all_tensors(src), _all_tensors(out)
     assert set(converted) == set(source)
     assert all(converted[n][0].tobytes() == source[n][0].tobytes() for n in source)
+    assert set(kept["tensors"]) == {"qweight", "qzeros", "scales", "g_idx"}
+    for kind, name in kept["tensors"].items():
+        assert kept["shards"][kind] == "model.safetensors"
+        assert kept["digests"][kind] == "sha256:" + hashlib.sha256(converted[name][0].tobytes()).hexdigest()
 
 
 def test_bad_layer_shape_is_refused_by_name_with_the_limit(tmp_path):
     src = write_checkpoint(tmp_path / "in", _linear_spec(k=256, n=96, group_size=128))
-    with pytest.raises(UnsupportedLayerError, match=r"down_proj: shape K = 256, N = 96: .*N % 64 == 0"):
+    with pytest.raises(UnsupportedLayerError, match=r"down_proj: shape K = 256, N = 96, .*N % 64 == 0"):
         build_plan(src)
 
 
@@ -196,14 +201,23 @@ def test_manifest_records_shapes_group_workspace_and_digests(tmp_path):
     out = tmp_path / "out"
     convert(src, out)
     manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert (manifest["format"], manifest["version"], manifest["checkpoint_format"]) == \
+        ("marlin-convert-manifest", 2, "marlin")
+    assert manifest["source"]["format"] == "gptq" and manifest["model_dtype"] == "float16"
+    assert manifest["quantization_defaults"] == {"bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+                                                 "checkpoint_format": None, "dynamic": None}
+    assert manifest["kept"] == [] and manifest["expert_groups"] == []
     entry = manifest["layers"][0]
     assert (entry["in_features"], entry["out_features"], entry["bits"], entry["group_size"]) == (512, 256, 4, 128)
+    assert (entry["padded_in_features"], entry["padded_out_features"], entry["num_groups"]) == (512, 256, 4)
+    assert (entry["sym"], entry["zero_format"], entry["act_order"], entry["scale_dtype"]) == (True, "v1", False,
+                                                                                               "float16")
+    assert (entry["num_experts"], entry["source_format"]) == (0, "gptq") and "expert_stride_int32" not in entry
     assert entry["shapes"] == {"B": [32, 512], "s": [4, 256]}
     assert entry["workspace"] == {"rule": "(N / 64) * 16", "ints": 64}
     source = entry["sources"][0]
+    assert (source["zero_format"], source["zero_stored"], source["g_idx"]) == ("v1", 7, "trivial")
     assert source["tensors"]["qweight"] == "model.layers.0.mlp.down_proj.qweight" and source["slices"] is None
-    import hashlib
-
     qweight = read_tensor(read_header(src / "model.safetensors"), source["tensors"]["qweight"])
     assert source["digests"]["qweight"] == "sha256:" + hashlib.sha256(qweight.tobytes()).hexdigest()
     assert set(source["digests"]) == {"qweight", "scales", "qzeros", "g_idx"}

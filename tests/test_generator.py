@@ -19,6 +19,7 @@ from make_gptq_checkpoint import (
     mixtral_like,
     qwen3_moe,
     tiny_llama,
+    with_quantized_lm_head,
     write_checkpoint,
 )
 from safetensors import safe_open
@@ -104,10 +105,36 @@ def test_eight_bit_packs_four_values_per_word(tmp_path):
     assert json.loads((tmp_path / "quantize_config.json").read_text())["bits"] == 8
 
 
-def test_asymmetric_zeros_are_random(tmp_path):
-    tensors = _read_all(write_checkpoint(tmp_path, _linear(sym=False)))
+@pytest.mark.parametrize("zero_format, stored", [("v1", range(15)), ("v2", range(16))])
+def test_asymmetric_zeros_are_random_true_zero_points_in_the_zero_format(tmp_path, zero_format, stored):
+    tensors = _read_all(write_checkpoint(tmp_path, _linear(sym=False, zero_format=zero_format)))
     zeros = _stored_zeros(tensors["model.layers.0.mlp.down_proj.qzeros"][0], 128)
-    assert len(np.unique(zeros)) == 16
+    assert np.unique(zeros).tolist() == list(stored)  # v1 stores zero - 1 and cannot hold zero 0 (stored 15)
+
+
+def test_per_layer_settings_dynamic_rules_and_a_quantized_lm_head(tmp_path):
+    spec = tiny_llama(num_layers=1, group_size=64, vocab=256, dynamic={"+:.*down_proj": {"bits": 8}})
+    spec.linears = [LinearSpec(x.name, x.in_features, x.out_features, bits=8 if "down_proj" in x.name else None)
+                    for x in spec.linears]
+    write_checkpoint(tmp_path, with_quantized_lm_head(spec))
+    tensors = _read_all(tmp_path)
+    down = "model.layers.0.mlp.down_proj"
+    assert tuple(tensors[f"{down}.qweight"][0].shape) == (256 // 4, 128)
+    assert (tensors[f"{down}.qzeros"][0].numpy().view(np.uint32) == 0x7F7F7F7F).all()
+    assert tuple(tensors["lm_head.qweight"][0].shape) == (128 // 4, 256)
+    assert tuple(tensors["lm_head.scales"][0].shape) == (128 // 32, 256) and "lm_head.weight" not in tensors
+    quant = json.loads((tmp_path / "quantize_config.json").read_text())
+    assert quant["dynamic"] == {"+:.*down_proj": {"bits": 8}, "lm_head": {"bits": 8, "group_size": 32}}
+    assert quant["lm_head"] is True and quant["bits"] == 4
+
+
+def test_k_not_a_multiple_of_the_group_size_and_n_not_of_the_pack_factor(tmp_path):
+    tensors = _read_all(write_checkpoint(tmp_path, _linear(k=200, n=100, group_size=64, act_order=True)))
+    p = "model.layers.0.mlp.down_proj"
+    assert tuple(tensors[f"{p}.scales"][0].shape) == (4, 100)
+    assert tuple(tensors[f"{p}.qzeros"][0].shape) == (4, 13)  # ceil(100 / 8)
+    assert np.bincount(tensors[f"{p}.g_idx"][0].numpy()).tolist() == [64, 64, 64, 8]
+    assert tensors[f"{p}.qzeros"][0].numpy().view(np.uint32)[:, -1].tolist() == [0x7777] * 4  # 4 slots used
 
 
 def test_bias_scale_dtype_and_extra_dtype(tmp_path):

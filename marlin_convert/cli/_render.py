@@ -1,4 +1,8 @@
-"""Tables shared by ``inspect`` and ``convert``: one row per layer, per-expert layers folded into one row."""
+"""Tables shared by ``inspect`` and ``convert``: one row per layer, per-expert layers folded into one row.
+
+Every column comes from the layer's resolved :class:`~marlin_convert.spec.QuantSpec` (its own bits, group size,
+zero points, act-order and shapes), never from the config's defaults.
+"""
 
 from __future__ import annotations
 
@@ -14,29 +18,53 @@ def _group_label(group_size: int) -> str:
     return "channel" if group_size == -1 else str(group_size)
 
 
+def _zeros_label(layer: LayerPlan) -> str:
+    return f"{'sym' if layer.spec.sym else 'asym'} {layer.spec.zero_format}"
+
+
+def _padded_shape(layer: LayerPlan) -> tuple[int, int] | None:
+    """The Marlin shape (K_pad, N_pad) of a layer that converts, else None."""
+    return layer.spec.padded_shape if layer.convertible else None
+
+
+def _padded_label(layer: LayerPlan) -> str:
+    padded = _padded_shape(layer)
+    if padded is None:
+        return "-"
+    return "no" if not layer.spec.padded else f"{padded[0]} x {padded[1]}"
+
+
+def _joined(values) -> str:
+    return ", ".join(dict.fromkeys(values))
+
+
 def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
-    """Fill ``output`` with columns layer / experts / K x N / group / act-order / action."""
-    output.columns = ["layer", "experts", "K x N", "group", "act-order", "action"]
+    """Fill ``output`` with columns layer / experts / bits / group / zeros / act-order / K x N / padded / action."""
+    output.columns = ["layer", "experts", "bits", "group", "zeros", "act-order", "K x N", "padded to", "action"]
     by_prefix = {layer.prefix: layer for layer in layers}
     groups, plain = group_experts([layer.prefix for layer in layers])
     rows: list[tuple[list[str], str | None]] = []
     for prefix in plain:
         layer = by_prefix[prefix]
-        experts = str(layer.num_experts) + " (stacked)" if layer.num_experts else "-"
+        spec = layer.spec
+        experts = str(spec.num_experts) + " (stacked)" if spec.num_experts else "-"
         action = "convert" if layer.convertible else f"keep GPTQ: {layer.reason}"
-        rows.append(([prefix, experts, f"{layer.in_features} x {layer.out_features}",
-                      _group_label(layer.group_size), "yes" if layer.act_order else "no", action],
+        rows.append(([prefix, experts, str(spec.bits), _group_label(spec.group_size), _zeros_label(layer),
+                      "yes" if spec.act_order else "no", f"{spec.in_features} x {spec.out_features}",
+                      _padded_label(layer), action],
                      None if layer.convertible else "yellow"))
     for group in groups:
         for projection, members in group.members.items():
             member_layers = [by_prefix[p] for p in members.values()]
-            first = member_layers[0]
-            shapes = sorted({(m.in_features, m.out_features) for m in member_layers})
             refused = [m for m in member_layers if not m.convertible]
             action = "convert" if not refused else f"keep GPTQ ({len(refused)}): {refused[0].reason}"
             rows.append(([f"{group.base}.*.{projection}", str(len(members)),
-                          ", ".join(f"{k} x {n}" for k, n in shapes), _group_label(first.group_size),
-                          "yes" if any(m.act_order for m in member_layers) else "no", action],
+                          _joined(str(m.spec.bits) for m in member_layers),
+                          _joined(_group_label(m.spec.group_size) for m in member_layers),
+                          _joined(_zeros_label(m) for m in member_layers),
+                          "yes" if any(m.spec.act_order for m in member_layers) else "no",
+                          _joined(f"{m.spec.in_features} x {m.spec.out_features}" for m in member_layers),
+                          _joined(_padded_label(m) for m in member_layers), action],
                          None if not refused else "yellow"))
     if len(rows) > MAX_LAYER_ROWS:
         head, tail = rows[: MAX_LAYER_ROWS // 2], rows[-MAX_LAYER_ROWS // 4:]
@@ -48,16 +76,26 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
 
 
 def layer_dict(layer: LayerPlan) -> dict:
+    """One layer of the plan for ``--json``: its resolved settings, logical and padded shape, and what happens."""
+    spec = layer.spec
+    padded = _padded_shape(layer)
     return {
         "name": layer.prefix,
-        "in_features": layer.in_features,
-        "out_features": layer.out_features,
-        "num_experts": layer.num_experts,
-        "bits": layer.bits,
-        "group_size": layer.group_size,
-        "act_order": layer.act_order,
-        "zero_format": layer.zero_format,
+        "in_features": spec.in_features,
+        "out_features": spec.out_features,
+        "padded_in_features": padded[0] if padded else None,
+        "padded_out_features": padded[1] if padded else None,
+        "num_experts": spec.num_experts,
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "num_groups": spec.num_groups,
+        "sym": spec.sym,
+        "zero_format": spec.zero_format,
+        "zero_stored": layer.zero_stored,
+        "act_order": spec.act_order,
+        "scale_dtype": spec.scale_dtype,
+        "dynamic_rule": layer.settings.rule.key if layer.settings.rule else None,
         "convert": layer.convertible,
         "reason": layer.reason,
-        "workspace_ints": layer.workspace_ints,
+        "workspace_ints": layer.workspace_ints if padded else None,
     }

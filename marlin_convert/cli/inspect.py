@@ -27,9 +27,11 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
     config = plan.checkpoint.config
     data = {
         "in_dir": str(plan.checkpoint.path),
-        "quantization_config": {"bits": config.bits, "group_size": config.group_size, "desc_act": config.desc_act,
-                                "sym": config.sym, "checkpoint_format": config.checkpoint_format,
-                                "sources": config.sources},
+        "checkpoint_format": plan.checkpoint_format,
+        "quantization_defaults": {"bits": config.bits, "group_size": config.group_size, "desc_act": config.desc_act,
+                                  "sym": config.sym, "checkpoint_format": config.checkpoint_format,
+                                  "dynamic": [rule.key for rule in config.dynamic], "sources": config.sources},
+        "model_dtype": plan.checkpoint.model_dtype,
         "shards": [shard.file_name for shard in plan.shards],
         "layers": [layer_dict(layer) for layer in plan.layers],
         "converted": len(plan.converted),
@@ -46,8 +48,10 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
         f"{len(plan.converted)} layers to convert, {len(plan.refused)} kept in GPTQ form, "
         f"{data['passthrough_tensors']} tensors passed through, {len(plan.shards)} shard(s)",
         f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
-        f"quantization: {config.bits}-bit, group size {config.group_size}, desc_act {config.desc_act}, "
-        f"sym {config.sym} (from {', '.join(config.sources)})",
+        f"config defaults: {config.bits}-bit, group size {config.group_size}, desc_act {config.desc_act}, "
+        f"sym {'not stated' if config.sym is None else config.sym}"
+        + (f", {len(config.dynamic)} dynamic rule(s)" if config.dynamic else "")
+        + f" (from {', '.join(config.sources)}); each layer's own settings are in the table",
         *(f"note: {note}" for note in plan.notes),
     ]
     return output
