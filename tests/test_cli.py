@@ -220,20 +220,29 @@ def wide_terminal(monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
 
 
-def test_manifest_records_every_passthrough_tensor_and_every_file(tmp_path, src, capsys):
+@pytest.mark.parametrize("kept", [False, True])
+def test_manifest_records_every_passthrough_tensor_and_every_file(tmp_path, capsys, kept):
     import hashlib
 
+    linears = [LinearSpec("model.layers.0.mlp.up_proj", 128, 64, bias=True),
+               LinearSpec("model.layers.0.mlp.down_proj", 64, 128)]
+    extras = [TensorSpec("model.embed_tokens.weight", (32, 128), "float16"),
+              TensorSpec("model.norm.weight", (128,), "float16")]
+    spec = CheckpointSpec(linears=linears, extras=extras, group_size=64, shards=2, bits=8 if kept else 4)
+    src = write_checkpoint(tmp_path / "in", spec)
     (src / "tokenizer.json").write_text('{"vocab": {}}')
     out = tmp_path / "out"
-    assert main([str(src), str(out), "-q"]) == 0
+    assert main([str(src), str(out), "-q", "--skip-incompatible"]) == 0
     capsys.readouterr()
     manifest = load_manifest(out)
+    assert len(manifest["kept"]) == (2 if kept else 0)
     files = {p.name for p in out.iterdir()} - {"marlin_manifest.json"}
     assert set(manifest["files"]) == files
     for name, record in manifest["files"].items():
         data = (out / name).read_bytes()
         assert record == {"bytes": len(data), "sha256": "sha256:" + hashlib.sha256(data).hexdigest()}, name
     converted = {name for entry in manifest["layers"] for name in entry["outputs"].values()}
+    converted |= {name for entry in manifest["kept"] for name in entry["tensors"].values()}  # not passthrough
     passthrough = {entry["name"]: entry for entry in manifest["passthrough"]}
     for shard in manifest["shards"]:
         header = read_header(out / shard)
