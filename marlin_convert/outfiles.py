@@ -21,6 +21,7 @@ it in one pass) in worker processes: the manifest's ``files``.
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +102,14 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
 
 def _describe(task: tuple[Path, Path | None]) -> tuple[str, int, str]:
     destination, source = task
-    size, digest = copy_file_hashing(source, destination) if source is not None else hash_file(destination)
-    return destination.name, size, digest
+    if source is None:
+        return destination.name, *hash_file(destination)
+    try:
+        return destination.name, *copy_file_hashing(source, destination)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise
+        raise InputError(f"{source}: cannot copy it into OUT_DIR: {exc.strerror or exc}") from exc
 
 
 def output_file_digests(directory: Path, copies: dict[str, Path], workers: int) -> dict[str, dict]:

@@ -1,7 +1,7 @@
 """Interrupted and concurrent runs: real signals to a real ``marlin-convert`` process.
 
-Each run is a child process in its own session whose main step (a job in the workers, a layer check, the
-planning) is held by a wrapper: it drops a file named after the process that runs it into a marker directory,
+Each run is a child process in its own session whose main step (a job in the workers, the planning, the
+whole check) is held by a wrapper: it drops a file named after the process that runs it into a marker directory,
 then waits until the test opens the gate (a file beside the markers). The test waits for the first marker
 (the run is then mid-way, its workers started), acts (a signal, a second run, a directory at OUT_DIR), opens
 the gate if the run is to go on, and checks the exit code, the one ``Error:`` line, that no worker process
@@ -40,10 +40,11 @@ setattr(module, name, held)
 from marlin_convert.cli.app import main
 sys.exit(main(sys.argv[4:]))
 """
+# held before the CLI imports them, so the commands call the held versions
 SLOW_STEP = {
-    "convert": ("marlin_convert.convert", "run_job"),
-    "inspect": ("marlin_convert.convert", "plan_layers"),
-    "verify": ("marlin_convert.verify", "_verify_entry"),
+    "convert": ("marlin_convert.convert", "run_job"),  # in the worker processes
+    "inspect": ("marlin_convert.convert", "build_plan"),
+    "verify": ("marlin_convert.verify", "verify"),
 }
 
 
