@@ -254,3 +254,12 @@ def test_manifest_records_every_passthrough_tensor_and_every_file(tmp_path, caps
             assert (entry["shard"], entry["dtype"], entry["shape"]) == (shard, info.dtype, list(info.shape))
             assert entry["sha256"] == "sha256:" + hashlib.sha256(data[info.begin:info.end]).hexdigest()
     assert passthrough == {}
+
+
+def test_generator_help_cites_nothing_outside_the_repository():
+    import subprocess
+    import sys
+
+    text = subprocess.run([sys.executable, str(REPO / "scripts" / "make_gptq_checkpoint.py"), "--help"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "shared/" not in text and "write_checkpoint" in text
