@@ -105,7 +105,7 @@ def clear_stale_partials(out_dir: Path) -> list[str]:
             raise OutputError(f"another marlin-convert (process {pid}) is writing {out_dir} (into {path})",
                               hint="wait for it to finish, or choose another OUT_DIR")
         try:
-            if _process_exists(pid):
+            if pid != os.getpid() and _process_exists(pid):  # our own pid: a dead process's, reused
                 notes.append(f"{path}: partial output of process {pid}, which is still running but does not hold "
                              "the directory's lock (an older marlin-convert?): left in place")
             else:
