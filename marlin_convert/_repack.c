@@ -1,12 +1,12 @@
 /*
- * Fast path of marlin_convert.layout.gptq_to_marlin_weight: GPTQ 4-bit words -> Marlin tile words in one pass.
+ * Fast path of marlin_convert.layout.gptq_to_marlin_weight: GPTQ words -> Marlin tile words in one pass, for 4-bit
+ * and 8-bit codes.
  *
- * The numpy implementation (layout.py) needs three passes over the matrix plus two transposes whose innermost
- * loops are 2 to 4 elements long; this loop reads each source word once and writes each output word once.
- * It computes exactly what layout.py's docstring derives (and tests/test_layout.py checks both against the
- * loop-based reference):
+ * The numpy implementation (layout.py) needs several passes over the matrix plus transposes whose innermost loops
+ * are 2 to 4 elements long; these loops read each source word once and write each output word once. They compute
+ * exactly what layout.py's docstring derives (and tests/test_layout.py checks both against the loop references).
  *
- *   output word (strip t, 64-column block G, lane column c, row pair rb, tile j) is built from byte rb of four
+ * 4-bit: output word (strip t, 64-column block G, lane column c, row pair rb, tile j) is built from byte rb of four
  *   source words:  a  = qweight[2t    ][64G + 16j + c]     (rows 16t + 2rb, +1 of column c)
  *                  b  = qweight[2t + 1][64G + 16j + c]     (rows 16t + 8 + 2rb, +1)
  *                  a8 = qweight[2t    ][64G + 16j + 8 + c] (the same rows, column c + 8)
@@ -14,13 +14,23 @@
  *   nibbles, low to high: lo(a) lo(b) lo(a8) lo(b8) hi(a) hi(b) hi(a8) hi(b8)
  *   at position  t * 2N + 128 G + 16 c + 4 rb + j  (lane = 4c + rb owns words 4 lane + j of the block).
  *
+ * 8-bit: GPTQ word qweight[4t + w][col] holds rows 16t + 4w .. 16t + 4w + 3 of column col, one per byte, low first.
+ *   Lane (c, rb) with r = 2 rb needs of tile j, at column col = 64G + 16j + 8h + c (h = 0: column c, h = 1: c + 8),
+ *   the bytes (low to high) of rows r, r+8, r+1, r+9: table order (r, r+1, r+8, r+9) reordered by [0, 2, 1, 3].
+ *   It finds them in word  t * 4N + 256 G + 8 (4c + rb) + 2j + h  (lane owns words 8 lane + 2j + h of the block).
+ *   Write rb = 2 rb1 + rb0. Rows r, r+1 are bytes 2 rb0, 2 rb0 + 1 of  a = qweight[4t + rb1][col]  and rows r+8,
+ *   r+9 the same bytes of  b = qweight[4t + 2 + rb1][col]. So one pair (a, b) feeds two output words, rb0 = 0 and 1:
+ *     rb0 = 0:  a.byte0 | b.byte0 << 8 | a.byte1 << 16 | b.byte1 << 24
+ *     rb0 = 1:  a.byte2 | b.byte2 << 8 | a.byte3 << 16 | b.byte3 << 24
+ *   i.e. the bytes of a and b interleaved, low halves into one word and high halves into the other.
+ *
  * Plain C99, no dependency beyond CPython; the GIL is released while it runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
-static void repack(const uint32_t *src, uint32_t *dst, Py_ssize_t k, Py_ssize_t n) {
+static void repack4(const uint32_t *src, uint32_t *dst, Py_ssize_t k, Py_ssize_t n) {
     const uint32_t low = 0x0F0F0F0Fu, high = 0xF0F0F0F0u;
     for (Py_ssize_t t = 0; t < k / 16; t++) {
         const uint32_t *upper = src + (2 * t) * n;  /* rows 16t .. 16t+7 */
@@ -47,18 +57,50 @@ static void repack(const uint32_t *src, uint32_t *dst, Py_ssize_t k, Py_ssize_t 
     }
 }
 
-/* gptq_to_marlin(qweight_buffer, out_buffer, k, n): both C-contiguous int32 buffers, [k/8, n] and [k/16, 2n]. */
-static PyObject *gptq_to_marlin(PyObject *self, PyObject *args) {
+static void repack8(const uint32_t *src, uint32_t *dst, Py_ssize_t k, Py_ssize_t n) {
+    for (Py_ssize_t t = 0; t < k / 16; t++) {
+        const uint32_t *strip = src + (4 * t) * n;  /* rows 16t .. 16t+15: words 4t .. 4t+3 of each column */
+        uint32_t *out = dst + t * 4 * n;
+        for (Py_ssize_t block = 0; block < n / 64; block++) {
+            const uint32_t *s = strip + 64 * block;
+            uint32_t *o = out + 256 * block;
+            for (int j = 0; j < 4; j++) {
+                for (int h = 0; h < 2; h++) {
+                    for (int c = 0; c < 8; c++) {
+                        int col = 16 * j + 8 * h + c;
+                        for (int rb1 = 0; rb1 < 2; rb1++) {
+                            uint32_t a = s[rb1 * n + col], b = s[(2 + rb1) * n + col];
+                            /* bytes 0, 1 of a and b -> rb0 = 0; bytes 2, 3 -> rb0 = 1 (see the header) */
+                            uint32_t low_halves = (a & 0xFFu) | ((b & 0xFFu) << 8) | ((a & 0xFF00u) << 8) |
+                                                  ((b & 0xFF00u) << 16);
+                            uint32_t high_halves = ((a >> 16) & 0xFFu) | ((b >> 8) & 0xFF00u) |
+                                                   ((a >> 8) & 0xFF0000u) | (b & 0xFF000000u);
+                            int lane = 4 * c + 2 * rb1;
+                            o[8 * lane + 2 * j + h] = low_halves;
+                            o[8 * (lane + 1) + 2 * j + h] = high_halves;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Checks the buffers of a (qweight [k*bits/32, n], out [k/16, n*bits/2]) pair of int32 arrays and runs the repack
+ * of that width on them with the GIL released. "y*" and "w*" accept only C-contiguous buffers (the buffer protocol
+ * raises otherwise), so a size check is all that is left to do here. */
+static PyObject *run_repack(PyObject *args, int bits,
+                            void (*repack)(const uint32_t *, uint32_t *, Py_ssize_t, Py_ssize_t)) {
     Py_buffer src, dst;
     Py_ssize_t k, n;
     if (!PyArg_ParseTuple(args, "y*w*nn", &src, &dst, &k, &n)) return NULL;
     PyObject *result = NULL;
+    Py_ssize_t bytes = k / 8 * n * bits;  /* k * n * bits / 8: both buffers hold every code once */
     if (k <= 0 || n <= 0 || k % 16 || n % 64) {
         PyErr_Format(PyExc_ValueError, "K = %zd must divide by 16 and N = %zd by 64", k, n);
-    } else if (src.len != k / 8 * n * 4 || dst.len != k / 16 * 2 * n * 4) {
-        PyErr_Format(PyExc_ValueError, "buffer sizes %zd / %zd do not match K = %zd, N = %zd", src.len, dst.len, k, n);
-    } else if (!PyBuffer_IsContiguous(&src, 'C') || !PyBuffer_IsContiguous(&dst, 'C')) {
-        PyErr_SetString(PyExc_ValueError, "buffers must be C-contiguous");
+    } else if (src.len != bytes || dst.len != bytes) {
+        PyErr_Format(PyExc_ValueError, "buffer sizes %zd / %zd do not match K = %zd, N = %zd at %d bits", src.len,
+                     dst.len, k, n, bits);
     } else {
         Py_BEGIN_ALLOW_THREADS
         repack((const uint32_t *)src.buf, (uint32_t *)dst.buf, k, n);
@@ -71,8 +113,15 @@ static PyObject *gptq_to_marlin(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* gptq_to_marlin(qweight_buffer, out_buffer, k, n): 4-bit, C-contiguous int32 buffers [k/8, n] and [k/16, 2n]. */
+static PyObject *gptq_to_marlin(PyObject *self, PyObject *args) { return run_repack(args, 4, repack4); }
+
+/* gptq8_to_marlin(qweight_buffer, out_buffer, k, n): 8-bit, C-contiguous int32 buffers [k/4, n] and [k/16, 4n]. */
+static PyObject *gptq8_to_marlin(PyObject *self, PyObject *args) { return run_repack(args, 8, repack8); }
+
 static PyMethodDef methods[] = {
     {"gptq_to_marlin", gptq_to_marlin, METH_VARARGS, "Repack GPTQ 4-bit words into Marlin tile words."},
+    {"gptq8_to_marlin", gptq8_to_marlin, METH_VARARGS, "Repack GPTQ 8-bit words into Marlin tile words."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,7 +14,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_layout import reference_codes, reference_gptq_to_marlin, reference_perm_table, reference_permute_scales
+from reference_layout import (
+    reference_codes,
+    reference_gptq_to_marlin,
+    reference_gptq_to_marlin_by_placement,
+    reference_marlin_zero_points,
+    reference_pack_qweight,
+    reference_pack_qzeros,
+    reference_pad_codes,
+    reference_padded_shape,
+    reference_perm_table,
+    reference_permute_scales,
+)
 
 from marlin_convert import layout
 
@@ -24,7 +35,8 @@ def repack_implementation(request):
         pytest.skip("the C fast path is not built here (setup.py builds it on install)")
     patch = pytest.MonkeyPatch()
     patch.setenv("MARLIN_CONVERT_PURE_NUMPY", "1" if request.param == "numpy" else "0")
-    assert layout.fast_repack_available() == (request.param == "c-extension")
+    for bits in (4, 8):  # a build older than _repack.c's 8-bit path fails here: rebuild it (setup.py build_ext)
+        assert layout.fast_repack_available(bits) == (request.param == "c-extension"), bits
     yield request.param
     patch.undo()
 
@@ -33,10 +45,17 @@ SLOW = settings(max_examples=20, deadline=None)  # the loop reference is slow: k
 FAST = settings(max_examples=60, deadline=None)
 
 
-def _random_qweight(seed: int, k: int, n: int) -> np.ndarray:
-    """Uniformly random GPTQ words int32 [K/8, N] (all 16 codes, sign bit included)."""
+def _random_qweight(seed: int, k: int, n: int, bits: int = 4) -> np.ndarray:
+    """Uniformly random GPTQ words int32 [K/p, N] (every code, sign bit included)."""
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint32).view(np.int32)
+    return rng.integers(0, 2**32, size=(k * bits // 32, n), dtype=np.uint32).view(np.int32)
+
+
+def _random_case(seed: int, k16: int, n64: int, bits: int, with_perm: bool):
+    """(K, N, random qweight int32 [K/p, N], a random row permutation int32 [K] or None)."""
+    k, n = 16 * k16, 64 * n64
+    perm = np.random.default_rng(seed + 1).permutation(k).astype(np.int32) if with_perm else None
+    return k, n, _random_qweight(seed, k, n, bits), perm
 
 
 def _word(value: int) -> int:
@@ -71,9 +90,7 @@ def test_weight_perm_first_lane_by_hand():
 @SLOW
 @given(k16=st.integers(1, 8), n64=st.integers(1, 4), seed=st.integers(0, 2**32 - 1), with_perm=st.booleans())
 def test_gptq_to_marlin_equals_the_reference(k16, n64, seed, with_perm):
-    k, n = 16 * k16, 64 * n64
-    qweight = _random_qweight(seed, k, n)
-    perm = np.random.default_rng(seed + 1).permutation(k).astype(np.int32) if with_perm else None
+    k, n, qweight, perm = _random_case(seed, k16, n64, 4, with_perm)
     expected = reference_gptq_to_marlin(qweight, None if perm is None else perm.tolist())
     got = layout.gptq_to_marlin_weight(qweight, perm)
     assert got.dtype == np.int32 and got.shape == (k // 16, 2 * n)
@@ -212,18 +229,6 @@ def test_shapes_outside_the_tiling_are_refused_with_the_values(shape, message):
 # marlin_to_gptq_weight: the exact inverse
 
 
-@FAST
-@given(k16=st.integers(1, 64), n64=st.integers(1, 16), seed=st.integers(0, 2**32 - 1), with_perm=st.booleans())
-def test_marlin_to_gptq_is_the_exact_inverse(k16, n64, seed, with_perm):
-    k, n = 16 * k16, 64 * n64
-    qweight = _random_qweight(seed, k, n)
-    perm = np.random.default_rng(seed + 1).permutation(k).astype(np.int32) if with_perm else None
-    b = layout.gptq_to_marlin_weight(qweight, perm)
-    back = layout.marlin_to_gptq_weight(b, perm)
-    assert back.dtype == np.int32 and back.shape == qweight.shape
-    np.testing.assert_array_equal(back, qweight)
-
-
 @SLOW
 @given(k16=st.integers(1, 4), n64=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_marlin_to_gptq_inverts_the_reference_output(k16, n64, seed):
@@ -350,3 +355,338 @@ def test_qzeros_round_trip(groups, n8, seed):
 @pytest.mark.parametrize("n, ints", [(4096, 1024), (64, 16), (11008, 2752)])
 def test_workspace_ints(n, ints):
     assert layout.workspace_ints(n) == ints
+
+
+# ---------------------------------------------------------------------------------------------------------
+# widths: GPTQ packing at 4 and 8 bits
+
+BITS = st.sampled_from([4, 8])
+
+
+@pytest.mark.parametrize("bits, factor", [(4, 8), (8, 4)])
+def test_pack_factor(bits, factor):
+    assert layout.pack_factor(bits) == factor
+
+
+@pytest.mark.parametrize("bits", [2, 3, 16, 0])
+def test_widths_without_a_marlin_form_are_refused(bits):
+    with pytest.raises(ValueError, match=f"bits = {bits}: Marlin has a form only for 4 and 8 bits"):
+        layout.pack_factor(bits)
+    with pytest.raises(ValueError, match=f"bits = {bits}"):
+        layout.gptq_to_marlin_weight(np.zeros((4, 64), dtype=np.int32), bits=bits)
+
+
+def test_pack_8bit_qweight_by_hand():
+    codes = np.zeros((8, 4), dtype=np.uint8)
+    codes[:, 0] = [0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF]
+    words = layout.pack_gptq_qweight(codes, bits=8).view(np.uint32)
+    assert words[:, 0].tolist() == [0x67452301, 0xEFCDAB89]
+    assert not words[:, 1:].any()
+
+
+def test_pack_qzeros_with_a_partial_last_word_by_hand():
+    z = np.array([[1, 2, 3, 4, 5], [255, 0, 0, 0, 128]], dtype=np.uint8)
+    words = layout.pack_gptq_qzeros(z, bits=8).view(np.uint32)
+    assert words.tolist() == [[0x04030201, 0x00000005], [0x000000FF, 0x00000080]]  # unused slots stay 0
+    z4 = np.arange(1, 11, dtype=np.uint8).reshape(1, 10)
+    assert layout.pack_gptq_qzeros(z4).view(np.uint32).tolist() == [[0x87654321, 0x000000A9]]  # 9, 10, then unused 0s
+
+
+@FAST
+@given(bits=BITS, rows=st.integers(1, 16), n=st.integers(1, 48), seed=st.integers(0, 2**32 - 1))
+def test_qweight_packing_at_both_widths_matches_the_reference(bits, rows, n, seed):
+    qweight = _random_qweight(seed, rows * 32 // bits, n, bits)
+    codes = layout.unpack_gptq_qweight(qweight, bits)
+    assert codes.dtype == np.uint8 and codes.shape == (rows * 32 // bits, n)
+    assert codes.tolist() == reference_codes(qweight, bits)
+    np.testing.assert_array_equal(reference_pack_qweight(codes.tolist(), bits), qweight)
+    np.testing.assert_array_equal(layout.pack_gptq_qweight(codes, bits), qweight)
+
+
+@FAST
+@given(bits=BITS, groups=st.integers(1, 8), n=st.integers(1, 100), seed=st.integers(0, 2**32 - 1))
+def test_qzeros_packing_with_any_n_matches_the_reference_and_round_trips(bits, groups, n, seed):
+    z = np.random.default_rng(seed).integers(0, 2**bits, size=(groups, n), dtype=np.uint8)
+    packed = layout.pack_gptq_qzeros(z, bits)
+    assert packed.dtype == np.int32 and packed.shape == (groups, -(-n * bits // 32))
+    np.testing.assert_array_equal(packed, reference_pack_qzeros(z.tolist(), bits))
+    np.testing.assert_array_equal(layout.unpack_gptq_qzeros(packed, n, bits), z)
+
+
+def test_packing_refuses_values_that_do_not_fit_and_shapes_that_do_not_divide():
+    with pytest.raises(ValueError, match=r"codes must lie in 0..15 at 4 bits, found 16"):
+        layout.pack_gptq_qzeros(np.full((1, 8), 16, dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"K = 6 must divide by 4"):
+        layout.pack_gptq_qweight(np.zeros((6, 4), dtype=np.uint8), bits=8)
+    with pytest.raises(ValueError, match=r"qzeros has 2 words per row; N = 12 at 8 bits needs 3"):
+        layout.unpack_gptq_qzeros(np.zeros((1, 2), dtype=np.int32), 12, bits=8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8-bit Marlin weights
+
+
+def test_8bit_table_equals_the_reference_and_its_first_lane_by_hand():
+    perm = layout.marlin_weight_perm(8)
+    assert perm.tolist() == reference_perm_table(8)
+    assert sorted(perm.tolist()) == list(range(1024))
+    # lane 0: (r, c) = (0, 0) -> 0, 16, 128, 144 | 8, 24, 136, 152, each four reordered [0, 2, 1, 3]
+    assert perm[:8].tolist() == [0, 128, 16, 144, 8, 136, 24, 152]
+
+
+@SLOW
+@given(bits=BITS, k16=st.integers(1, 6), n64=st.integers(1, 3), seed=st.integers(0, 2**32 - 1),
+       with_perm=st.booleans())
+def test_gptq_to_marlin_at_both_widths_equals_the_placement_reference(bits, k16, n64, seed, with_perm):
+    k, n, qweight, perm = _random_case(seed, k16, n64, bits, with_perm)
+    expected = reference_gptq_to_marlin_by_placement(qweight, bits, None if perm is None else perm.tolist())
+    got = layout.gptq_to_marlin_weight(qweight, perm, bits=bits)
+    assert got.dtype == np.int32 and got.shape == (k // 16, n * bits // 2)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_the_two_4bit_references_agree():
+    qweight = _random_qweight(5, 32, 128)
+    np.testing.assert_array_equal(reference_gptq_to_marlin_by_placement(qweight, 4), reference_gptq_to_marlin(qweight))
+
+
+# (row, col) of a K x N 8-bit code matrix -> (strip, word, byte) by hand from FORMAT.md sections 2 and 7: lane
+# 4 * c + r / 2, words 8 * lane + 2 * tile (column c) and + 1 (column c + 8), bytes (r, r+8, r+1, r+9).
+SINGLE_BYTES = [
+    # K, N, row, col, strip, word, byte
+    (16, 64, 0, 0, 0, 0, 0),
+    (16, 64, 8, 0, 0, 0, 1),
+    (16, 64, 1, 0, 0, 0, 2),
+    (16, 64, 9, 0, 0, 0, 3),
+    (16, 64, 0, 8, 0, 1, 0),  # column c + 8
+    (16, 64, 2, 0, 0, 8, 0),  # r = 2 -> lane 1
+    (16, 64, 0, 16, 0, 2, 0),  # tile 1
+    (16, 64, 0, 1, 0, 32, 0),  # c = 1 -> lane 4
+    (16, 64, 13, 42, 0, 8 * 10 + 2 * 2 + 1, 3),  # tile 2, column 10 = c + 8, c = 2; row 13 = r + 9, r = 4 -> lane 10
+    (16, 64, 15, 63, 0, 255, 3),  # tile 3, c = 7, column c + 8, row r + 9 with r = 6 -> lane 31
+    (16, 128, 0, 64, 0, 256, 0),  # the second run of 64 columns starts at word 256
+    (32, 64, 17, 0, 1, 0, 2),  # strip 1, row r + 1
+]
+
+
+@pytest.mark.parametrize("k, n, row, col, strip, word, byte", SINGLE_BYTES)
+def test_a_single_8bit_code_lands_where_format_md_says(k, n, row, col, strip, word, byte):
+    qweight = np.zeros((k // 4, n), dtype=np.uint32)
+    qweight[row // 4, col] = 0xA7 << (8 * (row % 4))  # GPTQ 8-bit packing written out, not via layout
+    expected = np.zeros((k // 16, 4 * n), dtype=np.uint32)
+    expected[strip, word] = 0xA7 << (8 * byte)
+    got = layout.gptq_to_marlin_weight(qweight.view(np.int32), bits=8)
+    np.testing.assert_array_equal(got.view(np.uint32), expected)
+    np.testing.assert_array_equal(reference_gptq_to_marlin_by_placement(qweight.view(np.int32), 8).view(np.uint32),
+                                  expected)
+
+
+def test_8bit_repack_on_a_larger_matrix_writes_into_out():
+    qweight = _random_qweight(13, 128, 192, bits=8)
+    expected = reference_gptq_to_marlin_by_placement(qweight, 8)
+    stacked = np.zeros((3, 8, 768), dtype=np.int32)  # one expert's slice of a stacked output
+    expert = stacked[1]
+    assert layout.gptq_to_marlin_weight(qweight, out=expert, bits=8) is expert
+    np.testing.assert_array_equal(stacked[1], expected)
+    assert not stacked[0].any() and not stacked[2].any()
+
+
+def test_out_of_the_wrong_shape_is_refused():
+    qweight = _random_qweight(1, 16, 64, bits=8)
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous int32 array of shape \(1, 256\)"):
+        layout.gptq_to_marlin_weight(qweight, out=np.zeros((1, 128), dtype=np.int32), bits=8)
+    with pytest.raises(ValueError, match=r"not contiguous"):
+        layout.gptq_to_marlin_weight(qweight, out=np.zeros((1, 512), dtype=np.int32)[:, ::2], bits=8)
+
+
+@pytest.mark.parametrize("shape, message", [((5, 64), r"K = 20 must divide by 16"),
+                                            ((4, 96), r"N = 96 .*by 64")])
+def test_8bit_shapes_outside_the_tiling_are_refused_with_the_values(shape, message):
+    with pytest.raises(ValueError, match=message):
+        layout.gptq_to_marlin_weight(np.zeros(shape, dtype=np.int32), bits=8)
+
+
+@FAST
+@given(bits=BITS, k16=st.integers(1, 64), n64=st.integers(1, 12), seed=st.integers(0, 2**32 - 1),
+       with_perm=st.booleans())
+def test_marlin_to_gptq_is_the_exact_inverse_at_both_widths(bits, k16, n64, seed, with_perm):
+    _k, _n, qweight, perm = _random_case(seed, k16, n64, bits, with_perm)
+    b = layout.gptq_to_marlin_weight(qweight, perm, bits=bits)
+    back = layout.marlin_to_gptq_weight(b, perm, bits=bits)
+    assert back.dtype == np.int32 and back.shape == qweight.shape
+    np.testing.assert_array_equal(back, qweight)
+
+
+@SLOW
+@given(k16=st.integers(1, 4), n64=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_marlin_to_gptq_inverts_the_8bit_reference_output(k16, n64, seed):
+    qweight = _random_qweight(seed, 16 * k16, 64 * n64, bits=8)
+    b = reference_gptq_to_marlin_by_placement(qweight, 8)
+    np.testing.assert_array_equal(layout.marlin_to_gptq_weight(b, bits=8), qweight)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Marlin zero points
+
+
+def test_zero_points_by_hand():
+    # 8-bit, one group (still the grouped table): runs of 64 start 0, 8, 16, 24 | 32, 40, 48, 56, then [0, 2, 1, 3]
+    z = np.arange(128, dtype=np.uint8).reshape(1, 128)
+    words = layout.marlin_zero_points(z, 8).view(np.uint32)
+    assert words.shape == (1, 32)
+    assert words[0, :2].tolist() == [0x18081000, 0x38283020]
+    assert words[0, 16] == 0x58485040  # the second run of 64: 64, 80, 72, 88
+    # 4-bit, z[n] = n % 16: the grouped table gives 0, 8, 0, 8, ... and [0, 2, 4, 6, 1, 3, 5, 7] sorts them
+    z4 = (np.arange(64) % 16).astype(np.uint8).reshape(1, 64)
+    assert layout.marlin_zero_points(z4, 4).view(np.uint32)[0, 0] == 0x88880000
+
+
+@FAST
+@given(bits=BITS, groups=st.integers(1, 4), n64=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_zero_points_equal_the_reference_and_round_trip(bits, groups, n64, seed):
+    n = 64 * n64
+    z = np.random.default_rng(seed).integers(0, 2**bits, size=(groups, n), dtype=np.uint8)
+    zp = layout.marlin_zero_points(z, bits)
+    assert zp.dtype == np.int32 and zp.shape == (groups, n * bits // 32)
+    np.testing.assert_array_equal(zp, reference_marlin_zero_points(z.tolist(), bits))
+    back = layout.marlin_to_zero_points(zp, n, bits)
+    assert back.dtype == np.uint8
+    np.testing.assert_array_equal(back, z)
+
+
+def test_zero_points_refuse_shapes_and_values():
+    with pytest.raises(ValueError, match=r"N = 96 must divide by 64"):
+        layout.marlin_zero_points(np.zeros((1, 96), dtype=np.uint8), 4)
+    with pytest.raises(ValueError, match=r"found 16"):
+        layout.marlin_zero_points(np.full((1, 64), 16, dtype=np.uint8), 4)
+    with pytest.raises(ValueError, match=r"zp has 8 words per row: N = 128 at 8 bits"):
+        layout.marlin_to_zero_points(np.zeros((1, 8), dtype=np.int32), 128, 8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# padding shapes that don't tile
+
+
+@pytest.mark.parametrize("k, n, g, expected", [
+    (1000, 1000, 128, (1024, 1024)),  # seven groups of 128 and one of 104 -> eight whole groups
+    (1000, 4096, 1000, (1008, 4096)),  # channelwise: K to a multiple of 16 only
+    (1000, 1000, 32, (1024, 1024)),
+    (4096, 11008, 128, (4096, 11008)),  # already tiles
+    (4096, 8608, 4096, (4096, 8640)),
+    (14784, 4096, 128, (14848, 4096)),
+    (100, 64, 128, (128, 64)),  # one partial group
+    (16, 1, 16, (16, 64)),
+])
+def test_padded_shape_cases(k, n, g, expected):
+    assert layout.padded_shape(k, n, g) == expected
+    assert reference_padded_shape(k, n, g) == expected
+
+
+@pytest.mark.parametrize("k, g", [(1000, 40), (1000, 8), (4096, 100)])
+def test_padded_shape_refuses_a_group_size_that_is_not_a_multiple_of_16(k, g):
+    with pytest.raises(ValueError, match=f"group size {g} \\(K = {k}\\) must divide by 16"):
+        layout.padded_shape(k, 64, g)
+
+
+@FAST
+@given(k=st.integers(1, 3000), n=st.integers(1, 3000), g=st.sampled_from([16, 32, 64, 128, None]))
+def test_padded_shape_equals_the_reference(k, n, g):
+    group = k if g is None else g
+    k_pad, n_pad = layout.padded_shape(k, n, group)
+    assert (k_pad, n_pad) == reference_padded_shape(k, n, group)
+    assert k_pad % 16 == 0 and n_pad % 64 == 0 and k_pad - k < max(group, 16) and n_pad - n < 64
+
+
+@FAST
+@given(k=st.integers(1, 40), n=st.integers(1, 80), extra_k=st.integers(0, 20), extra_n=st.integers(0, 70),
+       seed=st.integers(0, 2**32 - 1))
+def test_pad_codes_equals_the_reference(k, n, extra_k, extra_n, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 256, size=(k, n), dtype=np.uint8)
+    row_fill = rng.integers(0, 256, size=n, dtype=np.uint8)
+    k_pad, n_pad = k + extra_k, n + extra_n
+    got = layout.pad_codes(q, k_pad, n_pad, row_fill, 128)
+    assert got.dtype == np.uint8
+    np.testing.assert_array_equal(got, reference_pad_codes(q.tolist(), k_pad, n_pad, row_fill.tolist(), 128))
+
+
+def test_pad_matrix_and_pad_g_idx_by_hand():
+    scales = np.array([[1.5, 2.0, 3.0]], dtype=np.float16)
+    padded = layout.pad_matrix(scales, 2, 5, 0)
+    assert padded.dtype == np.float16 and padded.tolist() == [[1.5, 2.0, 3.0, 0, 0], [0, 0, 0, 0, 0]]
+    g_idx = layout.pad_g_idx(np.array([1, 0, 1, 0], dtype=np.int32), 7, 3)
+    assert g_idx.dtype == np.int32 and g_idx.tolist() == [1, 0, 1, 0, 2, 2, 2]
+    with pytest.raises(ValueError, match=r"cannot pad matrix of shape \(1, 3\) to the smaller shape \(1, 2\)"):
+        layout.pad_matrix(scales, 1, 2, 0)
+    with pytest.raises(ValueError, match=r"cannot pad codes"):
+        layout.pad_codes(np.zeros((4, 4), dtype=np.uint8), 2, 4, np.zeros(4, dtype=np.uint8), 8)
+    with pytest.raises(ValueError, match=r"row_fill must have shape \(4,\)"):
+        layout.pad_codes(np.zeros((4, 4), dtype=np.uint8), 8, 4, np.zeros(3, dtype=np.uint8), 8)
+
+
+def _padded_layer(bits, k, n, g, symmetric, act_order, seed):
+    """A random logical layer padded by the convention of CONTRACT.md section A: codes, zero points [G, N],
+    scales [G, N] and g_idx, logical and padded."""
+    rng = np.random.default_rng(seed)
+    bias = 1 << (bits - 1)
+    group = k if g is None else g
+    groups = -(-k // group)
+    k_pad, n_pad = layout.padded_shape(k, n, group)
+    q = rng.integers(0, 2**bits, size=(k, n), dtype=np.uint8)
+    z = np.full((groups, n), bias, np.uint8) if symmetric else rng.integers(0, 2**bits, (groups, n), np.uint8)
+    s = rng.uniform(0.001, 2.0, size=(groups, n)).astype(np.float16)
+    g_idx = np.arange(k, dtype=np.int32) // group
+    if act_order:
+        g_idx = rng.permutation(g_idx).astype(np.int32)
+    padded = dict(q=layout.pad_codes(q, k_pad, n_pad, z[groups - 1], bias), z=layout.pad_matrix(z, groups, n_pad, bias),
+                  s=layout.pad_matrix(s, groups, n_pad, 0), g_idx=layout.pad_g_idx(g_idx, k_pad, groups))
+    return dict(q=q, z=z, s=s, g_idx=g_idx), padded
+
+
+LAYER = dict(bits=BITS, k=st.integers(1, 300), n=st.integers(1, 200), g=st.sampled_from([16, 32, 64, 128, None]),
+             symmetric=st.booleans(), act_order=st.booleans(), seed=st.integers(0, 2**32 - 1))
+
+
+@FAST
+@given(**LAYER)
+def test_padded_weights_dequantize_to_exactly_zero(bits, k, n, g, symmetric, act_order, seed):
+    logical, padded = _padded_layer(bits, k, n, g, symmetric, act_order, seed)
+    k_pad, n_pad = padded["q"].shape
+    rows = padded["g_idx"]
+    # w = (q - z[g_idx[k], n]) * s[g_idx[k], n], computed in float32 over the whole padded matrix
+    w = (padded["q"].astype(np.float32) - padded["z"][rows].astype(np.float32)) * padded["s"][rows].astype(np.float32)
+    is_padding = np.ones((k_pad, n_pad), dtype=bool)
+    is_padding[:k, :n] = False
+    assert (w[is_padding] == 0).all()
+    assert (padded["q"][is_padding] == padded["z"][rows][is_padding]).all()  # zero even before the scale
+    expected = (logical["q"].astype(np.float32) - logical["z"][logical["g_idx"]]) * logical["s"][logical["g_idx"]]
+    np.testing.assert_array_equal(w[:k, :n], expected)  # real cells unchanged
+
+
+@FAST
+@given(**LAYER)
+def test_padded_layers_go_through_marlin_and_back(bits, k, n, g, symmetric, act_order, seed):
+    logical, padded = _padded_layer(bits, k, n, g, symmetric, act_order, seed)
+    k_pad = padded["q"].shape[0]
+    perm, sorted_g_idx = layout.act_order_perm(padded["g_idx"])
+    assert perm[k:].tolist() == list(range(k, k_pad))  # padded rows sort after every real row
+    qweight = layout.pack_gptq_qweight(padded["q"], bits)
+    b = layout.gptq_to_marlin_weight(qweight, perm if act_order else None, bits=bits)
+    zp = layout.marlin_zero_points(padded["z"], bits)
+    back_q = layout.unpack_gptq_qweight(layout.marlin_to_gptq_weight(b, perm if act_order else None, bits), bits)
+    back_z = layout.marlin_to_zero_points(zp, padded["z"].shape[1], bits)
+    np.testing.assert_array_equal(back_q[:k, :n], logical["q"])
+    np.testing.assert_array_equal(back_z[:, :n], logical["z"])
+    np.testing.assert_array_equal(layout.restore_g_idx(perm, sorted_g_idx)[:k], logical["g_idx"])
+
+
+def test_the_c_entry_points_check_their_buffers(repack_implementation):
+    if repack_implementation != "c-extension":
+        pytest.skip("checks of the C extension itself")
+    qweight = np.zeros((4, 64), dtype=np.int32)  # 8-bit K = 16, N = 64
+    with pytest.raises(ValueError, match=r"buffer sizes 1024 / 512 do not match K = 16, N = 64 at 8 bits"):
+        layout._repack.gptq8_to_marlin(qweight, np.zeros((1, 128), dtype=np.int32), 16, 64)
+    with pytest.raises(ValueError, match=r"K = 20 must divide by 16 and N = 64 by 64"):
+        layout._repack.gptq8_to_marlin(qweight, np.zeros((1, 256), dtype=np.int32), 20, 64)
+    with pytest.raises(ValueError, match=r"not C-contiguous"):  # refused by the buffer protocol ("y*")
+        layout._repack.gptq_to_marlin(np.zeros((2, 128), dtype=np.int32)[:, ::2], np.zeros((1, 128), np.int32), 16, 64)
