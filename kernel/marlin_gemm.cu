@@ -353,13 +353,14 @@ struct Tile {
 // 108 KB, 4 x 4: 144 KB), whose shared memory only fits 2 / 1 blocks anyway (32 accumulators spill at 85 registers).
 // The swapped one-batch-block kernels likewise take the 1 / 2 limits (their fp32 group partial sums need registers).
 // 8-bit kernels (twice the B bytes per strip) take at most the blocks their shared memory fits on a multiprocessor;
-// grouped zero-point kernels at most 2 (at 3 blocks = 80 registers they spilled 12-48 bytes).
+// grouped zero-point kernels and grouped unswapped 8-bit kernels at most 2 (at 3 blocks = 80 registers they spilled
+// 8-48 bytes, the latter on sm_80).
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
   constexpr int by_strips = MB != 1 ? 1 : SWAP == 0 ? 3 : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2 : 3;
   constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;
   constexpr int by_smem = BITS == 4 ? by_strips : (fit < 1 ? 1 : fit < by_strips ? fit : by_strips);
-  return GROUPED && ZP && by_smem > 2 ? 2 : by_smem;
+  return GROUPED && (ZP || (BITS == 8 && SWAP == 0)) && by_smem > 2 ? 2 : by_smem;
 }
 
 // Template parameters:
@@ -542,7 +543,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     for (int ls = 0; ls < STRIPS; ++ls) {
       const int strip = wk * STRIPS + ls;  // strip inside the stage
       if (strip0 + strip < k_strips) {     // warp-uniform
-        const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
         // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
         uint32_t bw[4 * kWords];
 #pragma unroll
@@ -554,10 +554,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           bw[4 * h + 3] = (uint32_t)bq.w;
         }
         // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
-        // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load.
+        // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
+        // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
+        // scheduled it so that two sm_80 kernels spilled.)
         int4 sc = make_int4(0, 0, 0, 0);
-        if constexpr (kScaleB) sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
-        if constexpr (ZP && GROUPED && !kOneGroup) zero_row(slot, srow, zw);
+        if constexpr (kScaleB) {
+          const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
+          sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+          if constexpr (ZP) zero_row(slot, srow, zw);
+        }
         // A fragments: ldmatrix row = (lane % 8) + 8 * ((lane / 8) % 2), logical chunk 2 * strip + lane / 16.
         uint32_t a[MB][4];
 #pragma unroll
