@@ -3,7 +3,8 @@
 ``marlin_gemm(A, B, s, workspace, zp=None, bits=4)`` computes ``C = A @ W`` with ``W = (q - z) * s`` stored in the
 Marlin tile format (see ``kernel/README.md`` and ``shared/FORMAT.md``): fp16 or bf16 activations, 4- or 8-bit weights,
 symmetric (``z = 2^(bits-1)``) or with zero points. The extension (``kernel/binding.cpp`` + ``kernel/marlin_gemm.cu``)
-is compiled on first use with :func:`torch.utils.cpp_extension.load` into a cache folder keyed by a hash of every file
+is compiled on first use with :func:`torch.utils.cpp_extension.load` (the ``kernel/*.cu`` units in parallel, through
+ninja) into a cache folder keyed by a hash of every file
 in ``kernel/``, the GPU architecture, and the torch and CUDA versions, so later runs import it without compiling.
 Cache root: ``$MARLIN_CONVERT_CACHE`` or ``~/.cache/marlin_convert``.
 
@@ -58,6 +59,11 @@ def _arch_list_env(value: str):
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous
+
+
+def kernel_sources() -> list[Path]:
+    """The kernel's CUDA translation units (``kernel/*.cu``: the launcher and the kinds, compiled in parallel)."""
+    return sorted(KERNEL_DIR.glob("*.cu"))
 
 
 def cache_root() -> Path:
@@ -156,7 +162,7 @@ def _build(capability: tuple[int, int], verbose: bool = False):
         with _arch_list_env(arch_list):
             module = cpp_extension.load(
                 name=name,
-                sources=[str(KERNEL_DIR / "binding.cpp"), str(KERNEL_DIR / "marlin_gemm.cu")],
+                sources=[str(KERNEL_DIR / "binding.cpp"), *(str(p) for p in kernel_sources())],
                 extra_cflags=["-O3", "-std=c++17"],
                 extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", *flags],
                 extra_include_paths=[str(KERNEL_DIR)],

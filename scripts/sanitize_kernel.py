@@ -10,7 +10,8 @@ NaN-poisoned output, and is compared with an fp32 reference (mean relative error
 check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
-m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, and n = 17408 for the m <= 16 kernels of large n.
+m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, and n = 10240, 17408 for the m <= 16 kernels of
+larger n.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
             for m in (1, 9, 17):
                 cases.append((kind, m, 256, 64, group, False, 0))
         cases += [(kind, 3, 512, 192, 64, True, 0), (kind, 12, 512, 64, 16, False, 4), (kind, 5, 128, 17408, 32, False, 0),
-                  (kind, 10, 128, 17408, -1, False, 0), (kind, 40, 256, 192, 128, False, 3)]
+                  (kind, 10, 128, 17408, -1, False, 0), (kind, 40, 256, 192, 128, False, 3),
+                  (kind, 6, 128, 10240, 64, False, 0)]
     if args.few:
         cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16]
     failures = 0

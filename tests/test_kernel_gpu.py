@@ -320,10 +320,11 @@ def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
 
 # ------------------------------------------------------------------------------------------------ other kinds
 # bf16 activations, 8-bit weights, zero points (every combination but fp16 x 4-bit symmetric, tested above). Each
-# kind has its own kernels (marlin_gemm.cu, dispatch_kind): for m <= 16 the one-wave schedule (4-bit: n / 64 <= SMs,
-# 8-bit: n / 64 <= 2 SMs; swapped, one batch block for m <= 8, two for m = 9..16) or the 2-strip (8-bit: 1-strip)
-# one (n = 17408 on 132 SMs; swapped for m <= 8, unswapped for 9..16), and one kernel for m > 16; each with grouped
-# and channelwise scales. The shapes below reach all of them, with group sizes 16 (strips of one warp cross groups:
+# kind has its own kernels: for m <= 16 the one-wave 4-strip schedule (n / 64 <= SMs; swapped, one batch block for
+# m <= 8, two for m = 9..16), the 3-strip one (4-bit, n / 64 <= 2 SMs, or larger n with zero points), the 2-strip one
+# (n = 17408 on 132 SMs; 4-bit symmetric: unswapped for m = 9..16), and one kernel for m > 16; each with grouped
+# and channelwise scales (dispatch_kind in marlin_gemm_impl.cuh). The shapes below reach all of them on an H100 / H200
+# (132 SMs), with group sizes 16 (strips of one warp cross groups:
 # zero points and scales per strip), 32, 64, 128, channelwise, act-order and odd m.
 KINDS = [(dtype, bits, asym) for dtype in ("float16", "bfloat16") for bits in (4, 8) for asym in (False, True)
          if (dtype, bits, asym) != ("float16", 4, False)]
@@ -336,6 +337,8 @@ KIND_SHAPES = [  # (m, k, n, group, act_order)
     (7, 256, 17408, 128, False),   # ... grouped
     (11, 256, 17408, 64, False),   # ... unswapped m = 9..16, grouped
     (9, 256, 17408, -1, False),    # ... unswapped, channelwise
+    (4, 256, 10240, 128, False),   # 4-bit, SMs < n / 64 <= 2 SMs: 3 strips
+    (14, 256, 10240, -1, False),   # ... two batch blocks
     (2, 1024, 512, 64, True),      # act-order, m <= 8
     (37, 1024, 320, 32, True),     # m > 16, act-order, n % 128 != 0
     (70, 512, 384, 128, False),    # m > 16, grouped, two row chunks
