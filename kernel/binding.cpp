@@ -1,8 +1,8 @@
 // marlin-convert: torch binding of the Marlin GEMM launcher (kernel/marlin_gemm.cu).
 //
-// Checks every tensor (device, dtype, layout, shape) with a message that names the values, gathers A's columns
-// for act-order, then calls the plain C++ launcher, whose own shape checks (k % 16, n % 64, group size,
-// workspace size) come back as exceptions with the launcher's message.
+// Checks every tensor (device, dtype, layout, shape) and the weight bits with a message that names the values,
+// gathers A's columns for act-order, then calls the plain C++ launcher, whose own shape checks (k % 16, n % 64,
+// group size, workspace size) come back as exceptions with the launcher's message.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAGuard.h>
@@ -70,40 +70,67 @@ int multiprocessors(int device) {
 
 }  // namespace
 
-// C[m, n] = A[m, k] (columns gathered by perm if given) @ dequant(B, s). See marlin_convert/kernel.py.
+// C[m, n] = A[m, k] (columns gathered by perm if given) @ dequant(B, s, zp). See marlin_convert/kernel.py.
 torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& s,
                           const torch::Tensor& workspace, const c10::optional<torch::Tensor>& perm,
-                          const c10::optional<torch::Tensor>& out, int64_t split_k) {
+                          const c10::optional<torch::Tensor>& out, int64_t split_k,
+                          const c10::optional<torch::Tensor>& zp, int64_t bits) {
   MG_CHECK(A.is_cuda(), "marlin_gemm: A must be a CUDA tensor, got a tensor on %s",
            c10::DeviceTypeName(A.device().type(), true).c_str());
+  MG_CHECK(bits == 4 || bits == 8, "marlin_gemm: bits = %lld: the kernel takes 4- or 8-bit weights", (long long)bits);
   const torch::Device device = A.device();
   check_cuda(B, "B", device);
   check_cuda(s, "s", device);
   check_cuda(workspace, "workspace", device);
-  check_dtype(A, "A", at::kHalf);
+  MG_CHECK(A.scalar_type() == at::kHalf || A.scalar_type() == at::kBFloat16,
+           "marlin_gemm: A must be Half or BFloat16, got %s", c10::toString(A.scalar_type()));
+  const at::ScalarType act = A.scalar_type();
   check_dtype(B, "B", at::kInt);
-  check_dtype(s, "s", at::kHalf);
+  MG_CHECK(s.scalar_type() == act, "marlin_gemm: s must be %s (the dtype of A), got %s", c10::toString(act),
+           c10::toString(s.scalar_type()));
   check_dtype(workspace, "workspace", at::kInt);
   check_dense_2d(A, "A");
   check_dense_2d(B, "B");
   check_dense_2d(s, "s");
   MG_CHECK(workspace.is_contiguous(), "marlin_gemm: workspace must be contiguous");
 
+  // B is [k / 16, n * bits / 2]: 16 rows of k times n columns of `bits` bits per row, in int32 words
   const int64_t m = A.size(0), k = A.size(1);
-  MG_CHECK(B.size(0) * 16 == k, "marlin_gemm: B has shape %s but A has k = %lld columns: B must be [k / 16, 2 n]%s",
-           Dims(B).text, (long long)k, (k % 16 ? " (k is not a multiple of 16)" : ""));
-  MG_CHECK(B.size(1) % 2 == 0, "marlin_gemm: B has shape %s: its width must be 2 n (even)", Dims(B).text);
-  const int64_t n = B.size(1) / 2;
-  MG_CHECK(s.size(1) == n, "marlin_gemm: s has shape %s but B has n = %lld columns: s must be [k / group_size, n]",
-           Dims(s).text, (long long)n);
+  const int64_t b_per_n = bits / 2;  // B words per output column (2 for 4-bit, 4 for 8-bit)
+  MG_CHECK(B.size(0) * 16 == k,
+           "marlin_gemm: B has shape %s but A has k = %lld columns: B must be [k / 16, %lld n] (bits = %lld)%s",
+           Dims(B).text, (long long)k, (long long)b_per_n, (long long)bits,
+           (k % 16 ? " (k is not a multiple of 16)" : ""));
+  MG_CHECK(B.size(1) % b_per_n == 0, "marlin_gemm: B has shape %s: with bits = %lld its width must be %lld n",
+           Dims(B).text, (long long)bits, (long long)b_per_n);
+  const int64_t n = B.size(1) / b_per_n;
+  MG_CHECK(s.size(1) == n,
+           "marlin_gemm: s has shape %s but B (bits = %lld, width %lld n) has n = %lld columns: s must be "
+           "[k / group_size, n]",
+           Dims(s).text, (long long)bits, (long long)b_per_n, (long long)n);
   MG_CHECK(s.size(0) >= 1, "marlin_gemm: s has no rows (shape %s)", Dims(s).text);
   MG_CHECK(k <= INT32_MAX && n <= INT32_MAX && m <= INT32_MAX, "marlin_gemm: sizes must fit in int32");
+  const void* zp_ptr = nullptr;
+  if (zp.has_value()) {
+    const torch::Tensor& z = *zp;
+    check_cuda(z, "zp", device);
+    check_dtype(z, "zp", at::kInt);
+    check_dense_2d(z, "zp");
+    const int64_t z_cols = n * bits / 32;  // p = 32 / bits zero points per int32 word
+    MG_CHECK(z.size(0) == s.size(0) && z.size(1) == z_cols,
+             "marlin_gemm: zp has shape %s, expected [%lld, %lld] (the %lld scale rows of s, n = %lld columns / %lld "
+             "per word at bits = %lld)",
+             Dims(z).text, (long long)s.size(0), (long long)z_cols, (long long)s.size(0), (long long)n,
+             (long long)(32 / bits), (long long)bits);
+    zp_ptr = z.data_ptr();
+  }
 
   torch::Tensor C;
   if (out.has_value()) {
     C = *out;
     check_cuda(C, "out", device);
-    check_dtype(C, "out", at::kHalf);
+    MG_CHECK(C.scalar_type() == act, "marlin_gemm: out must be %s (the dtype of A), got %s", c10::toString(act),
+             c10::toString(C.scalar_type()));
     MG_CHECK(C.dim() == 2 && C.size(0) == m && C.size(1) == n, "marlin_gemm: out has shape %s, expected [%lld, %lld]",
              Dims(C).text, (long long)m, (long long)n);
     MG_CHECK(C.is_contiguous(), "marlin_gemm: out must be contiguous");
@@ -126,9 +153,11 @@ torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const 
 
   char err[512];
   const int sms = multiprocessors(device.index());
+  const int act_code = act == at::kHalf ? marlin_convert::MARLIN_ACT_FP16 : marlin_convert::MARLIN_ACT_BF16;
   const int status = marlin_convert::marlin_gemm_launch(
-      a.data_ptr(), B.data_ptr(), s.data_ptr(), C.data_ptr(), workspace.data_ptr<int>(), (long)workspace.numel(),
-      (int)m, (int)n, (int)k, (int)s.size(0), sms, (int)split_k, c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err));
+      a.data_ptr(), B.data_ptr(), s.data_ptr(), zp_ptr, C.data_ptr(), workspace.data_ptr<int>(),
+      (long)workspace.numel(), (int)m, (int)n, (int)k, (int)s.size(0), (int)bits, act_code, sms, (int)split_k,
+      c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err));
   MG_CHECK(status == marlin_convert::MARLIN_OK, "marlin_gemm: %s", err);
   return C;
 }
@@ -136,8 +165,9 @@ torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const 
 int64_t required_workspace_ints(int64_t n) { return marlin_convert::marlin_required_workspace_ints((int)n); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "marlin-convert's FP16 x INT4 Marlin GEMM (see marlin_convert/kernel.py)";
-  m.def("marlin_gemm", &marlin_gemm, "C = A[:, perm] @ dequant(B, s)", py::arg("A"), py::arg("B"), py::arg("s"),
-        py::arg("workspace"), py::arg("perm") = py::none(), py::arg("out") = py::none(), py::arg("split_k") = 0);
+  m.doc() = "marlin-convert's Marlin GEMM: fp16 / bf16 x 4 / 8-bit weights (see marlin_convert/kernel.py)";
+  m.def("marlin_gemm", &marlin_gemm, "C = A[:, perm] @ dequant(B, s, zp)", py::arg("A"), py::arg("B"), py::arg("s"),
+        py::arg("workspace"), py::arg("perm") = py::none(), py::arg("out") = py::none(), py::arg("split_k") = 0,
+        py::arg("zp") = py::none(), py::arg("bits") = 4);
   m.def("required_workspace_ints", &required_workspace_ints, "(n / 64) * 16", py::arg("n"));
 }

@@ -1,607 +1,16 @@
-// marlin-convert: FP16 x INT4 GEMM on the Marlin tile format, written for this project (sm_80 .. sm_90).
-//
-//   C[m, n] = A[m, k] @ W[k, n],   W[k, n] = (q[k, n] - 8) * s[group(k), n],   fp32 accumulation on tensor cores
-//
-// Self-contained: CUDA runtime + cuda_fp16 only, so `nvcc -c kernel/marlin_gemm.cu` checks it without a GPU.
-// Layout facts are in shared/FORMAT.md (sections 2 and 3); the design notes are in kernel/README.md.
-//
-// ------------------------------------------------------------------------------------------------ overview
-// One thread block (256 threads = 8 warps) owns an output tile of 16*MB rows x TN = 64*WN columns and a contiguous
-// range of k ("split"). Its warps form a WN x WK grid (WK = 8 / WN): warp (wn, wk) owns the 64 columns wn of the
-// tile and, in every pipeline stage, STRIPS consecutive 16-row k-strips. Per stage the block therefore consumes
-// STAGE_K = 16 * STRIPS * WK rows of k:
-//
-//        k --->        stage 0                         stage 1                  ...  (STAGES of them in flight)
-//               +--------+--------+-----+--------+--------+--------+-----+
-//   cols wn=0   | wk=0   | wk=1   | ... | wk=WK-1| wk=0   | wk=1   | ... |        each cell: STRIPS strips of 16 k-rows
-//   cols wn=1   | wk=0   | wk=1   | ... | wk=WK-1| ...                              x 64 columns = STRIPS x 512 bytes of B
-//               +--------+--------+-----+--------+--------+--------+-----+
-//
-// The grid is (n / TN tiles) x (ceil(m / 16MB) row chunks) x (splits over k), linearised as
-//   blockIdx.x = (ntile * splits + split) * m_chunks + mchunk
-// so the blocks that read the same B columns run side by side and share it through L2.
-//
-// Pipeline of one block, per stage (names used in the comments below):
-//   [G2S]  global -> shared: cp.async.cg 16-byte copies of the A tile, the B tile and (grouped) the scale rows;
-//          STAGES - 1 stages are in flight while one is computed (cp.async.commit_group / wait_group).
-//   [S2R]  shared -> registers: ldmatrix.x4 for the A fragments, one 16-byte ld.shared per lane for B (its
-//          fragments of 4 tiles = 64 columns), one 16-byte ld.shared per lane for the 8 grouped scales.
-//   [DEQ]  dequant: lop3 + fp16 magic-number trick, then (grouped) multiply by the scale.
-//   [MMA]  mma.sync.m16n8k16 fp16 x fp16 -> fp32.
-//   [RED]  reduction: the WK warps that share columns add their accumulators through shared memory; then the
-//          `splits` blocks that share an output tile add through C, in split order, serialised by a lock.
-//   [OUT]  write-out: fp16 pairs (half2) to C; channelwise scales are applied here, in fp32.
-//
-// Split-K and the workspace: when n / TN * m_chunks blocks do not fill the GPU, k is cut into `splits` ranges.
-// Block `split` waits until lock == split, adds its partial sums to what C holds (split 0 just stores), then sets
-// lock = split + 1; the last split sets it back to 0, so the workspace is zero again when the kernel ends. One
-// lock per (ntile, mchunk): n / TN * m_chunks <= (n / 64) * 16 ints is checked on the host, and the grid is kept
-// within what the GPU can hold resident at once, so a block never waits for one that cannot start.
-//
-// No L2 cache-hint variants (`.L2::cache_hint`, createpolicy) are used: published Marlin's small-batch path died
-// with an illegal instruction on an H200 because of them.
+// marlin-convert: GEMM on the Marlin tile format (sm_80 .. sm_90): host checks, the launcher marlin_gemm_launch, and
+// the fp16 x 4-bit symmetric kind with its benchmark-only variants. The kernel itself, and what it computes, is in
+// marlin_gemm_impl.cuh; the other kinds are instantiated in marlin_gemm_fp16.cu, marlin_gemm_bf16_int4.cu and
+// marlin_gemm_bf16_int8.cu (compiled in parallel). Self-contained: `nvcc -c kernel/marlin_gemm.cu` checks it without a
+// GPU or torch.
 
-#include "marlin_gemm.h"
-
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <cstdarg>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <type_traits>
+#include "marlin_gemm_impl.cuh"
 
 namespace marlin_convert {
-namespace {
+namespace detail {
 
-constexpr int kThreads = 256;  // 8 warps per block
-constexpr int kWarps = kThreads / 32;
-
-// ------------------------------------------------------------------------------------------------ PTX helpers
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// [G2S] 16-byte asynchronous copy global -> shared, L2 only (.cg). Skipped entirely when !pred (then `gmem` may
-// point outside the tensor: it is never dereferenced).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %0, 0;\n"
-      "  @p cp.async.cg.shared.global [%1], [%2], 16;\n"
-      "}\n" ::"r"(static_cast<int>(pred)),
-      "r"(smem_u32(smem)), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Wait until at most N committed groups are still pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// [S2R] four 8x8 fp16 matrices; lane l gives the row address of matrix l / 8, row l % 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(smem)));
-}
-
-// [MMA] D = A(16x16, row) * B(16x8, col) + D, fp16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Three-input logic op; LUT is the truth table of f(a, b, c) evaluated on a = 0xF0, b = 0xCC, c = 0xAA.
-template <int LUT>
-__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
-  return r;
-}
-
-__device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
-__device__ __forceinline__ uint32_t as_u32(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-
-// ------------------------------------------------------------------------------------------------ [DEQ]
-// Hook for other weight formats: WeightBits selects the dequantizer (only 4 is instantiated; an 8-bit version
-// would add Dequant<8> with bias 128 and 4 values per word, FORMAT.md section 7, and a zero-point variant would
-// take the zp fragment as an extra argument).
-template <int WeightBits>
-struct Dequant;
-
-template <>
-struct Dequant<4> {
-  // One Marlin word of lane (c = lane / 4, r = 2 * (lane % 4)) for one 16x16 tile holds, nibble 0 (low) .. 7:
-  //   (r, c) (r+8, c) (r, c+8) (r+8, c+8) (r+1, c) (r+9, c) (r+1, c+8) (r+9, c+8)        (row = k, col = n)
-  // The mma.m16n8k16 B fragment of n8-block h is b0 = {(r, c+8h), (r+1, c+8h)}, b1 = {(r+8, ..), (r+9, ..)}
-  // (low half first). So nibbles 0 and 4 (bits 0-3, 16-19) are b0 of h = 0, nibbles 1 and 5 (bits 4-7, 20-23)
-  // b1 of h = 0, and the same after `q >> 8` for h = 1: each lop3 below lands exactly one fragment register.
-  //
-  // Magic numbers, fp16 = sign | 5-bit exponent (bias 15) | 10-bit mantissa:
-  //   0x6400 = 2^10 = 1024.0: its mantissa ulp is 1, so 0x6400 | x (x < 1024) is exactly 1024 + x.
-  //   b0: 0x6400 | q           = 1024 + q       ; minus 0x6408 (= 1024 + 8 = 1032)          -> q - 8
-  //   b1: 0x6400 | (q << 4)    = 1024 + 16 q    ; times 0x2C00 (= 2^-4: exponent 11 = 15 - 4) -> 64 + q,
-  //       plus 0xD480 (= -72: exponent 21 = 15 + 6 -> 64, mantissa 0x080 -> 1.125, 64 * 1.125 = 72) -> q - 8
-  // All steps are exact in fp16 (|values| < 2048 and integral).
-  static __device__ __forceinline__ void run(uint32_t q, uint32_t (&frag)[4]) {
-    constexpr uint32_t kLo = 0x000f000fu;   // nibbles 0 and 4
-    constexpr uint32_t kHi = 0x00f000f0u;   // nibbles 1 and 5
-    constexpr uint32_t kExp = 0x64006400u;  // 1024.0 in both halves
-    constexpr int kAndOr = (0xF0 & 0xCC) | 0xAA;  // (a & b) | c = 0xEA
-    const uint32_t lo0 = lop3<kAndOr>(q, kLo, kExp);
-    const uint32_t hi0 = lop3<kAndOr>(q, kHi, kExp);
-    q >>= 8;
-    const uint32_t lo1 = lop3<kAndOr>(q, kLo, kExp);
-    const uint32_t hi1 = lop3<kAndOr>(q, kHi, kExp);
-    const half2 sub = as_h2(0x64086408u);  // 1032
-    const half2 mul = as_h2(0x2c002c00u);  // 1/16
-    const half2 add = as_h2(0xd480d480u);  // -72
-    frag[0] = as_u32(__hsub2(as_h2(lo0), sub));           // b0, n8-block 0
-    frag[1] = as_u32(__hfma2(as_h2(hi0), mul, add));      // b1, n8-block 0
-    frag[2] = as_u32(__hsub2(as_h2(lo1), sub));           // b0, n8-block 1
-    frag[3] = as_u32(__hfma2(as_h2(hi1), mul, add));      // b1, n8-block 1
-  }
-};
-
-// ------------------------------------------------------------------------------------------------ the kernel
-
-// Compile-time shape of one configuration.
-template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED>
-struct Tile {
-  static constexpr int kWK = kWarps / WN;                 // warps side by side along k
-  static constexpr int kRows = 16 * MB;                   // A rows per block (MB 16-row m-blocks)
-  static constexpr int kTN = 64 * WN;                     // output columns per block (WN 64-column groups)
-  static constexpr int kStageStrips = STRIPS * kWK;       // 16-row k-strips per stage
-  static constexpr int kStageK = 16 * kStageStrips;       // k per stage
-  static constexpr int kAChunks = kStageK / 8;            // 16-byte chunks (8 halves) per A row per stage
-  static constexpr int kABytes = kRows * kStageK * 2;     // fp16 A tile
-  static constexpr int kBBytes = kStageStrips * WN * 512; // a 16 x 64 piece of B is 128 words = 512 bytes
-  static constexpr int kSBytes = GROUPED ? kStageStrips * kTN * 2 : 0;  // at most one scale row per strip
-  static constexpr int kStageBytes = kABytes + kBBytes + kSBytes;
-  static constexpr int kPipeBytes = STAGES * kStageBytes;
-  // [RED] in-block reduction area, one m-block at a time: 8 warps x 8 n8-blocks x 4 floats x 32 lanes.
-  static constexpr int kRedBytes = kWarps * 8 * 4 * 32 * 4;
-  static constexpr int kSmemBytes = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;
-
-  static_assert(kWarps % WN == 0, "WN must divide the 8 warps");
-  static_assert(kAChunks >= 8, "the A swizzle XORs 3 bits of the chunk index: a stage needs >= 64 k");
-  static_assert((kRows * kAChunks) % kThreads == 0, "A tile copies must split evenly over the threads");
-  static_assert(kBBytes / 16 == STRIPS * kThreads, "B tile copies: STRIPS 16-byte copies per thread");
-  static_assert(STAGES >= 2, "at least double buffering");
-};
-
-// Template parameters:
-//   ActT       activation / output type (only half is instantiated; bf16 would need a bf16 mma and dequant)
-//   WeightBits bits per weight (only 4 is instantiated; see Dequant)
-//   MB         16-row m-blocks per thread block: 1, 2 or 4 (m rows 16, 32, 64 per block)
-//   WN         64-column warp groups per block (n-tile width 64 * WN); the other 8 / WN warps split k
-//   STRIPS     16-row k-strips each warp handles per stage
-//   STAGES     pipeline depth (shared-memory stages)
-//   GROUPED    true: grouped scales applied to B before the mma; false: channelwise, applied to C in fp32
-//   NO_F32_SCALE  benchmark only: grouped scales always on B in fp16 (the previous kernel, see kF32Scale)
-//   SWAP       0: C = A W (A = mma A operand); 1: C^T = W^T A^T with one 8-row batch block (m <= 8 per chunk);
-//              2: C^T = W^T A^T with two 8-row batch blocks (rows 0-7 and 8-15 of the 16-row chunk, m <= 16)
-// Arguments:
-//   A          fp16 [m, k] row-major (as int4 = 8 halves), act-order already gathered
-//   B          int32 [k / 16, 2 n] Marlin tiles (as int4: row stride n / 2 int4)
-//   S          fp16 [scale_rows, n] permuted scales (as int4: row stride n / 8 int4)
-//   C          fp16 [m, n] row-major output
-//   locks      int32 workspace, zero on entry and on exit; one int per (ntile, mchunk) when splits > 1
-//   m, n, k    problem size; group_size = k / scale_rows (only read when GROUPED)
-//   group_shift log2(group_size) when it is a power of two (then k / g is a shift), else -1 (division)
-//   splits     number of k ranges; stages_per_split = k stages per range (the last one may be shorter)
-// Blocks per SM the register allocation must allow: 3 for the 16-row kernels (72 KB of shared memory at 2 strips
-// x 4 stages), except the two-batch-block swapped kernels with 12 / 16 strip-stages (3 strips x 4 or 2 x 6 stages:
-// 108 KB, 4 x 4: 144 KB), whose shared memory only fits 2 / 1 blocks anyway (32 accumulators spill at 85 registers).
-// The swapped one-batch-block kernels likewise take the 1 / 2 limits (their fp32 group partial sums need registers).
-template <int MB, int STRIPS, int STAGES, int SWAP>
-constexpr int min_blocks() {
-  return MB != 1 ? 1 : SWAP == 0 ? 3 : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2 : 3;
-}
-
-template <typename ActT, int WeightBits, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP,
-          bool NO_F32_SCALE = false>
-__global__ void __launch_bounds__(kThreads, min_blocks<MB, STRIPS, STAGES, NO_F32_SCALE ? 0 : SWAP>()) marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B,
-                                                               const int4* __restrict__ S, ActT* __restrict__ C,
-                                                               int* __restrict__ locks, int m, int n, int k,
-                                                               int group_size, int group_shift, int splits,
-                                                               int stages_per_split) {
-  static_assert(std::is_same<ActT, half>::value, "only the fp16 activation path is instantiated");
-  static_assert(SWAP >= 0 && SWAP <= 2 && (SWAP == 0 || MB == 1), "the swapped (W^T x A^T) path serves m <= 16 only");
-  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED>;
-  extern __shared__ __align__(16) unsigned char smem[];
-
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int wn = warp % WN;  // this warp's 64 columns inside the tile
-  const int wk = warp / WN;  // this warp's k-slot inside a stage
-
-  // ---- which tile, which rows, which k range
-  const int m_chunks = (m + T::kRows - 1) / T::kRows;
-  int bid = blockIdx.x;
-  const int mchunk = bid % m_chunks;
-  bid /= m_chunks;
-  const int split = bid % splits;
-  const int ntile = bid / splits;
-  const int row0 = mchunk * T::kRows;
-  const int col0 = ntile * T::kTN;
-  const int k_strips = k / 16;
-  const int total_stages = (k_strips + T::kStageStrips - 1) / T::kStageStrips;
-  const int stage_begin = split * stages_per_split;
-  const int stage_end = min(stage_begin + stages_per_split, total_stages);
-  const int n_stages = stage_end - stage_begin;  // >= 1: the host never makes an empty split
-
-  // group of a k index: a shift for the power-of-two group sizes (all GPTQ uses), a division otherwise
-  auto group_of = [&](int kk) { return group_shift >= 0 ? (kk >> group_shift) : (kk / group_size); };
-  const int b_row_int4 = n / 2;  // B row: 2n words = n / 2 int4
-  const int s_row_int4 = n / 8;  // scale row: n halves = n / 8 int4
-
-  // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) into shared slot `slot`
-  auto load_stage = [&](int slot, int st) {
-    unsigned char* base = smem + slot * T::kStageBytes;
-    half* sA = reinterpret_cast<half*>(base);
-    int4* sB = reinterpret_cast<int4*>(base + T::kABytes);
-    int4* sS = reinterpret_cast<int4*>(base + T::kABytes + T::kBBytes);
-    const int k0 = st * T::kStageK;
-    const int strip0 = st * T::kStageStrips;
-    // A: kRows x kAChunks 16-byte chunks. Rows >= m and columns >= k are not copied: a garbage A row only
-    // reaches the same (never written) C row, and strips past k are skipped in the compute.
-    // The 16-byte chunk ch of row r is stored at chunk (ch ^ (r & 7)): ldmatrix then reads 8 rows of one
-    // logical chunk from 8 different 16-byte bank groups (row stride kStageK * 2 bytes is a multiple of 128).
-#pragma unroll
-    for (int i = tid; i < T::kRows * T::kAChunks; i += kThreads) {
-      const int r = i / T::kAChunks;
-      const int ch = i % T::kAChunks;
-      const int grow = row0 + r;
-      const int gcol = k0 + ch * 8;
-      const bool ok = grow < m && gcol < k;
-      cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((size_t)grow * k + gcol) / 8, ok);
-    }
-    // B: kStageStrips strips x WN pieces of 32 int4 (one per lane), copied as they lie in global memory.
-#pragma unroll
-    for (int j = 0; j < STRIPS; ++j) {
-      const int i = tid + j * kThreads;
-      const int strip = i / (WN * 32);
-      const int w = i % (WN * 32);
-      const int gstrip = strip0 + strip;
-      cp_async16(sB + i, B + (size_t)gstrip * b_row_int4 + (size_t)ntile * WN * 32 + w, gstrip < k_strips);
-    }
-    // Scales (grouped): the distinct rows k0 / g .. (last k of the stage) / g, kTN halves (WN * 8 int4) each.
-    if constexpr (GROUPED) {
-      const int kend = min(k0 + T::kStageK, k);
-      const int r0 = group_of(k0);
-      const int nrows = group_of(kend - 1) - r0 + 1;  // <= kStageStrips since group_size >= 16
-      for (int i = tid; i < nrows * WN * 8; i += kThreads) {
-        const int r = i / (WN * 8);
-        const int c = i % (WN * 8);
-        cp_async16(sS + i, S + (size_t)(r0 + r) * s_row_int4 + (size_t)ntile * WN * 8 + c, true);
-      }
-    }
-  };
-
-  float acc[MB][8][4];
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-    for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
-
-  // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st`
-  // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
-  // the 32 partial sums): when all of a warp's strips of the stage lie in one
-  // group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to those once, in
-  // fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per strip);
-  // otherwise (a group boundary inside the warp's strips) the scales go onto B in fp16 as in the other kernels.
-  constexpr bool kF32Scale = GROUPED && (SWAP == 1 || (SWAP == 2 && STRIPS * STAGES >= 12)) && !NO_F32_SCALE;
-  // strips(tag, d): this warp's strips of the stage into accumulators d; tag::value = leave B unscaled.
-  auto strips = [&](auto unscaled_tag, float (&d)[MB][8][4], int slot, int st) {
-    constexpr bool kScaleB = GROUPED && !decltype(unscaled_tag)::value;
-    const unsigned char* base = smem + slot * T::kStageBytes;
-    const half* sA = reinterpret_cast<const half*>(base);
-    const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
-    const int4* sS = reinterpret_cast<const int4*>(base + T::kABytes + T::kBBytes);
-    const int strip0 = st * T::kStageStrips;
-#pragma unroll
-    for (int ls = 0; ls < STRIPS; ++ls) {
-      const int strip = wk * STRIPS + ls;  // strip inside the stage
-      if (strip0 + strip < k_strips) {     // warp-uniform
-        // B: this lane's 4 words = its fragments of the 4 tiles (64 columns) of this strip.
-        const int4 bq = sB[strip * WN * 32 + wn * 32 + lane];
-        // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
-        // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load.
-        int4 sc = make_int4(0, 0, 0, 0);
-        if constexpr (kScaleB) {
-          const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);
-          sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
-        }
-        // A fragments: ldmatrix row = (lane % 8) + 8 * ((lane / 8) % 2), logical chunk 2 * strip + lane / 16.
-        uint32_t a[MB][4];
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-          const int r = mb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          const int ch = 2 * strip + (lane >> 4);
-          ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
-        }
-        const uint32_t bw[4] = {(uint32_t)bq.x, (uint32_t)bq.y, (uint32_t)bq.z, (uint32_t)bq.w};
-        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
-          uint32_t f[4];
-          Dequant<WeightBits>::run(bw[j], f);
-          if constexpr (kScaleB) {
-            const half2 pair = as_h2(sw[j]);  // scales of n8-blocks 2j (low) and 2j + 1 (high)
-            const half2 s0 = __low2half2(pair);
-            const half2 s1 = __high2half2(pair);
-            f[0] = as_u32(__hmul2(as_h2(f[0]), s0));
-            f[1] = as_u32(__hmul2(as_h2(f[1]), s0));
-            f[2] = as_u32(__hmul2(as_h2(f[2]), s1));
-            f[3] = as_u32(__hmul2(as_h2(f[3]), s1));
-          }
-          if constexpr (SWAP != 0) {
-            // C^T = W^T A^T: the tile's 4 words are exactly the mma A fragment of W^T (rows = 16 columns n,
-            // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
-            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 2 (A rows 0-7, k 0-7 / 8-15); with
-            // SWAP == 2 the second batch block (A rows 8-15) is matrices 1 and 3, accumulated in d[0][4 + j].
-            const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
-            mma_16816(d[0][j], wa, a[0][0], a[0][2]);
-            if constexpr (SWAP == 2) mma_16816(d[0][4 + j], wa, a[0][1], a[0][3]);
-          } else {
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb) {
-              mma_16816(d[mb][2 * j], a[mb], f[0], f[1]);
-              mma_16816(d[mb][2 * j + 1], a[mb], f[2], f[3]);
-            }
-          }
-        }
-      }
-    }
-  };
-  auto compute_stage = [&](int slot, int st) {
-    if constexpr (kF32Scale) {
-      const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
-      if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
-      const int last = min(first + STRIPS, k_strips) - 1;
-      if (group_of(first * 16) == group_of(last * 16)) {
-        float part[MB][8][4];
-#pragma unroll
-        for (int nb = 0; nb < 4 * SWAP; ++nb)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) part[0][nb][i] = 0.0f;
-        strips(std::true_type{}, part, slot, st);
-        // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
-        // 2 j + 1 (e = 2, 3: high scale), as in the fp16 path above.
-        const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
-        const int srow = group_of(first * 16) - group_of(st * T::kStageK);
-        const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
-        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 s01 = __half22float2(as_h2(sw[j]));
-#pragma unroll
-          for (int h = 0; h < SWAP; ++h) {
-            acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
-            acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
-            acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
-            acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
-          }
-        }
-        return;
-      }
-    }
-    strips(std::false_type{}, acc, slot, st);
-  };
-
-  // ---- main loop: STAGES - 1 stages in flight, one barrier per stage
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_stages) load_stage(s, stage_begin + s);
-    cp_async_commit();  // always commit (possibly empty) so the group count stays aligned
-  }
-  for (int it = 0; it < n_stages; ++it) {
-    cp_async_wait<STAGES - 2>();  // stage `it` has landed (for this thread)
-    __syncthreads();              // ... for all threads; and everyone is done computing stage it - 1
-    const int next = it + STAGES - 1;
-    if (next < n_stages) load_stage(next % STAGES, stage_begin + next);  // refills the slot of stage it - 1
-    cp_async_commit();
-    compute_stage(it % STAGES, stage_begin + it);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the pipeline's shared memory is now free for the reduction
-
-  // ---- [RED] across blocks: wait for our turn on this tile's lock
-  int* lock = locks + ntile * m_chunks + mchunk;
-  if (splits > 1) {
-    if (tid == 0) {
-      int v;
-      do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(lock) : "memory");
-      } while (v != split);
-    }
-    __syncthreads();
-  }
-
-  // ---- [RED] inside the block, then [OUT]; one m-block at a time (32 KB of shared memory)
-  float2* red = reinterpret_cast<float2*>(smem);
-  const half2* S2 = reinterpret_cast<const half2*>(S);
-  half2* C2 = reinterpret_cast<half2*>(C);
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb) {
-    // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
-    if constexpr (SWAP != 0) {
-      // acc[0][4 h + j][e] = C[row 8 h + 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4,
-      // cols inside this warp's 64, h = batch block); stored where the non-swapped layout keeps that element
-      // (row 8 h + r is half `hi = h` of lane 4 r + ...). With SWAP == 1 rows 8..15 are never stored (m <= 8 there).
-      float* redf = reinterpret_cast<float*>(smem);
-      const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-      for (int h = 0; h < SWAP; ++h)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = 2 * t + (e & 1);
-            const int col = 16 * j + g + 8 * (e >> 1);
-            const int ln = row * 4 + ((col & 7) >> 1);
-            redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2 + h) * 32 + ln) + (col & 1)] = acc[0][4 * h + j][e];
-          }
-    } else {
-#pragma unroll
-      for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi)
-          red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] =
-              make_float2(acc[mb][nb][2 * hi], acc[mb][nb][2 * hi + 1]);
-    }
-    __syncthreads();
-    // Pair p = ((wn * 8 + nb) * 2 + hi) * 32 + ln: accumulator registers 2 hi, 2 hi + 1 of lane ln, which hold
-    // C[row, col], C[row, col + 1] with row = ln / 4 + 8 hi, col = 8 nb + 2 (ln % 4) (mma C fragment layout).
-#pragma unroll
-    for (int p = tid; p < WN * 512; p += kThreads) {
-      const int ln = p & 31;
-      const int hi = (p >> 5) & 1;
-      const int nb = (p >> 6) & 7;
-      const int pwn = p >> 9;
-      float2 v = make_float2(0.0f, 0.0f);
-#pragma unroll
-      for (int w = 0; w < T::kWK; ++w) {
-        const float2 x = red[(w * WN + pwn) * 512 + (p & 511)];
-        v.x += x.x;
-        v.y += x.y;
-      }
-      const int row = row0 + mb * 16 + (ln >> 2) + 8 * hi;
-      const int col = col0 + pwn * 64 + nb * 8 + 2 * (ln & 3);
-      if constexpr (!GROUPED) {
-        // Channelwise table (runs of 32): position 8 t + jpos holds column 2 t + {0,1,8,9,16,17,24,25}[jpos].
-        // Column 8 nb + 2 t + e of the 64-column run lies in run nb / 4 at jpos = 2 (nb % 4) + e, i.e. at
-        // position 32 (nb / 4) + 8 t + 2 (nb % 4) + e: the pair (e = 0, 1) is one half2.
-        const int pos = col0 + pwn * 64 + 32 * (nb >> 2) + 8 * (ln & 3) + 2 * (nb & 3);
-        const float2 s = __half22float2(S2[pos >> 1]);
-        v.x *= s.x;
-        v.y *= s.y;
-      }
-      if (row < m) {
-        const size_t at = ((size_t)row * n + col) >> 1;
-        if (splits > 1 && split > 0) {  // add the partial sums of splits 0 .. split - 1 (read from L2)
-          const unsigned int old = __ldcg(reinterpret_cast<const unsigned int*>(C2 + at));
-          const float2 o = __half22float2(as_h2(old));
-          v.x += o.x;
-          v.y += o.y;
-        }
-        C2[at] = __floats2half2_rn(v.x, v.y);
-      }
-    }
-    __syncthreads();  // `red` is rewritten by the next m-block
-  }
-
-  // ---- [RED] across blocks: hand the tile to the next split (the last one re-zeroes the lock)
-  if (splits > 1) {
-    __threadfence();  // our C writes are visible device-wide before the lock moves
-    __syncthreads();
-    if (tid == 0) atomicExch(lock, split == splits - 1 ? 0 : split + 1);
-  }
-}
-
-// ------------------------------------------------------------------------------------------------ host side
-
-void set_error(char* err, int errlen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-
-void set_error(char* err, int errlen, const char* fmt, ...) {
-  if (err == nullptr || errlen <= 0) return;
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(err, static_cast<size_t>(errlen), fmt, args);
-  va_end(args);
-}
-
-struct Launch {
-  const void* A;
-  const void* B;
-  const void* s;
-  void* C;
-  int* workspace;
-  long workspace_ints;
-  int m, n, k, scale_rows, sms, split_k;
-  cudaStream_t stream;
-  char* err;
-  int errlen;
-};
-
-// Pick the split over k, then launch one instantiation.
-template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
-int launch_config(const Launch& L) {
-  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED>;
-  auto kernel = marlin_gemm_kernel<half, 4, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
-  const int smem = T::kSmemBytes;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) {
-    set_error(L.err, L.errlen, "cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem,
-              cudaGetErrorString(e));
-    return MARLIN_CUDA_ERROR;
-  }
-  int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-  if (e != cudaSuccess || per_sm < 1) {
-    set_error(L.err, L.errlen, "kernel configuration (MB=%d, WN=%d, %d bytes of shared memory) cannot run here: %s",
-              MB, WN, smem, e != cudaSuccess ? cudaGetErrorString(e) : "0 blocks fit on a multiprocessor");
-    return MARLIN_CUDA_ERROR;
-  }
-  const int n_tiles = L.n / T::kTN;
-  const int m_chunks = (L.m + T::kRows - 1) / T::kRows;
-  const long base_blocks = (long)n_tiles * m_chunks;
-  const int total_stages = (L.k / 16 + T::kStageStrips - 1) / T::kStageStrips;
-  const long resident = (long)L.sms * per_sm;
-
-  // Split k when the tiles alone leave multiprocessors idle: enough splits to give every SM a block, each split
-  // at least 2 stages long (fewer, longer chains of the lock), at most 16 (the chain is serial), and only while
-  // the whole grid stays resident (a waiting block must never keep a block it waits for from starting) and one
-  // lock per (ntile, mchunk) fits in the workspace.
-  int splits = 1;
-  if (L.split_k > 0) {
-    splits = L.split_k;
-  } else if (base_blocks < L.sms) {
-    splits = (int)(L.sms / base_blocks);
-    splits = min(splits, 16);
-    splits = min(splits, max(1, total_stages / 2));
-  }
-  splits = max(1, min(splits, total_stages));
-  while (splits > 1 && (base_blocks * splits > resident || base_blocks > L.workspace_ints)) --splits;
-  const int stages_per_split = (total_stages + splits - 1) / splits;
-  splits = (total_stages + stages_per_split - 1) / stages_per_split;  // no empty split
-
-  const long grid = base_blocks * splits;
-  if (grid > 0x7fffffffL) {
-    set_error(L.err, L.errlen, "m = %d, n = %d need %ld thread blocks, more than a launch can have", L.m, L.n, grid);
-    return MARLIN_BAD_SHAPE;
-  }
-  const int group_size = L.k / L.scale_rows;
-  int group_shift = -1;
-  if ((group_size & (group_size - 1)) == 0) {
-    group_shift = 0;
-    while ((1 << group_shift) < group_size) ++group_shift;
-  }
-  kernel<<<(unsigned)grid, kThreads, smem, L.stream>>>(
-      static_cast<const int4*>(L.A), static_cast<const int4*>(L.B), static_cast<const int4*>(L.s),
-      static_cast<half*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift, splits, stages_per_split);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    set_error(L.err, L.errlen, "kernel launch (MB=%d, WN=%d, grid %ld, %d bytes of shared memory) failed: %s", MB,
-              WN, grid, smem, cudaGetErrorString(e));
-    return MARLIN_CUDA_ERROR;
-  }
-  return MARLIN_OK;
-}
-
-// The instantiated configurations (see kernel/README.md for why these):
+// The instantiated configurations (see kernel/README.md for why these).
+// fp16 x 4-bit symmetric (the converter's main kind; dispatch_fp16_int4 below):
 //   m <= 16 : MB=1, WN=1 (64-column tiles: the most blocks for small n), 4 stages, swapped (C^T = W^T A^T) with
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
 //             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
@@ -609,7 +18,8 @@ int launch_config(const Launch& L) {
 //   m <= 32 : MB=2, WN=1, 2 strips, 4 stages
 //   m > 32  : MB=4 (64-row chunks); WN=2 (128-column tiles, A fragments shared by 2x the columns) when n % 128 == 0,
 //             else WN=1; 4 stages
-// each once with grouped and once with channelwise scales.
+// each once with grouped and once with channelwise scales, plus the benchmark-only m <= 16 variants.
+// The other kinds: dispatch_kind in marlin_gemm_impl.cuh.
 // Benchmark-only switch for the m <= 16 configuration (MARLIN_CONVERT_SMALL_CFG, read per call; unset = the
 // default below). Used by scripts/bench_kernel.py --cfgs; see kernel/README.md for the measurements.
 int small_cfg() {
@@ -617,31 +27,33 @@ int small_cfg() {
   return (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : -1;
 }
 
+using KindFp16Int4 = Kind<half, 4, false>;
+
 // swap: m <= 8 the swapped path with one batch block, m = 9..16 with two, both with STRIPS / STAGES.
 // !swap: the unswapped MB = 1 kernel, 2 strips, 4 stages (it spills at 4 strips under the 3-blocks-per-SM
 // register limit); swap_small_only: swapped for m <= 8 only; previous: also grouped scales on B in fp16 (the
 // previous default, benchmark only).
 template <int STRIPS, int STAGES, bool GROUPED>
 int launch_small(const Launch& L, bool swap, bool swap_small_only = false, bool previous = false) {
-  if (swap && L.m <= 8 && previous) return launch_config<1, 1, STRIPS, STAGES, GROUPED, 1, true>(L);
-  if (swap && L.m <= 8) return launch_config<1, 1, STRIPS, STAGES, GROUPED, 1>(L);
-  if (swap && !swap_small_only) return launch_config<1, 1, STRIPS, STAGES, GROUPED, 2>(L);
-  return launch_config<1, 1, 2, 4, GROUPED, 0>(L);
+  using K = KindFp16Int4;
+  if (swap && L.m <= 8 && previous) return launch_config<K, 1, 1, STRIPS, STAGES, GROUPED, 1, true>(L);
+  if (swap && L.m <= 8) return launch_config<K, 1, 1, STRIPS, STAGES, GROUPED, 1>(L);
+  if (swap && !swap_small_only) return launch_config<K, 1, 1, STRIPS, STAGES, GROUPED, 2>(L);
+  return launch_config<K, 1, 1, 2, 4, GROUPED, 0>(L);
 }
 
 template <bool GROUPED>
-int dispatch(const Launch& L) {
+int dispatch_fp16_int4(const Launch& L) {
+  using K = KindFp16Int4;
   if (L.m <= 16) {
     // Default: 64-column tiles, the most strips per warp that still runs all n / 64 tiles in one wave: the swapped
     // kernel (m <= 8: one 8-row batch block, m = 9..16: two) with 4 strips (stage k = 512, 16 KB of B per stage,
     // 144 KB of shared memory, one block per SM) when n / 64 <= SMs, with 3 strips (108 KB, 2 blocks per SM) when
     // n / 64 <= 2 SMs; otherwise 2 strips (72 KB: 3 blocks per SM), swapped for m <= 8 only.
-    int dev = 0, optin = 0;
-    const bool big_smem = cudaGetDevice(&dev) == cudaSuccess &&
-                          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-                          optin >= Tile<1, 1, 4, 4, GROUPED>::kSmemBytes;  // sm_86 / sm_89 have ~100 KB
+    const int optin = smem_optin();
+    const bool big_smem = optin >= Tile<1, 1, 4, 4, GROUPED>::kSmemBytes;  // sm_86 / sm_89 have ~100 KB
     const bool one_wave = big_smem && L.n / 64 <= L.sms;
-    const bool mid_smem = optin >= Tile<1, 1, 3, 4, GROUPED>::kSmemBytes;  // optin stays 0 if the query failed
+    const bool mid_smem = optin >= Tile<1, 1, 3, 4, GROUPED>::kSmemBytes;
     const bool two_wave = !one_wave && mid_smem && L.n / 64 <= 2 * L.sms;  // one wave at 2 blocks per SM
     switch (small_cfg()) {
       case 0: return launch_small<2, 4, GROUPED>(L, false);  // the previous default (no swap)
@@ -664,21 +76,34 @@ int dispatch(const Launch& L) {
         return launch_small<2, 4, GROUPED>(L, true, true);
     }
   }
-  if (L.m <= 32) return launch_config<2, 1, 2, 4, GROUPED>(L);
-  if (L.n % 128 == 0) return launch_config<4, 2, 2, 4, GROUPED>(L);
-  return launch_config<4, 1, 2, 4, GROUPED>(L);
+  if (L.m <= 32) return launch_config<K, 2, 1, 2, 4, GROUPED>(L);
+  if (L.n % 128 == 0) return launch_config<K, 4, 2, 2, 4, GROUPED>(L);
+  return launch_config<K, 4, 1, 2, 4, GROUPED>(L);
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+int launch_fp16_int4_sym(const Launch& L) {
+  return L.scale_rows > 1 ? dispatch_fp16_int4<true>(L) : dispatch_fp16_int4<false>(L);
+}
 
-}  // namespace
+}  // namespace detail
 
 long marlin_required_workspace_ints(int n) { return (long)(n / 64) * 16; }
 
-int marlin_gemm_launch(const void* A, const void* B, const void* s, void* C, int* workspace, long workspace_ints,
-                       int m, int n, int k, int scale_rows, int sms, int split_k, cudaStream_t stream, char* err,
-                       int errlen) {
+int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* zp, void* C, int* workspace,
+                       long workspace_ints, int m, int n, int k, int scale_rows, int bits, int act, int sms,
+                       int split_k, cudaStream_t stream, char* err, int errlen) {
+  using namespace detail;
   if (err != nullptr && errlen > 0) err[0] = '\0';
+  // ---- kind
+  if (bits != 4 && bits != 8) {
+    set_error(err, errlen, "bits = %d: the kernel takes 4- or 8-bit weights", bits);
+    return MARLIN_BAD_KIND;
+  }
+  if (act != MARLIN_ACT_FP16 && act != MARLIN_ACT_BF16) {
+    set_error(err, errlen, "act = %d: the activation type must be fp16 (%d) or bf16 (%d)", act, MARLIN_ACT_FP16,
+              MARLIN_ACT_BF16);
+    return MARLIN_BAD_KIND;
+  }
   // ---- shape limits, each with the values that break it
   if (m < 1) {
     set_error(err, errlen, "m = %d: A must have at least one row", m);
@@ -716,17 +141,19 @@ int marlin_gemm_launch(const void* A, const void* B, const void* s, void* C, int
               workspace == nullptr ? 0L : workspace_ints, n, need);
     return MARLIN_BAD_WORKSPACE;
   }
-  // ---- pointers (cp.async copies 16 bytes; A rows are k * 2 bytes, a multiple of 32)
-  const void* ptrs[4] = {A, B, s, C};
-  const char* names[4] = {"A", "B", "s", "C"};
-  for (int i = 0; i < 4; ++i) {
-    if (ptrs[i] == nullptr || !aligned16(ptrs[i])) {
+  // ---- pointers (cp.async copies 16 bytes; A rows are k * 2 bytes, a multiple of 32; zero-point rows n * b / 8
+  // bytes, a multiple of 32); zp may be null (symmetric)
+  const void* ptrs[5] = {A, B, s, C, zp};
+  const char* names[5] = {"A", "B", "s", "C", "zp"};
+  for (int i = 0; i < 5; ++i) {
+    if ((ptrs[i] == nullptr && i < 4) || (reinterpret_cast<uintptr_t>(ptrs[i]) & 15u) != 0) {
       set_error(err, errlen, "%s pointer %p is null or not 16-byte aligned", names[i], ptrs[i]);
       return MARLIN_BAD_POINTER;
     }
   }
-  const Launch L{A, B, s, C, workspace, workspace_ints, m, n, k, scale_rows, sms, split_k, stream, err, errlen};
-  return scale_rows > 1 ? dispatch<true>(L) : dispatch<false>(L);
+  const detail::Launch L{A, B, s, zp, C, workspace, workspace_ints, m, n, k, scale_rows, sms, split_k, stream, err, errlen};
+  if (act == MARLIN_ACT_FP16) return bits == 4 && zp == nullptr ? launch_fp16_int4_sym(L) : launch_fp16_other(L, bits);
+  return bits == 4 ? launch_bf16_int4(L) : launch_bf16_int8(L);
 }
 
 }  // namespace marlin_convert

@@ -41,6 +41,9 @@ from .workers import run_parallel
 ProgressCallback = Callable[[int], None]
 #: worker processes by default: one per core, at most 8 (each holds a few copies of the largest tensor)
 DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
+#: safetensors dtype code and bytes per element of each scale dtype a spec names
+SCALE_DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
+SCALE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 @dataclass
@@ -72,6 +75,14 @@ class OutputLayer:
         """The source layers whose tensors this output consumes (the members, or the plan itself)."""
         return self.members or [self.plan]
 
+    def source_bytes(self, kind: str) -> int:
+        """Bytes of source tensor ``kind`` ("qweight", "scales" or "qzeros") over all experts of this output."""
+        spec = self.spec
+        k, n, groups = spec.in_features, spec.out_features, spec.num_groups
+        per_expert = {"qweight": k * n * spec.bits // 8, "qzeros": groups * -(-n // spec.pack_factor) * 4,
+                      "scales": groups * n * SCALE_ITEMSIZE[spec.scale_dtype]}[kind]
+        return per_expert * max(self.num_experts, 1)
+
     def slices(self) -> list[tuple[LayerPlan, int | None]]:
         """(source layer, leading index) per expert slice in output order; ``[(plan, None)]`` for a 2-D layer."""
         if self.members:
@@ -95,7 +106,8 @@ class Job:
     def input_bytes(self) -> int:
         if self.kind == "copy":
             return self.source.nbytes
-        return self.output.nbytes if self.kind in ("B", "s") else 0
+        source = {"B": "qweight", "s": "scales", "zp": "qzeros"}.get(self.kind)
+        return self.layer.source_bytes(source) if source else 0
 
 
 @dataclass
@@ -149,9 +161,6 @@ class ConversionPlan:
         return "marlin-partial" if self.refused else "marlin"
 
 
-SCALE_DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
-
-
 def marlin_outputs(layer: OutputLayer) -> dict[str, PlannedTensor]:
     """Declare the Marlin tensors of one output layer (CONTRACT C): name, dtype, padded shape, and a leading E for
     stacked experts. ``B`` int32 [K_pad/16, N_pad*b/2], ``s`` [G, N_pad], ``zp`` int32 [G, N_pad/p] (asymmetric),
@@ -188,6 +197,10 @@ def _zero_format_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[
         else:
             notes.append(f"zero format {label} for {len(chosen)} symmetric layer(s) (qzeros hold "
                          f"{'/'.join(map(str, stored))}), as labelled")
+    asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
+    if asymmetric:
+        notes.append(f"{len(asymmetric)} asymmetric layer(s): zero points read as {label} (from checkpoint_format "
+                     f"{config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
     unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]
     if unstated:
         asymmetric = sum(not layer.spec.sym for layer in unstated)
@@ -310,10 +323,54 @@ def _bytes(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def _g_idx(checkpoint: Checkpoint, layer: LayerPlan, index: int | None) -> np.ndarray:
+def _padded_g_idx(checkpoint: Checkpoint, layer: LayerPlan, index: int | None) -> np.ndarray:
+    """int32 [K_pad]: the stored (or trivial) g_idx of one layer or expert slice, padded rows in the last group."""
+    spec = layer.spec
     if layer.has_g_idx:
-        return checkpoint.read(layer.tensor("g_idx"), index)
-    return layout.trivial_g_idx(layer.spec.in_features, layer.spec.effective_group_size)
+        g_idx = checkpoint.read(layer.tensor("g_idx"), index)
+    else:
+        g_idx = layout.trivial_g_idx(spec.in_features, spec.effective_group_size)
+    return layout.pad_g_idx(g_idx, spec.padded_in_features, spec.num_groups)
+
+
+def _true_zeros(qzeros: np.ndarray | None, spec: QuantSpec) -> np.ndarray:
+    """uint8 [G, N] zero points of one layer or expert slice: 2^(b-1) when symmetric (``qzeros`` unused), else
+    from its stored qzeros int32 [G, ceil(N/p)]: v1 stored + 1, v2 as stored."""
+    if spec.sym:
+        return np.full((spec.num_groups, spec.out_features), spec.bias, dtype=np.uint8)
+    stored = layout.unpack_gptq_qzeros(qzeros, spec.out_features, spec.bits)
+    return stored + np.uint8(spec.zero_format == "v1")
+
+
+def _marlin_weight(checkpoint: Checkpoint, layer: OutputLayer, qweight: np.ndarray, member: LayerPlan,
+                   index: int | None) -> np.ndarray:
+    """GPTQ qweight int32 [K/p, N] of one slice -> Marlin B int32 [K_pad/16, N_pad*b/2]: zero-padded to the tile
+    (padded rows hold the last group's zero point, padded columns 2^(b-1)), rows in act-order when the layer
+    has it."""
+    spec = member.spec
+    if spec.padded:
+        k_pad, n_pad = spec.padded_shape
+        qzeros = None if spec.sym else checkpoint.read(member.tensor("qzeros"), index)
+        last_group_zeros = _true_zeros(qzeros, spec)[-1]
+        codes = layout.pad_codes(layout.unpack_gptq_qweight(qweight, spec.bits), k_pad, n_pad, last_group_zeros,
+                                 spec.bias)
+        qweight = layout.pack_gptq_qweight(codes, spec.bits)
+    perm = layout.act_order_perm(_padded_g_idx(checkpoint, member, index))[0] if layer.act_order else None
+    return layout.gptq_to_marlin_weight(qweight, perm, bits=spec.bits)
+
+
+def _marlin_scales(scales: np.ndarray, member: LayerPlan, index: int | None) -> np.ndarray:
+    """GPTQ scales [G, N] -> Marlin s [G, N_pad]: padded columns scale 0, then the Marlin scale order."""
+    spec = member.spec
+    return layout.permute_scales(layout.pad_matrix(scales, spec.num_groups, spec.padded_out_features, 0))
+
+
+def _marlin_zero_points(qzeros: np.ndarray, member: LayerPlan, index: int | None) -> np.ndarray:
+    """GPTQ qzeros int32 [G, ceil(N/p)] of an asymmetric slice -> Marlin zp int32 [G, N_pad/p] (padded columns
+    2^(b-1))."""
+    spec = member.spec
+    zeros = layout.pad_matrix(_true_zeros(qzeros, spec), spec.num_groups, spec.padded_out_features, spec.bias)
+    return layout.marlin_zero_points(zeros, spec.bits)
 
 
 def _write(result: JobResult, writer: ShardWriter, name: str, array: np.ndarray, at: int) -> int:
@@ -354,24 +411,23 @@ def run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter) -> JobResult:
         return result
     layer = job.layer
     if job.kind == "B":
-
-        def repack(qweight: np.ndarray, member: LayerPlan, index: int | None) -> np.ndarray:
-            perm = layout.act_order_perm(_g_idx(checkpoint, member, index))[0] if layer.act_order else None
-            return layout.gptq_to_marlin_weight(qweight, perm)
-
-        _stream_slices(job, checkpoint, writer, result, "qweight", repack)
+        _stream_slices(job, checkpoint, writer, result, "qweight",
+                       lambda qweight, member, index: _marlin_weight(checkpoint, layer, qweight, member, index))
     elif job.kind == "s":
-        # the small tensors Marlin drops are hashed here, so verify can prove them rebuilt
+        # the small tensors Marlin drops (g_idx, and symmetric qzeros) are hashed here, so verify can prove them
+        # rebuilt; an asymmetric layer's qzeros are hashed by its zp job
         for member in layer.sources:
-            for kind in ("qzeros", "g_idx") if member.has_g_idx else ("qzeros",):
-                name = member.tensor(kind)
-                result.digests[name] = "sha256:" + hashlib.sha256(_bytes(checkpoint.read(name))).hexdigest()
-        _stream_slices(job, checkpoint, writer, result, "scales",
-                       lambda scales, member, index: layout.permute_scales(scales))
+            for kind in ("qzeros", "g_idx"):
+                if kind in member.source_names and (kind == "g_idx" or member.spec.sym):
+                    name = member.tensor(kind)
+                    result.digests[name] = "sha256:" + hashlib.sha256(_bytes(checkpoint.read(name))).hexdigest()
+        _stream_slices(job, checkpoint, writer, result, "scales", _marlin_scales)
+    elif job.kind == "zp":
+        _stream_slices(job, checkpoint, writer, result, "qzeros", _marlin_zero_points)
     else:  # "perm" / "g_idx": the act-order tables, one per expert slice
         offset = 0
         for member, index in layer.slices():
-            perm, sorted_g_idx = layout.act_order_perm(_g_idx(checkpoint, member, index))
+            perm, sorted_g_idx = layout.act_order_perm(_padded_g_idx(checkpoint, member, index))
             offset += _write(result, writer, job.output.name, perm if job.kind == "perm" else sorted_g_idx, offset)
     return result
 
@@ -442,6 +498,7 @@ class ConversionReport:
     seconds: float
     notes: list[str]
     manifest: str
+    checkpoint_format: str  # "marlin", or "marlin-partial" when layers were kept in GPTQ form
     workers: int
     peak_rss_bytes: int  # sum over this process and its workers of each one's peak RSS (an upper bound)
 
@@ -713,6 +770,7 @@ def convert(
         seconds=time.perf_counter() - start,
         notes=notes,
         manifest=str(out_dir / MANIFEST_FILE),
+        checkpoint_format=plan.checkpoint_format,
         workers=workers,
         peak_rss_bytes=sum(peak_rss.values()),
     )

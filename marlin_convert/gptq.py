@@ -57,7 +57,7 @@ def _json_kind(value) -> str:
     if isinstance(value, int):
         return "an integer"
     if isinstance(value, float):
-        return "a number with a fraction" if value != int(value) else "a float"
+        return "a float" if value.is_integer() else "a non-integer number"
     if isinstance(value, str):
         return "a string"
     return "null" if value is None else ("a list" if isinstance(value, list) else "an object")
@@ -439,11 +439,10 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
     expected = num_groups(k, settings.group_size)
     if suffix in ("scales", "qzeros") and len(shape) >= 2 and shape[-2] != expected and shape[-2] > 0:
         rows = shape[-2]
-        implied = k if rows == 1 else -(-k // rows)
-        fits = rows == num_groups(k, implied)
-        raise InputError(f"{where}: tensor '{name}' has {rows} rows"
-                         + (f": that is group size {implied} for K = {k}" if fits else f" for K = {k}")
-                         + f", but {settings.origin} says group size {settings.group_size} ({expected} rows)")
+        meaning = ("channelwise" if rows == 1 else f"group size {k // rows}" if k % rows == 0
+                   else f"{rows} groups")
+        raise InputError(f"{where}: tensor '{name}' has {rows} rows: that is {meaning} for K = {k}, "
+                         f"but {settings.origin} says group size {settings.group_size} ({expected} rows)")
 
 
 def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
@@ -489,22 +488,11 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     if bits not in MARLIN_BITS:
         plan.refuse(f"{bits}-bit weights: Marlin has 4- and 8-bit forms only")
         return plan
-    if bits == 8:  # interim: until the 8-bit layout functions of CONTRACT A are merged
-        plan.refuse("8-bit weights: not wired in yet")
-        return plan
     _decide_zeros(checkpoint, plan)
     if not plan.convertible:
         return plan
-    if not plan.spec.sym:  # interim: until the zero-point layout functions of CONTRACT A are merged
-        plan.refuse("asymmetric zero points: not wired in yet")
-        return plan
     if settings.group_size not in SUPPORTED_GROUP_SIZES and not spec.channelwise:
         plan.refuse(f"group size {settings.group_size}: Marlin supports -1, 32, 64, 128 or a group size >= K")
-        return plan
-    try:
-        spec.padded_shape
-    except ValueError as exc:
-        plan.refuse(f"shape K = {k}, N = {n}, group size {spec.effective_group_size}: {exc}")
     return plan
 
 
@@ -539,11 +527,19 @@ def _check_g_idx(checkpoint: Checkpoint, prefix: str, k: int, group_size: int, n
     return non_trivial
 
 
-def _stored_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> np.ndarray:
-    """Every stored qzeros value of the layer (all experts): uint8 ``[E*G, N]``."""
+def _stored_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> np.ndarray | None:
+    """Every stored qzeros value of the layer (all experts): uint8 ``[E*G, N]``. Refuses the layer (returns None)
+    when the unused slots past N in the last word of a row are not 0: the inverse writes 0 there, so such a
+    layer could not be rebuilt bit for bit."""
     spec = plan.spec
     words = checkpoint.read(plan.tensor("qzeros"))
-    return layout.unpack_gptq_qzeros(words.reshape(-1, words.shape[-1]), spec.out_features)
+    words = words.reshape(-1, words.shape[-1])
+    slots = layout.unpack_gptq_qzeros(words, words.shape[-1] * spec.pack_factor, spec.bits)
+    if slots[:, spec.out_features:].any():
+        plan.refuse(f"qzeros: the unused slots past N = {spec.out_features} in the last word of a row are not 0, "
+                    "so the conversion could not be proven lossless")
+        return None
+    return slots[:, : spec.out_features]
 
 
 def _decide_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> None:
@@ -557,6 +553,8 @@ def _decide_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> None:
     """
     spec, settings = plan.spec, plan.settings
     stored = _stored_zeros(checkpoint, plan)
+    if stored is None:
+        return
     values = np.unique(stored)
     symmetric = {fmt: symmetric_stored_zero(spec.bits, fmt) for fmt in ("v1", "v2")}
     by_value = {value: fmt for fmt, value in symmetric.items()}

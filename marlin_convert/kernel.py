@@ -1,8 +1,10 @@
 """The bundled CUDA kernel: JIT build, cache, and the Python entry points.
 
-``marlin_gemm(A, B, s, workspace)`` computes ``C = A @ W`` with ``W = (q - 8) * s`` stored in the Marlin tile format
-(see ``kernel/README.md`` and ``shared/FORMAT.md``). The extension (``kernel/binding.cpp`` + ``kernel/marlin_gemm.cu``)
-is compiled on first use with :func:`torch.utils.cpp_extension.load` into a cache folder keyed by a hash of every file
+``marlin_gemm(A, B, s, workspace, zp=None, bits=4)`` computes ``C = A @ W`` with ``W = (q - z) * s`` stored in the
+Marlin tile format (see ``kernel/README.md`` and ``shared/FORMAT.md``): fp16 or bf16 activations, 4- or 8-bit weights,
+symmetric (``z = 2^(bits-1)``) or with zero points. The extension (``kernel/binding.cpp`` + ``kernel/marlin_gemm.cu``)
+is compiled on first use with :func:`torch.utils.cpp_extension.load` (the ``kernel/*.cu`` units in parallel, through
+ninja) into a cache folder keyed by a hash of every file
 in ``kernel/``, the GPU architecture, and the torch and CUDA versions, so later runs import it without compiling.
 Cache root: ``$MARLIN_CONVERT_CACHE`` or ``~/.cache/marlin_convert``.
 
@@ -57,6 +59,11 @@ def _arch_list_env(value: str):
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous
+
+
+def kernel_sources() -> list[Path]:
+    """The kernel's CUDA translation units (``kernel/*.cu``: the launcher and the kinds, compiled in parallel)."""
+    return sorted(KERNEL_DIR.glob("*.cu"))
 
 
 def cache_root() -> Path:
@@ -155,7 +162,7 @@ def _build(capability: tuple[int, int], verbose: bool = False):
         with _arch_list_env(arch_list):
             module = cpp_extension.load(
                 name=name,
-                sources=[str(KERNEL_DIR / "binding.cpp"), str(KERNEL_DIR / "marlin_gemm.cu")],
+                sources=[str(KERNEL_DIR / "binding.cpp"), *(str(p) for p in kernel_sources())],
                 extra_cflags=["-O3", "-std=c++17"],
                 extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", *flags],
                 extra_include_paths=[str(KERNEL_DIR)],
@@ -194,23 +201,29 @@ def ensure_kernel(device_index: int = 0):
     return torch.device("cuda", device_index)
 
 
-def marlin_gemm(A, B, s, workspace, perm=None, out=None, split_k: int = 0):
-    """``C = A[:, perm] @ W`` on the GPU, with ``W[k, n] = (q[k, n] - 8) * scale``, fp32 accumulation.
+def marlin_gemm(A, B, s, workspace, perm=None, out=None, split_k: int = 0, *, zp=None, bits: int = 4):
+    """``C = A[:, perm] @ W`` on the GPU, with ``W[k, n] = (q[k, n] - z[g, n]) * s[g, n]`` (``g`` the group of row
+    ``k``), fp32 accumulation; ``z = 2^(bits-1)`` (8 or 128) when ``zp`` is None.
 
-    Arguments (all on the same CUDA device):
+    Arguments (all on the same CUDA device; ``p = 32 / bits`` values per int32 word):
 
-    - ``A``: float16 ``[m, k]``, rows dense (contiguous); any ``m >= 1`` (``m == 0`` returns an empty result).
-    - ``B``: int32 ``[k / 16, 2 n]``, Marlin tiles (FORMAT.md section 2); ``k % 16 == 0``, ``n % 64 == 0``. Rows
-      must be dense, so a slice ``stacked[e]`` of a contiguous ``[E, k / 16, 2 n]`` expert buffer works in place.
-    - ``s``: float16 ``[k / g, n]``, scales permuted for Marlin (FORMAT.md section 3); the group size is
+    - ``A``: float16 or bfloat16 ``[m, k]``, rows dense (contiguous); any ``m >= 1`` (``m == 0`` returns an empty
+      result).
+    - ``B``: int32 ``[k / 16, n * bits / 2]`` (``2 n`` for 4-bit, ``4 n`` for 8-bit), Marlin tiles (FORMAT.md sections 2
+      and 7); ``k % 16 == 0``, ``n % 64 == 0``. Rows must be dense, so a slice ``stacked[e]`` of a contiguous
+      ``[E, k / 16, ...]`` expert buffer works in place.
+    - ``s``: ``A``'s dtype, ``[k / g, n]``, scales permuted for Marlin (FORMAT.md section 3); the group size is
       ``g = k / s.shape[0]`` (a multiple of 16); one row means channelwise (``g = k``, channelwise table).
     - ``workspace``: int32, zeroed, at least :func:`required_workspace_ints` ``(n)`` elements; left zeroed.
     - ``perm``: optional int32 ``[k]`` (act-order): the activations' columns are gathered as ``A[:, perm]`` first.
-    - ``out``: optional float16 ``[m, n]`` contiguous output buffer (every element is written).
+    - ``out``: optional ``[m, n]`` contiguous output buffer of ``A``'s dtype (every element is written).
     - ``split_k``: 0 chooses the split over k automatically; ``> 0`` caps it (benchmarks and tests).
+    - ``zp``: optional int32 ``[k / g, n / p]``: the true zero points in the Marlin order (FORMAT.md section 7
+      "Asymmetric", ``layout.marlin_zero_points``), one row per scale row; None for a symmetric layer.
+    - ``bits``: 4 or 8, the weight width.
 
-    Returns ``C`` float16 ``[m, n]`` (``out`` when given). Raises :class:`KernelError` when the arguments break a
-    limit (the message names the values) and :class:`KernelUnavailableError` when the kernel cannot run here.
+    Returns ``C`` ``[m, n]`` in ``A``'s dtype (``out`` when given). Raises :class:`KernelError` when the arguments
+    break a limit (the message names the values) and :class:`KernelUnavailableError` when the kernel cannot run here.
     """
     import torch
 
@@ -219,7 +232,7 @@ def marlin_gemm(A, B, s, workspace, perm=None, out=None, split_k: int = 0):
         raise KernelError(f"marlin_gemm: A must be a CUDA tensor, got {where}")
     module = load_kernel(A.device.index if A.device.index is not None else torch.cuda.current_device())
     try:
-        return module.marlin_gemm(A, B, s, workspace, perm, out, int(split_k))
+        return module.marlin_gemm(A, B, s, workspace, perm, out, int(split_k), zp, int(bits))
     except (RuntimeError, TypeError, ValueError) as exc:
         message = str(exc).split("\nException raised from", 1)[0].strip()
         raise KernelError(message) from exc

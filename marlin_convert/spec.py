@@ -104,12 +104,7 @@ class QuantSpec:
         Equal to (K, N) when the layer already tiles. Raises ValueError when the layer has no Marlin form
         (a grouped layer whose group size is not a multiple of 16).
         """
-        # interim until the layout functions of CONTRACT A land: only layers that already tile
-        k, n, g = self.in_features, self.out_features, self.effective_group_size
-        if k % layout.TILE or n % layout.MIN_N_MULTIPLE or (not self.channelwise and k % g):
-            raise ValueError(f"Marlin needs K % {layout.TILE} == 0, N % {layout.MIN_N_MULTIPLE} == 0 and whole "
-                             "groups (zero padding is not wired in yet)")
-        return k, n
+        return layout.padded_shape(self.in_features, self.out_features, self.effective_group_size)
 
     @property
     def padded_in_features(self) -> int:

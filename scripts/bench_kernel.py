@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
-"""Benchmark the bundled Marlin kernel against torch fp16 matmul on the dequantized weight.
+"""Benchmark the bundled Marlin kernel against torch matmul (same activation dtype) on the dequantized weight.
 
 Exact command (GPU machine, repo root):
     PYTHONPATH=. python3 scripts/bench_kernel.py            # full table: 8 shapes x 8 batch sizes x 2 group sizes
     PYTHONPATH=. python3 scripts/bench_kernel.py --quick    # 4 shapes, m = 1..16, group 128 only
+    PYTHONPATH=. python3 scripts/bench_kernel.py --m 1,2,4,8,16 --groups 128 \\
+        --kinds fp16-int4,fp16-int8,fp16-int4-zp,bf16-int4,bf16-int8,bf16-int4-zp,tinygemm   # the other kinds
 
 What is timed: one launch per weight copy, replayed from a CUDA graph (so Python/launch overhead is out of the
 numbers), several weight copies rotated so the weight is not L2-resident (L2 is 60 MB on an H200: the copies of each
 operand together exceed 4 x 60 MB), CUDA events, median of the repeats after warm-up. Bandwidth arithmetic:
-    ours   bytes = B (k * n / 2) + s (k / g * n * 2) + A (m * k * 2) + C (m * n * 2)
-    torch  bytes = W (k * n * 2) + A + C
+    ours   bytes = B (k * n * bits / 8) + s (k / g * n * 2) [+ zp (k / g * n * bits / 8)] + A (m * k * 2) + C (m * n * 2)
+    torch  bytes = W (k * n * 2) + A + C         (torch.matmul in the kind's activation dtype, fp16 or bf16)
+    tinygemm bytes = W (k * n / 2) + scales and zeros (k / g * n * 2 * 2) + A + C   (torch._weight_int4pack_mm, bf16;
+           its speed-up is over torch's bf16 matmul)
     copy   bytes = 2 * size (read + write) of a 2 GiB device-to-device copy, median of 30 event-timed copies, measured
            in the same run: the ceiling for "% copy".
     --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG, see kernel/marlin_gemm.cu)
            against the same torch time and prints a geomean per configuration.
-Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per group size.
+    --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
+           in its own activation dtype, measured in the same run.
+Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
+kind's m = 1..16 figure relative to fp16-int4's.
 """
 
 from __future__ import annotations
@@ -90,6 +97,43 @@ def copy_bandwidth(torch, size: int = 2 * 2**30, repeats: int = 30) -> float:
     return 2 * size / statistics.median(times)
 
 
+KIND_NAMES = {  # name -> (activation dtype, bits, zero points)
+    "fp16-int4": ("float16", 4, False), "fp16-int4-zp": ("float16", 4, True), "fp16-int8": ("float16", 8, False),
+    "fp16-int8-zp": ("float16", 8, True), "bf16-int4": ("bfloat16", 4, False), "bf16-int4-zp": ("bfloat16", 4, True),
+    "bf16-int8": ("bfloat16", 8, False), "bf16-int8-zp": ("bfloat16", 8, True),
+}
+TINYGEMM = "tinygemm"  # torch._weight_int4pack_mm: bf16 activations, 4-bit weights with scales and zeros, g 32..256
+
+
+def _operands(torch, kind: str, k: int, n: int, g: int, gen):
+    """Random operands of one kind (the kernel's time does not depend on the values; random, not zeros): a list of
+    weight copies (enough to exceed 4 x L2) and the bytes one call reads of them. Each copy is a tuple of the
+    arguments after A: Marlin (B, s, zp) or tinygemm (packed weight, scales_and_zeros)."""
+    rows = 1 if g == -1 else k // g
+    if kind == TINYGEMM:
+        w_bytes = k * n // 2 + rows * n * 2 * 2
+        copies = max(2, math.ceil(ROTATE_BYTES / w_bytes))
+        out = []
+        for _ in range(copies):
+            packed = torch._convert_weight_to_int4pack(
+                torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen), 8)
+            sz = (torch.rand(rows, n, 2, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            out.append((packed, sz))
+        return out, w_bytes
+    dtype_name, bits, zp = KIND_NAMES[kind]
+    dtype = getattr(torch, dtype_name)
+    w_bytes = k * n * bits // 8 + rows * n * 2 + (rows * n * bits // 8 if zp else 0)
+    copies = max(2, math.ceil(ROTATE_BYTES / w_bytes))
+    out = []
+    for _ in range(copies):
+        b = torch.randint(-2**31, 2**31 - 1, (k // 16, n * bits // 2), dtype=torch.int32, device="cuda", generator=gen)
+        sc = (torch.rand(rows, n, device="cuda", generator=gen) * 0.02 + 0.002).to(dtype)
+        z = (torch.randint(-2**31, 2**31 - 1, (rows, n * bits // 32), dtype=torch.int32, device="cuda", generator=gen)
+             if zp else None)
+        out.append((b, sc, z))
+    return out, w_bytes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 shapes, m = 1..16, group 128")
@@ -98,7 +142,10 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", type=str, help="comma-separated group sizes, -1 = channelwise")
     parser.add_argument("--split-k", type=int, default=0, help="force the split over k (0 = automatic)")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--cfgs", type=str, help="comma-separated m <= 16 configurations to compare (benchmark only)")
+    parser.add_argument("--cfgs", type=str, help="comma-separated m <= 16 configurations to compare (benchmark only; "
+                                                 "fp16-int4 only)")
+    parser.add_argument("--kinds", type=str, default="fp16-int4",
+                        help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
     args = parser.parse_args(argv)
 
     import torch
@@ -115,6 +162,10 @@ def main(argv=None) -> int:
         ms = [int(v) for v in args.m.split(",")]
     if args.groups:
         groups = [int(v) for v in args.groups.split(",")]
+    kinds = args.kinds.split(",")
+    for kind in kinds:
+        if kind not in KIND_NAMES and kind != TINYGEMM:
+            parser.error(f"unknown kind {kind!r}: choose from {', '.join(KIND_NAMES)}, {TINYGEMM}")
 
     props = torch.cuda.get_device_properties(0)
     x = torch.randn(8192, 8192, device="cuda").half()
@@ -125,59 +176,89 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(torch)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"D2D copy {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"{'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
+    print(f"{'kind':>12} {'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
           f"{'ours GB/s':>9} {'% copy':>6} {'torch GB/s':>10}")
     cfgs = [int(v) for v in args.cfgs.split(",")] if args.cfgs else [None]
     speedups: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in shapes:
-        for g in groups:
-            rows = 1 if g == -1 else k // g
-            b_bytes, s_bytes, w_bytes = k * n // 2, rows * n * 2, k * n * 2
-            nb = max(2, math.ceil(ROTATE_BYTES / (b_bytes + s_bytes)))
-            nw = max(2, math.ceil(ROTATE_BYTES / w_bytes))
-            bs = [torch.randint(-2**31, 2**31 - 1, (k // 16, 2 * n), dtype=torch.int32, device="cuda", generator=gen)
-                  for _ in range(nb)]
-            ss = [(torch.rand(rows, n, device="cuda", generator=gen) * 0.02 + 0.002).half() for _ in range(nb)]
-            ws = [torch.randn(k, n, device="cuda", generator=gen).half() * 0.01 for _ in range(nw)]
-            workspace = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
+        # torch's matmul on a dense weight of each activation dtype, timed once per shape and m
+        dtypes = sorted({"bfloat16" if kd == TINYGEMM else KIND_NAMES[kd][0] for kd in kinds})
+        torch_us: dict = {}
+        w_bytes = k * n * 2
+        nw = max(2, math.ceil(ROTATE_BYTES / w_bytes))
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            ws = [(torch.randn(k, n, device="cuda", generator=gen) * 0.01).to(dtype) for _ in range(nw)]
             for m in ms:
-                a = torch.randn(m, k, device="cuda", generator=gen).half()
-                c = torch.empty(m, n, dtype=torch.float16, device="cuda")
-                c2 = torch.empty(m, n, dtype=torch.float16, device="cuda")
-                t_torch = time_graph(torch, lambda i: torch.matmul(a, ws[i], out=c2), nw, args.repeats)
-                act = m * k * 2 + m * n * 2
-                for cfg in cfgs:
-                    if cfg is not None:
-                        os.environ["MARLIN_CONVERT_SMALL_CFG"] = str(cfg)
-                    t_ours = time_graph(torch, lambda i: marlin_gemm(a, bs[i], ss[i], workspace, out=c,
-                                                                     split_k=args.split_k), nb, args.repeats)
-                    ours_bw = (b_bytes + s_bytes + act) / t_ours
-                    torch_bw = (w_bytes + act) / t_torch
-                    sp = t_torch / t_ours
-                    speedups.setdefault(cfg, {}).setdefault(g, {}).setdefault(m, []).append(sp)
-                    tag = "" if cfg is None else f" cfg {cfg}"
-                    print(f"{k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} {sp:>6.2f}x | "
-                          f"{ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% {torch_bw / 1e9:>10.0f}{tag}",
-                          flush=True)
-                os.environ.pop("MARLIN_CONVERT_SMALL_CFG", None)
-            assert int(workspace.abs().sum()) == 0, "workspace not left zeroed"
-            del bs, ss, ws
+                a = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+                c2 = torch.empty(m, n, dtype=dtype, device="cuda")
+                torch_us[dtype_name, m] = time_graph(torch, lambda i: torch.matmul(a, ws[i], out=c2), nw,
+                                                     args.repeats)
+            del ws
             torch.cuda.empty_cache()
+        for g in groups:
+            for kind in kinds:
+                if kind == TINYGEMM and not (g != -1 and 32 <= g <= 256):
+                    continue  # tinygemm takes group sizes 32 .. 256 only
+                dtype_name = "bfloat16" if kind == TINYGEMM else KIND_NAMES[kind][0]
+                dtype = getattr(torch, dtype_name)
+                try:
+                    ops, op_bytes = _operands(torch, kind, k, n, g, gen)
+                except (RuntimeError, AttributeError) as exc:  # tinygemm: an op this torch build may lack
+                    print(f"{kind:>12} {k:>6} {n:>6} {g:>4}      | unavailable: {str(exc).splitlines()[0]}")
+                    continue
+                workspace = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
+                for m in ms:
+                    a = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+                    c = torch.empty(m, n, dtype=dtype, device="cuda")
+                    t_torch = torch_us[dtype_name, m]
+                    act = m * k * 2 + m * n * 2
+                    for cfg in (cfgs if kind == "fp16-int4" else [None]):
+                        if cfg is not None:
+                            os.environ["MARLIN_CONVERT_SMALL_CFG"] = str(cfg)
+                        if kind == TINYGEMM:
+                            def call(i):
+                                return torch._weight_int4pack_mm(a, ops[i][0], g, ops[i][1])
+                        else:
+                            bits = KIND_NAMES[kind][1]
+
+                            def call(i):
+                                return marlin_gemm(a, ops[i][0], ops[i][1], workspace, out=c, split_k=args.split_k,
+                                                   zp=ops[i][2], bits=bits)
+                        t_ours = time_graph(torch, call, len(ops), args.repeats)
+                        ours_bw = (op_bytes + act) / t_ours
+                        torch_bw = (w_bytes + act) / t_torch
+                        sp = t_torch / t_ours
+                        speedups.setdefault((kind, cfg), {}).setdefault(g, {}).setdefault(m, []).append(sp)
+                        tag = "" if cfg is None else f" cfg {cfg}"
+                        print(f"{kind:>12} {k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} "
+                              f"{sp:>6.2f}x | {ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% "
+                              f"{torch_bw / 1e9:>10.0f}{tag}", flush=True)
+                    os.environ.pop("MARLIN_CONVERT_SMALL_CFG", None)
+                assert int(workspace.abs().sum()) == 0, "workspace not left zeroed"
+                del ops
+                torch.cuda.empty_cache()
 
     def geomean(values):
         return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
-    print("\ngeometric-mean speed-up over torch fp16 matmul (all shapes)")
-    print(f"{'cfg':>4} {'group':>6} | {'m=1..16':>8} {'m=2..16':>8} | " + " ".join(f"{'m=' + str(m):>7}" for m in ms))
-    for cfg in cfgs:
+    print("\ngeometric-mean speed-up over torch matmul in the same activation dtype (all shapes); "
+          "'vs fp16-int4' = this kind's m = 1..16 figure over fp16-int4's (same group, same run)")
+    print(f"{'kind':>12} {'cfg':>4} {'group':>6} | {'m=1..16':>8} {'m=2..16':>8} {'vs fp16-int4':>12} | "
+          + " ".join(f"{'m=' + str(m):>7}" for m in ms))
+    for (kind, cfg), by_group in speedups.items():
         for g in groups:
-            sg = speedups.get(cfg, {}).get(g, {})
-            small = [v for m, vals in sg.items() if 1 <= m <= 16 for v in vals]
-            small2 = [v for m, vals in sg.items() if 2 <= m <= 16 for v in vals]
+            sg = by_group.get(g, {})
+            if not sg:
+                continue
+            small = geomean([v for m, vals in sg.items() if 1 <= m <= 16 for v in vals])
+            small2 = geomean([v for m, vals in sg.items() if 2 <= m <= 16 for v in vals])
+            base = speedups.get(("fp16-int4", None), {}).get(g, {})
+            base_small = geomean([v for m, vals in base.items() if 1 <= m <= 16 for v in vals])
             per_m = " ".join(f"{geomean(sg.get(m, [])):>6.2f}x" for m in ms)
             name = "-" if cfg is None else str(cfg)
-            print(f"{name:>4} {g:>6} | {geomean(small):>7.2f}x {geomean(small2):>7.2f}x | {per_m}")
+            print(f"{kind:>12} {name:>4} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | {per_m}")
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: build the kernel, run the GPU tests, a quick kernel benchmark, then convert generated checkpoints of
-# every supported kind and run `marlin-convert verify --gpu 0` on each; a short table comes last.
+# GPU check: build the kernel, run the GPU tests, compute-sanitizer (memcheck, racecheck, initcheck) over many small
+# kernel calls, a quick kernel benchmark, then convert generated checkpoints of every supported kind and run
+# `marlin-convert verify --gpu 0` on each; a short table comes last.
 # Exact command (repo root, on a machine with an NVIDIA GPU of compute capability >= 8.0, nvcc and ninja):
 #     bash scripts/gpu_check.sh            # OUT=/some/dir to keep the logs there (default: ./bench_out)
 set -euo pipefail
@@ -24,6 +25,23 @@ if $PY -m pytest -m gpu -v tests/ 2>&1 | tee "$OUT/pytest_gpu.log"; then
   RESULT[gpu_tests]="ok: $(grep -Eo '[0-9]+ passed' "$OUT/pytest_gpu.log" | tail -1)"
 else
   RESULT[gpu_tests]="FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest_gpu.log" | tail -1)"
+fi
+
+# ---- 2b. compute-sanitizer over small calls of every kind (scripts/sanitize_kernel.py; the kernel is built already,
+# and only marlin_gemm_kernel launches are instrumented). racecheck is slow: it gets the --few subset.
+if command -v compute-sanitizer > /dev/null; then
+  san_status=ok san_summary=""
+  for tool in memcheck racecheck initcheck; do
+    few=(); [[ $tool == racecheck ]] && few=(--few)
+    if ! compute-sanitizer --tool "$tool" --kernel-name kns=marlin_gemm_kernel --error-exitcode 3 \
+         $PY scripts/sanitize_kernel.py "${few[@]}" > "$OUT/sanitizer_$tool.log" 2>&1; then
+      san_status=FAILED; tail -20 "$OUT/sanitizer_$tool.log"
+    fi
+    san_summary+="$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1 | tr -s ' ' || true); "
+  done
+  RESULT[sanitizer]="$san_status ($san_summary$(grep -o 'sanitize_kernel: [0-9]* calls, [0-9]* wrong' "$OUT/sanitizer_memcheck.log" || true))"
+else
+  RESULT[sanitizer]="not run (compute-sanitizer not on PATH)"
 fi
 
 # ---- 3. quick kernel benchmark (full table: python3 scripts/bench_kernel.py)
@@ -96,8 +114,8 @@ RESULT[e2e]=$([ $e2e_failed = 0 ] && echo "ok (${#e2e_rows[@]} checkpoints conve
 # ---- final short table
 echo
 echo "== gpu_check summary =="
-for key in build gpu_tests bench e2e; do
+for key in build gpu_tests sanitizer bench e2e; do
   printf '%-10s %s\n' "$key" "${RESULT[$key]:-not run}"
 done
 printf '%s\n' "${e2e_rows[@]}"
-[[ "${RESULT[gpu_tests]}" == ok* && "${RESULT[e2e]}" == ok* ]]
+[[ "${RESULT[gpu_tests]}" == ok* && "${RESULT[e2e]}" == ok* && "${RESULT[sanitizer]}" != FAILED* ]]

@@ -238,8 +238,8 @@ def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, 
 
 
 def test_unsupported_layer_without_skip_names_layer_and_reason(capsys, tmp_path):
-    src = write_checkpoint(tmp_path / "in", _spec(bits=8))
-    line = _convert_fails(capsys, tmp_path, src, LAYER, "8-bit")
+    src = write_checkpoint(tmp_path / "in", _spec(bits=2))
+    line = _convert_fails(capsys, tmp_path, src, LAYER, "2-bit")
     assert "cannot be converted" in line
 
 

@@ -165,14 +165,14 @@ def test_zero_format_is_decided_from_the_values_and_reported(tmp_path, label, st
 
 
 def test_unsupported_layers_stop_the_run_before_anything_is_written(tmp_path):
-    src = write_checkpoint(tmp_path / "in", _linear_spec(sym=False))
-    with pytest.raises(UnsupportedLayerError, match="model.layers.0.mlp.down_proj: asymmetric"):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(bits=2))
+    with pytest.raises(UnsupportedLayerError, match="model.layers.0.mlp.down_proj: 2-bit"):
         convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["in"]
 
 
-@pytest.mark.parametrize("spec_kw, reason", [({"sym": False}, "asymmetric"), ({"bits": 8}, "8-bit")])
+@pytest.mark.parametrize("spec_kw, reason", [({"bits": 2}, "2-bit"), ({"group_size": 48}, "group size 48")])
 def test_skip_incompatible_keeps_layers_in_gptq_form_and_lists_them(tmp_path, spec_kw, reason):
     src = write_checkpoint(tmp_path / "in", _linear_spec(**spec_kw))
     out = tmp_path / "out"
@@ -190,10 +190,16 @@ def test_skip_incompatible_keeps_layers_in_gptq_form_and_lists_them(tmp_path, sp
         assert kept["digests"][kind] == "sha256:" + hashlib.sha256(converted[name][0].tobytes()).hexdigest()
 
 
-def test_bad_layer_shape_is_refused_by_name_with_the_limit(tmp_path):
-    src = write_checkpoint(tmp_path / "in", _linear_spec(k=256, n=96, group_size=128))
-    with pytest.raises(UnsupportedLayerError, match=r"down_proj: shape K = 256, N = 96, .*N % 64 == 0"):
-        build_plan(src)
+def test_shapes_that_do_not_tile_are_padded_and_both_shapes_recorded(tmp_path):
+    src = write_checkpoint(tmp_path / "in", _linear_spec(k=1000, n=96, group_size=128))
+    layer = build_plan(src).layers[0]
+    assert layer.convertible and layer.spec.padded_shape == (1024, 128) and layer.spec.num_groups == 8
+    out = tmp_path / "out"
+    convert(src, out)
+    entry = load_manifest(out)["layers"][0]
+    assert (entry["in_features"], entry["out_features"]) == (1000, 96)
+    assert (entry["padded_in_features"], entry["padded_out_features"]) == (1024, 128)
+    assert entry["shapes"] == {"B": [64, 256], "s": [8, 128]}
 
 
 def test_manifest_records_shapes_group_workspace_and_digests(tmp_path):

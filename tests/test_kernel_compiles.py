@@ -1,4 +1,5 @@
-"""The CUDA kernel compiles without a GPU: ``nvcc -c`` for Ampere (sm_80) and Hopper (sm_90), no spills.
+"""The CUDA kernel compiles without a GPU: ``nvcc -c`` of each ``kernel/*.cu`` for Ampere (sm_80) and Hopper (sm_90),
+no spills.
 
 Runs wherever ``nvcc`` is installed (this project's CI machines have it; there is no GPU there), skipped with the
 reason elsewhere. The GPU tests (``-m gpu``) run the kernel itself.
@@ -13,18 +14,20 @@ from pathlib import Path
 
 import pytest
 
-KERNEL = Path(__file__).resolve().parent.parent / "kernel" / "marlin_gemm.cu"
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernel"
+UNITS = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA's compiler) is not on PATH: kernel compile check skipped")
-def test_kernel_compiles_for_ampere_and_hopper_without_spills(tmp_path):
-    command = [NVCC, "-c", "-std=c++17", "-O3", "-Xptxas", "-v", f"-I{KERNEL.parent}",
+@pytest.mark.parametrize("unit", UNITS)
+def test_kernel_compiles_for_ampere_and_hopper_without_spills(tmp_path, unit):
+    command = [NVCC, "-c", "-std=c++17", "-O3", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
                "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-               str(KERNEL), "-o", str(tmp_path / "marlin_gemm.o")]
+               str(KERNEL_DIR / unit), "-o", str(tmp_path / "unit.o")]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert (tmp_path / "marlin_gemm.o").stat().st_size > 0
+    assert (tmp_path / "unit.o").stat().st_size > 0
     spills = [line for line in done.stderr.splitlines() if re.search(r"[1-9]\d* bytes spill", line)]
     assert spills == [], "\n".join(spills)

@@ -2,9 +2,11 @@
 
 Skipped, with the reason, where there is no CUDA build of torch, no GPU, a GPU older than compute capability 8.0,
 or no nvcc / ninja. Test data comes from the package's own layout functions (``marlin_convert.layout``): random
-GPTQ codes q in 0..15 and scales, packed and repacked exactly as the converter does; the reference is
-``A.float() @ ((q - 8) * scales[g_idx])`` in fp32 (TF32 off). Every call gets fresh random inputs and an output
-buffer poisoned with NaN, so an element the kernel never writes fails the test.
+GPTQ codes q in 0 .. 2^bits - 1, scales and (asymmetric) zero points, packed and repacked exactly as the converter
+does (``gptq_to_marlin_weight``, ``permute_scales``, ``marlin_zero_points``); the reference is
+``A.float() @ ((q - z) * scales)[g_idx]`` in fp32 (TF32 off), z = 2^(bits-1) when symmetric. Every call gets fresh
+random inputs and an output buffer poisoned with NaN, so an element the kernel never writes fails the test.
+Bound: fp16 mean relative error < 1e-3; bf16 < max(2e-3, twice that of torch's bf16 matmul on the same weights).
 
 Run: ``python -m pytest -m gpu -v tests/test_kernel_gpu.py``
 """
@@ -21,63 +23,93 @@ from marlin_convert.kernel import marlin_gemm, required_workspace_ints, unavaila
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"GPU kernel unavailable: {_REASON}")]
 
-#: mean |C - C_ref| / mean |C_ref| must stay below this
+#: mean |C - C_ref| / mean |C_ref| must stay below this (fp16; bf16: see _bound)
 REL_BOUND = 1e-3
+#: bf16 floor: one bf16 rounding of the weights and one of the output already give about 1e-3
+REL_BOUND_BF16 = 2e-3
+
+
+def _bound(dtype_name: str, rel_torch: float) -> float:
+    """fp16: the fixed bound; bf16: twice torch's own bf16 error on the same weights (never below the floor)."""
+    return REL_BOUND if dtype_name == "float16" else max(REL_BOUND_BF16, 2.0 * rel_torch)
 
 
 class Problem:
-    """One random layer: GPTQ codes and scales, their Marlin form on the GPU, and the fp32 dense weight."""
+    """One random layer: GPTQ codes, scales and (``asym``) zero points, their Marlin form on the GPU, and the fp32
+    dense weight ``W = (q - z) * s`` (z = 2^(bits-1) when symmetric). ``dtype``: "float16" or "bfloat16", the
+    activation and scale type (scales are drawn in fp32 and rounded to it; the reference uses the rounded values)."""
 
-    def __init__(self, k: int, n: int, group: int, act_order: bool, rng: np.random.Generator, torch, device="cuda"):
+    def __init__(self, k: int, n: int, group: int, act_order: bool, rng: np.random.Generator, torch, device="cuda",
+                 bits: int = 4, asym: bool = False, dtype: str = "float16"):
         g = k if group == -1 else group
         groups = k // g
-        q = rng.integers(0, 16, size=(k, n), dtype=np.uint8)
-        scales = (rng.random((groups, n), dtype=np.float32) * 0.02 + 0.002).astype(np.float16)
+        self.bits, self.dtype_name = bits, dtype
+        self.dtype = getattr(torch, dtype)
+        q = rng.integers(0, 2**bits, size=(k, n), dtype=np.uint8)
+        scales = torch.from_numpy(rng.random((groups, n), dtype=np.float32) * 0.02 + 0.002).to(self.dtype)
         g_idx = layout.trivial_g_idx(k, g)
         perm = None
         if act_order:
             g_idx = rng.permutation(g_idx).astype(np.int32)
             perm, _sorted = layout.act_order_perm(g_idx)
-        qweight = layout.pack_gptq_qweight(q)
-        b = layout.gptq_to_marlin_weight(qweight, perm)
-        s = layout.permute_scales(scales)
+        qweight = layout.pack_gptq_qweight(q, bits=bits)
+        b = layout.gptq_to_marlin_weight(qweight, perm, bits=bits)
+        # permute_scales is a pure reordering that keeps the dtype: apply it to the 16-bit patterns (numpy has no bf16)
+        s = layout.permute_scales(scales.view(torch.int16).numpy())
         self.k, self.n = k, n
         self.B = torch.from_numpy(b).to(device)
-        self.s = torch.from_numpy(s).to(device)
+        self.s = torch.from_numpy(s).view(self.dtype).to(device)
+        self.zp = None
+        if asym:
+            z = rng.integers(0, 2**bits, size=(groups, n), dtype=np.uint8)
+            self.zp = torch.from_numpy(layout.marlin_zero_points(z, bits)).to(device)
+            zero = torch.from_numpy(z.astype(np.float32))
+        else:
+            zero = torch.full((groups, n), float(2 ** (bits - 1)))
         self.perm = torch.from_numpy(perm).to(device) if perm is not None else None
-        w = (torch.from_numpy(q.astype(np.float32)) - 8.0) * torch.from_numpy(scales.astype(np.float32))[
-            torch.from_numpy(g_idx.astype(np.int64))]
+        rows = torch.from_numpy(g_idx.astype(np.int64))
+        w = (torch.from_numpy(q.astype(np.float32)) - zero[rows]) * scales.float()[rows]
         self.W = w.to(device)
         self.workspace = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device=device)
 
+    def gemm(self, a, **kwargs):
+        return marlin_gemm(a, self.B, self.s, self.workspace, perm=self.perm, zp=self.zp, bits=self.bits, **kwargs)
 
-def _run_case(torch, m, k, n, group, act_order, seed, split_k=0, calls=1):
+
+def _check(torch, p: Problem, a, c, label: str) -> None:
+    """c (the kernel's output for activations a) against the fp32 reference; NaN (unwritten) fails."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = a.float() @ p.W
+        same_dtype = (a @ p.W.to(p.dtype)).float()  # what torch gets in the activation dtype, for scale
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    c32 = c.float()
+    nan = int(torch.isnan(c32).sum())
+    diff = (c32 - ref).abs()
+    rel = float(diff.mean() / ref.abs().mean())
+    rel_torch = float((same_dtype - ref).abs().mean() / ref.abs().mean())
+    bound = _bound(p.dtype_name, rel_torch)
+    print(f"{label}: max {float(diff.max()):.3e} mean-rel {rel:.2e} (torch {p.dtype_name} {rel_torch:.2e}, "
+          f"bound {bound:.1e}) nan={nan}")
+    assert nan == 0, f"{nan} outputs are NaN or were never written"
+    assert rel < bound, f"relative error {rel:.2e} >= {bound:.1e}"
+    assert int(p.workspace.abs().sum()) == 0, "workspace not left zeroed"
+
+
+def _run_case(torch, m, k, n, group, act_order, seed, split_k=0, calls=1, bits=4, asym=False, dtype="float16"):
     rng = np.random.default_rng(seed)
-    p = Problem(k, n, group, act_order, rng, torch)
+    p = Problem(k, n, group, act_order, rng, torch, bits=bits, asym=asym, dtype=dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for _ in range(calls):
-        a = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.float32).to(torch.float16)
-        out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")  # poison
-        c = marlin_gemm(a, p.B, p.s, p.workspace, perm=p.perm, out=out, split_k=split_k)
+        a = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.float32).to(p.dtype)
+        out = torch.full((m, n), float("nan"), dtype=p.dtype, device="cuda")  # poison
+        c = p.gemm(a, out=out, split_k=split_k)
         torch.cuda.synchronize()
-        assert c.data_ptr() == out.data_ptr() and c.shape == (m, n) and c.dtype == torch.float16
-        previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            ref = a.float() @ p.W
-            same_dtype = (a @ p.W.half()).float()  # what fp16 torch gets, for scale
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = previous
-        c32 = c.float()
-        nan = int(torch.isnan(c32).sum())
-        diff = (c32 - ref).abs()
-        rel = float(diff.mean() / ref.abs().mean())
-        rel_torch = float((same_dtype - ref).abs().mean() / ref.abs().mean())
-        print(f"m={m} k={k} n={n} g={group} act={act_order} split={split_k}: max {float(diff.max()):.3e} "
-              f"mean-rel {rel:.2e} (torch fp16 {rel_torch:.2e}) nan={nan}")
-        assert nan == 0, f"{nan} outputs are NaN or were never written"
-        assert rel < REL_BOUND, f"relative error {rel:.2e} >= {REL_BOUND:.0e}"
-        assert int(p.workspace.abs().sum()) == 0, "workspace not left zeroed"
+        assert c.data_ptr() == out.data_ptr() and c.shape == (m, n) and c.dtype == p.dtype
+        _check(torch, p, a, c, f"{dtype} b{bits}{' zp' if asym else ''} m={m} k={k} n={n} g={group} "
+                               f"act={act_order} split={split_k}")
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +316,139 @@ def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
     """Every MARLIN_CONVERT_SMALL_CFG kernel (benchmark switch) gives the right result."""
     monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
     _run_case(torch, m, 2048, 512, group, False, seed=int(cfg) * 100 + m)
+
+
+# ------------------------------------------------------------------------------------------------ other kinds
+# bf16 activations, 8-bit weights, zero points (every combination but fp16 x 4-bit symmetric, tested above). Each
+# kind has its own kernels: for m <= 16 the one-wave 4-strip schedule (n / 64 <= SMs; swapped, one batch block for
+# m <= 8, two for m = 9..16), the 3-strip one (4-bit, n / 64 <= 2 SMs, or larger n with zero points), the 2-strip one
+# (n = 17408 on 132 SMs; 4-bit symmetric: unswapped for m = 9..16), and one kernel for m > 16; each with grouped
+# and channelwise scales (dispatch_kind in marlin_gemm_impl.cuh). The shapes below reach all of them on an H100 / H200
+# (132 SMs), with group sizes 16 (strips of one warp cross groups:
+# zero points and scales per strip), 32, 64, 128, channelwise, act-order and odd m.
+KINDS = [(dtype, bits, asym) for dtype in ("float16", "bfloat16") for bits in (4, 8) for asym in (False, True)
+         if (dtype, bits, asym) != ("float16", 4, False)]
+KIND_SHAPES = [  # (m, k, n, group, act_order)
+    (1, 512, 256, 128, False),     # one wave, swapped, grouped (fp32 group scales, zero points once per stage)
+    (13, 1024, 192, -1, False),    # one wave, two batch blocks, channelwise
+    (16, 2048, 4096, 128, False),  # one wave, two batch blocks, grouped
+    (3, 1040, 128, 16, False),     # group 16: a warp's strips cross groups; partial last stage
+    (5, 256, 17408, -1, False),    # n / 64 > 2 SMs: 2-strip / 1-strip swapped, channelwise
+    (7, 256, 17408, 128, False),   # ... grouped
+    (11, 256, 17408, 64, False),   # ... unswapped m = 9..16, grouped
+    (9, 256, 17408, -1, False),    # ... unswapped, channelwise
+    (4, 256, 10240, 128, False),   # 4-bit, SMs < n / 64 <= 2 SMs: 3 strips
+    (14, 256, 10240, -1, False),   # ... two batch blocks
+    (2, 1024, 512, 64, True),      # act-order, m <= 8
+    (37, 1024, 320, 32, True),     # m > 16, act-order, n % 128 != 0
+    (70, 512, 384, 128, False),    # m > 16, grouped, two row chunks
+    (130, 768, 192, -1, False),    # m > 16, channelwise, a partial row chunk
+]
+
+
+def _kind_id(kind):
+    dtype, bits, asym = kind
+    return f"{'bf16' if dtype == 'bfloat16' else 'fp16'}-int{bits}-{'zp' if asym else 'sym'}"
+
+
+@pytest.mark.parametrize("m,k,n,group,act_order", KIND_SHAPES)
+@pytest.mark.parametrize("kind", KINDS, ids=_kind_id)
+def test_kinds_against_fp32_reference(torch, kind, m, k, n, group, act_order):
+    dtype, bits, asym = kind
+    seed = hash((bits, asym, dtype == "bfloat16", m, k, n, group)) % 2**31  # ints only: the same in every process
+    _run_case(torch, m, k, n, group, act_order, seed=seed, bits=bits, asym=asym, dtype=dtype)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_kinds_random_shapes(torch, seed):
+    rng = np.random.default_rng(5000 + seed)
+    dtype, bits, asym = KINDS[seed % len(KINDS)]
+    m = int(rng.integers(1, 131))
+    group = int(rng.choice([-1, 32, 64, 128]))
+    k = 128 * int(rng.integers(1, 25))
+    n = 64 * int(rng.integers(1, 41))
+    act = bool(rng.integers(0, 2)) and group != -1
+    _run_case(torch, m, k, n, group, act, seed=seed, bits=bits, asym=asym, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind,split_k", [(("bfloat16", 4, False), 2), (("bfloat16", 8, True), 8),
+                                          (("float16", 8, True), 3), (("float16", 4, True), 16),
+                                          (("float16", 8, False), 5)], ids=str)
+@pytest.mark.parametrize("m", [1, 12, 40])
+def test_kinds_forced_split_k(torch, kind, split_k, m):
+    dtype, bits, asym = kind
+    _run_case(torch, m, 4096, 256, 128, False, seed=split_k * 100 + m, split_k=split_k, bits=bits, asym=asym,
+              dtype=dtype)
+
+
+def test_kinds_reuse_one_workspace(torch):
+    """Calls of different kinds on one workspace, each fresh: results right, workspace zero after each."""
+    rng = np.random.default_rng(21)
+    ws = torch.zeros(required_workspace_ints(192), dtype=torch.int32, device="cuda")
+    for dtype, bits, asym in KINDS:
+        p = Problem(512, 192, 64, False, rng, torch, bits=bits, asym=asym, dtype=dtype)
+        p.workspace = ws
+        a = torch.randn(4, 512, device="cuda").to(p.dtype)
+        _check(torch, p, a, p.gemm(a), f"{dtype} b{bits} zp={asym} shared workspace")
+
+
+def test_kinds_allocate_output_in_the_activation_dtype(torch):
+    rng = np.random.default_rng(12)
+    p = Problem(256, 128, 128, False, rng, torch, bits=8, asym=True, dtype="bfloat16")
+    a = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    c = p.gemm(a)
+    assert c.shape == (3, 128) and c.dtype == torch.bfloat16 and c.is_cuda
+    _check(torch, p, a, c, "bf16 int8 zp, allocated output")
+
+
+# ---- host checks of the other kinds (each message names the values)
+
+
+def test_rejects_bits_other_than_4_or_8(torch):
+    a, b, s, w = _args(torch)
+    with pytest.raises(KernelError, match=r"bits = 3: the kernel takes 4- or 8-bit weights"):
+        marlin_gemm(a, b, s, w, bits=3)
+
+
+def test_rejects_8_bit_weights_read_as_4_bit(torch):
+    """An 8-bit B ([k / 16, 4 n]) passed with the default bits=4 reads as twice the columns: named, with the bits."""
+    a, _, s, w = _args(torch, k=256, n=128, rows=2)
+    b8 = torch.zeros(16, 4 * 128, dtype=torch.int32, device="cuda")
+    with pytest.raises(KernelError, match=r"s has shape \[2, 128\] but B \(bits = 4, width 2 n\) has n = 256 columns"):
+        marlin_gemm(a, b8, s, w)
+
+
+def test_rejects_8_bit_width_not_multiple_of_4(torch):
+    a, _, s, w = _args(torch, k=256, n=128, rows=2)
+    b = torch.zeros(16, 4 * 128 + 2, dtype=torch.int32, device="cuda")
+    with pytest.raises(KernelError, match=r"B has shape \[16, 514\]: with bits = 8 its width must be 4 n"):
+        marlin_gemm(a, b, s, w, bits=8)
+
+
+@pytest.mark.parametrize("bits,shape,expected", [(4, (2, 8), r"\[2, 16\]"), (8, (2, 16), r"\[2, 32\]"),
+                                                 (4, (1, 16), r"\[2, 16\]")])
+def test_rejects_zero_points_of_the_wrong_shape(torch, bits, shape, expected):
+    a, _, s, w = _args(torch, k=256, n=128, rows=2)
+    b = torch.zeros(16, 128 * bits // 2, dtype=torch.int32, device="cuda")
+    zp = torch.zeros(*shape, dtype=torch.int32, device="cuda")
+    with pytest.raises(KernelError, match=rf"zp has shape \[{shape[0]}, {shape[1]}\], expected {expected}"):
+        marlin_gemm(a, b, s, w, zp=zp, bits=bits)
+
+
+def test_rejects_zero_points_not_int32_or_on_the_cpu(torch):
+    a, b, s, w = _args(torch, k=256, n=128, rows=2)
+    with pytest.raises(KernelError, match=r"zp must be Int, got Byte"):
+        marlin_gemm(a, b, s, w, zp=torch.zeros(2, 16, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(KernelError, match=r"zp must be a CUDA tensor"):
+        marlin_gemm(a, b, s, w, zp=torch.zeros(2, 16, dtype=torch.int32))
+
+
+def test_rejects_scales_or_output_in_another_dtype_than_a(torch):
+    a, b, s, w = _args(torch)
+    a16 = a.to(torch.bfloat16)
+    with pytest.raises(KernelError, match=r"s must be BFloat16 \(the dtype of A\), got Half"):
+        marlin_gemm(a16, b, s, w)
+    with pytest.raises(KernelError, match=r"out must be BFloat16 \(the dtype of A\), got Half"):
+        marlin_gemm(a16, b, s.to(torch.bfloat16), w, out=torch.empty(4, 128, dtype=torch.float16, device="cuda"))
+    with pytest.raises(KernelError, match=r"A must be Half or BFloat16, got Float"):
+        marlin_gemm(a.float(), b, s, w)

@@ -26,7 +26,8 @@ InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ checkpoin
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (must be empty or absent).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists and is not empty.")]
 SkipOpt = Annotated[bool, typer.Option(
-    "--skip-incompatible", help="Keep layers with no Marlin form (8-bit, asymmetric, odd shapes) in GPTQ form and "
+    "--skip-incompatible", help="Keep layers with no Marlin form (2/3-bit, other group sizes, configs their tensors "
+    "contradict) in GPTQ form (the output then says checkpoint_format 'marlin-partial') and "
     "list them, instead of stopping before anything is written.")]
 StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
@@ -74,6 +75,8 @@ def convert(
     output.lines += [
         f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in GPTQ form, "
         f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
+        f"checkpoint_format: {report.checkpoint_format}"
+        + (" (partly converted: the configs list the modules still in GPTQ form)" if report.skipped else ""),
         f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "
         f"{report.seconds:.1f} s ({human_bytes(rate)}/s, {report.workers} worker(s), "
         f"peak RSS {human_bytes(report.peak_rss_bytes)} summed over processes)",

@@ -1,0 +1,913 @@
+// marlin-convert: GEMM on the Marlin tile format, written for this project (sm_80 .. sm_90): the kernel template.
+//
+//   C[m, n] = A[m, k] @ W[k, n],   W[k, n] = (q[k, n] - z[group(k), n]) * s[group(k), n],   fp32 accumulation
+//
+// Kinds (template parameters of one kernel, see `Kind`): activations, scales and output fp16 or bf16; weights of
+// b = 4 or 8 bits (codes 0 .. 2^b - 1); z = the zero points of a `zp` tensor, or 2^(b-1) (8 / 128) when there is none
+// (symmetric). Every dequantized weight value (q - z) is exact before the scale multiplies it.
+//
+// This header holds the kernel template, its launcher and the dispatch of one kind; the translation units
+// marlin_gemm.cu (host checks, fp16 x 4-bit symmetric), marlin_gemm_fp16.cu (the other fp16 kinds),
+// marlin_gemm_bf16_int4.cu and marlin_gemm_bf16_int8.cu each instantiate their kinds, so that the build compiles them
+// in parallel. Self-contained: CUDA runtime + cuda_fp16 / cuda_bf16 only, so `nvcc -c kernel/<any>.cu` checks each
+// without a GPU or torch. Layout facts are in shared/FORMAT.md (sections 2, 3 and 7); design notes in kernel/README.md.
+//
+// ------------------------------------------------------------------------------------------------ overview
+// One thread block (256 threads = 8 warps) owns an output tile of 16*MB rows x TN = 64*WN columns and a contiguous
+// range of k ("split"). Its warps form a WN x WK grid (WK = 8 / WN): warp (wn, wk) owns the 64 columns wn of the
+// tile and, in every pipeline stage, STRIPS consecutive 16-row k-strips. Per stage the block therefore consumes
+// STAGE_K = 16 * STRIPS * WK rows of k:
+//
+//        k --->        stage 0                         stage 1                  ...  (STAGES of them in flight)
+//               +--------+--------+-----+--------+--------+--------+-----+
+//   cols wn=0   | wk=0   | wk=1   | ... | wk=WK-1| wk=0   | wk=1   | ... |        each cell: STRIPS strips of 16 k-rows
+//   cols wn=1   | wk=0   | wk=1   | ... | wk=WK-1| ...                              x 64 columns = STRIPS x 64 b bytes of B
+//               +--------+--------+-----+--------+--------+--------+-----+
+//
+// The grid is (n / TN tiles) x (ceil(m / 16MB) row chunks) x (splits over k), linearised as
+//   blockIdx.x = (ntile * splits + split) * m_chunks + mchunk
+// so the blocks that read the same B columns run side by side and share it through L2.
+//
+// Pipeline of one block, per stage (names used in the comments below):
+//   [G2S]  global -> shared: cp.async.cg 16-byte copies of the A tile, the B tile and (grouped) the scale rows and
+//          zero-point rows; STAGES - 1 stages are in flight while one is computed (cp.async.commit_group / wait_group).
+//   [S2R]  shared -> registers: ldmatrix.x4 for the A fragments, one (4-bit) or two (8-bit) 16-byte ld.shared per
+//          lane for B (its fragments of 4 tiles = 64 columns), one 16-byte ld.shared per lane for the 8 grouped
+//          scales, one 4-byte (4-bit) or 8-byte (8-bit) ld.shared for the lane's 8 zero points.
+//   [DEQ]  dequant: bit tricks + magic numbers (struct Dequant), giving q - z exactly, then (grouped) times the scale.
+//   [MMA]  mma.sync.m16n8k16 fp16 x fp16 or bf16 x bf16 -> fp32.
+//   [RED]  reduction: the WK warps that share columns add their accumulators through shared memory; then the
+//          `splits` blocks that share an output tile add through C, in split order, serialised by a lock.
+//   [OUT]  write-out: pairs of output values to C; channelwise scales are applied here, in fp32.
+//
+// Split-K and the workspace: when n / TN * m_chunks blocks do not fill the GPU, k is cut into `splits` ranges.
+// Block `split` waits until lock == split, adds its partial sums to what C holds (split 0 just stores), then sets
+// lock = split + 1; the last split sets it back to 0, so the workspace is zero again when the kernel ends. One
+// lock per (ntile, mchunk): n / TN * m_chunks <= (n / 64) * 16 ints is checked on the host, and the grid is kept
+// within what the GPU can hold resident at once, so a block never waits for one that cannot start.
+//
+// No L2 cache-hint variants (`.L2::cache_hint`, createpolicy) are used: published Marlin's small-batch path died
+// with an illegal instruction on an H200 because of them.
+
+#pragma once
+
+#include "marlin_gemm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
+namespace marlin_convert {
+namespace detail {
+
+constexpr int kThreads = 256;  // 8 warps per block
+constexpr int kWarps = kThreads / 32;
+constexpr int kSmemPerSm = 228 * 1024;  // shared memory of one sm_90 multiprocessor (blocks per SM bound, 8-bit)
+
+// ------------------------------------------------------------------------------------------------ PTX helpers
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// [G2S] 16-byte asynchronous copy global -> shared, L2 only (.cg). Skipped entirely when !pred (then `gmem` may
+// point outside the tensor: it is never dereferenced).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %0, 0;\n"
+      "  @p cp.async.cg.shared.global [%1], [%2], 16;\n"
+      "}\n" ::"r"(static_cast<int>(pred)),
+      "r"(smem_u32(smem)), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most N committed groups are still pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// [S2R] four 8x8 16-bit matrices; lane l gives the row address of matrix l / 8, row l % 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+}
+
+// Three-input logic op; LUT is the truth table of f(a, b, c) evaluated on a = 0xF0, b = 0xCC, c = 0xAA.
+template <int LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return r;
+}
+constexpr int kAndOr = (0xF0 & 0xCC) | 0xAA;  // lop3 table of (a & b) | c = 0xEA
+
+__device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
+__device__ __forceinline__ uint32_t as_u32(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __nv_bfloat162 as_b2(uint32_t u) { return *reinterpret_cast<__nv_bfloat162*>(&u); }
+__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+// ------------------------------------------------------------------------------------------------ activation type
+// Everything the kernel does with a pair of 16-bit activation values, kept in a uint32_t (low half = first value).
+template <typename ActT>
+struct Act;
+
+template <>
+struct Act<half> {
+  // [MMA] D = A(16x16, row) * B(16x8, col) + D, fp16 inputs, fp32 accumulators.
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) { return as_u32(__hmul2(as_h2(a), as_h2(b))); }
+  static __device__ __forceinline__ uint32_t low2(uint32_t a) { return as_u32(__low2half2(as_h2(a))); }
+  static __device__ __forceinline__ uint32_t high2(uint32_t a) { return as_u32(__high2half2(as_h2(a))); }
+  static __device__ __forceinline__ float2 to_float2(uint32_t a) { return __half22float2(as_h2(a)); }
+  static __device__ __forceinline__ uint32_t pack(float x, float y) { return as_u32(__floats2half2_rn(x, y)); }
+};
+
+template <>
+struct Act<__nv_bfloat16> {
+  // [MMA] D = A(16x16, row) * B(16x8, col) + D, bf16 inputs, fp32 accumulators.
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) { return as_u32(__hmul2(as_b2(a), as_b2(b))); }
+  static __device__ __forceinline__ uint32_t low2(uint32_t a) { return as_u32(__low2bfloat162(as_b2(a))); }
+  static __device__ __forceinline__ uint32_t high2(uint32_t a) { return as_u32(__high2bfloat162(as_b2(a))); }
+  static __device__ __forceinline__ float2 to_float2(uint32_t a) { return __bfloat1622float2(as_b2(a)); }
+  static __device__ __forceinline__ uint32_t pack(float x, float y) { return as_u32(__floats2bfloat162_rn(x, y)); }
+};
+
+// One kernel kind: activation type, weight bits, zero points (true) or symmetric (false).
+template <typename ActT_, int BITS_, bool ZP_>
+struct Kind {
+  using ActT = ActT_;
+  static constexpr int kBits = BITS_;
+  static constexpr bool kZp = ZP_;
+  static_assert(BITS_ == 4 || BITS_ == 8, "weights are 4 or 8 bits");
+};
+
+// ------------------------------------------------------------------------------------------------ [DEQ]
+// Dequant<ActT, BITS>::run<ZP>(w, zero, frag): the lane's Marlin word(s) of one 16 x 16 tile -> its four mma
+// B-fragment registers (pairs of ActT), each value exactly q - z (scales come later).
+//
+// Which values a lane holds (FORMAT.md sections 2 and 7; lane: c = lane / 4, r = 2 * (lane % 4); row = k, col = n):
+// the 1024-entry table gives each lane, per tile, the 8 values (r, c) (r+1, c) (r+8, c) (r+9, c) and the same four
+// at column c + 8. The mma.m16n8k16 B fragment of n8-block h (column c + 8h) is b0 = {(r, .), (r+1, .)} and
+// b1 = {(r+8, .), (r+9, .)} (low half first). frag = {b0 of h = 0, b1 of h = 0, b0 of h = 1, b1 of h = 1}.
+//   4-bit: the 8 values are interleaved [0, 2, 4, 6, 1, 3, 5, 7] into one word, so nibble 0 .. 7 holds
+//          (r, c) (r+8, c) (r, c+8) (r+8, c+8) (r+1, c) (r+9, c) (r+1, c+8) (r+9, c+8): nibbles i and i + 4
+//          (bits 4i .. 4i+3 and 16+4i ..) are frag[i].
+//   8-bit: groups of 4 interleaved [0, 2, 1, 3] into two words, word h holding (r, c+8h) (r+8, ..) (r+1, ..) (r+9, ..)
+//          in bytes 0 .. 3: bytes 0 and 2 are frag[2h], bytes 1 and 3 frag[2h + 1].
+// Zero points (FORMAT.md section 7 "Asymmetric"): the lane's 8 columns c + 8 jj (jj = 0..7, n8-block jj of the 64)
+// sit in the grouped scale order at positions 8c .. 8c+7, interleaved like the weights, packed along n:
+//   4-bit: one word zw[0], nibble i = z of jj (0, 2, 4, 6, 1, 3, 5, 7)[i]: tile j (n8-blocks 2j, 2j+1) has its two
+//          zero points in nibbles j and j + 4, i.e. bits 0-3 and 16-19 of zw[0] >> 4j.
+//   8-bit: two words, zw[j / 2] byte i = z of jj 4 (j / 2) + (0, 2, 1, 3)[i]: tile j has them in bytes j % 2 and
+//          j % 2 + 2.
+// `Zero` holds one tile's zero points in the form run() subtracts (low half: n8-block 2j, high half: 2j + 1);
+// with ZP false run() uses the symmetric constant z = 2^(b-1) instead and ignores `zero`.
+template <typename ActT, int BITS>
+struct Dequant;
+
+template <>
+struct Dequant<half, 4> {
+  static constexpr int kWords = 1;  // B words per lane per tile (and zero-point words per lane)
+  struct Zero {
+    uint32_t sub;  // (1024 + z0, 1024 + z1)
+    uint32_t add;  // (-(64 + z0), -(64 + z1))
+  };
+  // Magic numbers, fp16 = sign | 5-bit exponent (bias 15) | 10-bit mantissa:
+  //   0x6400 = 2^10 = 1024.0: its mantissa ulp is 1, so 0x6400 | x (x < 1024) is exactly 1024 + x.
+  //   b0: 0x6400 | q           = 1024 + q       ; minus (1024 + z)                          -> q - z
+  //   b1: 0x6400 | (q << 4)    = 1024 + 16 q    ; times 0x2C00 (= 2^-4: exponent 11 = 15 - 4) -> 64 + q,
+  //       plus -(64 + z)                                                                     -> q - z
+  //   symmetric z = 8: 1024 + 8 = 0x6408, -(64 + 8) = -72 = 0xD480 (exponent 21 = 15 + 6 -> 64, mantissa 0x080 ->
+  //   1.125, 64 * 1.125 = 72).
+  //   zero points: 0x6400 | z = 1024 + z (the same trick), and -(64 + z) = 960 - (1024 + z) with 960 = 0x6380
+  //   (exponent 24 = 15 + 9 -> 512, mantissa 0x380 -> 1.875).
+  // All steps are exact in fp16 (|values| < 2048 and integral), so q - z is exact.
+  static __device__ __forceinline__ Zero zero(const uint32_t (&zw)[1], int j) {
+    const uint32_t sub = lop3<kAndOr>(zw[0] >> (4 * j), 0x000f000fu, 0x64006400u);
+    return {sub, as_u32(__hsub2(as_h2(0x63806380u), as_h2(sub)))};
+  }
+  template <bool ZP>
+  static __device__ __forceinline__ void run(const uint32_t* w, const Zero& zero, uint32_t (&frag)[4]) {
+    uint32_t q = w[0];
+    constexpr uint32_t kLo = 0x000f000fu;   // nibbles 0 and 4
+    constexpr uint32_t kHi = 0x00f000f0u;   // nibbles 1 and 5
+    constexpr uint32_t kExp = 0x64006400u;  // 1024.0 in both halves
+    const uint32_t lo0 = lop3<kAndOr>(q, kLo, kExp);
+    const uint32_t hi0 = lop3<kAndOr>(q, kHi, kExp);
+    q >>= 8;
+    const uint32_t lo1 = lop3<kAndOr>(q, kLo, kExp);
+    const uint32_t hi1 = lop3<kAndOr>(q, kHi, kExp);
+    const half2 mul = as_h2(0x2c002c00u);  // 1/16
+    if constexpr (!ZP) {
+      const half2 sub = as_h2(0x64086408u);  // 1032
+      const half2 add = as_h2(0xd480d480u);  // -72
+      frag[0] = as_u32(__hsub2(as_h2(lo0), sub));           // b0, n8-block 0
+      frag[1] = as_u32(__hfma2(as_h2(hi0), mul, add));      // b1, n8-block 0
+      frag[2] = as_u32(__hsub2(as_h2(lo1), sub));           // b0, n8-block 1
+      frag[3] = as_u32(__hfma2(as_h2(hi1), mul, add));      // b1, n8-block 1
+    } else {
+      const half2 sub = as_h2(zero.sub), add = as_h2(zero.add);
+      frag[0] = as_u32(__hsub2(as_h2(lo0), __low2half2(sub)));
+      frag[1] = as_u32(__hfma2(as_h2(hi0), mul, __low2half2(add)));
+      frag[2] = as_u32(__hsub2(as_h2(lo1), __high2half2(sub)));
+      frag[3] = as_u32(__hfma2(as_h2(hi1), mul, __high2half2(add)));
+    }
+  }
+};
+
+template <>
+struct Dequant<half, 8> {
+  static constexpr int kWords = 2;
+  struct Zero {
+    uint32_t sub;  // (1024 + z0, 1024 + z1)
+  };
+  // __byte_perm(x, y, sel): byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes {y:x} (x = bytes 0..3).
+  // With y = 0x64646464, selector 0x4240 gives bytes (x0, 0x64, x2, 0x64) = two fp16 0x64xx = 1024 + x0, 1024 + x2
+  // (0x6400 = 1024.0, mantissa ulp 1, as in the 4-bit path; 1024 + 255 < 2048 still has ulp 1), and 0x4341 the
+  // same for bytes 1 and 3. Minus (1024 + z) -> q - z exactly (|q - z| <= 255, integral).
+  //   symmetric z = 128: 1024 + 128 = 1152 = 0x6480 (exponent 25 -> 1024, mantissa 0x080 -> 1.125).
+  //   zero points: the same byte_perm on the zero-point word gives (1024 + z0, 1024 + z1) directly.
+  static __device__ __forceinline__ Zero zero(const uint32_t (&zw)[2], int j) {
+    return {__byte_perm(zw[j >> 1], 0x64646464u, (j & 1) ? 0x4341u : 0x4240u)};
+  }
+  template <bool ZP>
+  static __device__ __forceinline__ void run(const uint32_t* w, const Zero& zero, uint32_t (&frag)[4]) {
+    const half2 z0 = ZP ? __low2half2(as_h2(zero.sub)) : as_h2(0x64806480u);
+    const half2 z1 = ZP ? __high2half2(as_h2(zero.sub)) : as_h2(0x64806480u);
+    frag[0] = as_u32(__hsub2(as_h2(__byte_perm(w[0], 0x64646464u, 0x4240u)), z0));  // rows r, r+1, n8-block 0
+    frag[1] = as_u32(__hsub2(as_h2(__byte_perm(w[0], 0x64646464u, 0x4341u)), z0));  // rows r+8, r+9
+    frag[2] = as_u32(__hsub2(as_h2(__byte_perm(w[1], 0x64646464u, 0x4240u)), z1));  // n8-block 1
+    frag[3] = as_u32(__hsub2(as_h2(__byte_perm(w[1], 0x64646464u, 0x4341u)), z1));
+  }
+};
+
+template <>
+struct Dequant<__nv_bfloat16, 4> {
+  static constexpr int kWords = 1;
+  struct Zero {
+    uint32_t sub;  // (128 + z0, 128 + z1)
+  };
+  // bf16 = sign | 8-bit exponent (bias 127) | 7-bit mantissa:
+  //   0x4300 = 2^7 = 128.0 (exponent 134 = 127 + 7): its mantissa ulp is 1, so 0x4300 | x (x < 128) is exactly
+  //   128 + x. Only 7 mantissa bits: a nibble must sit in bits 0-3 (q << 4 would reach the exponent), so each of
+  //   the four fragments takes its own shift (w >> 4i, nibbles i and i + 4 in bits 0-3 and 16-19).
+  //   Minus (128 + z) -> q - z exactly; symmetric z = 8: 136 = 0x4308 (mantissa 8 / 128 -> 1.0625).
+  //   zero points: 0x4300 | z = 128 + z, the same trick on the zero-point word.
+  static __device__ __forceinline__ Zero zero(const uint32_t (&zw)[1], int j) {
+    return {lop3<kAndOr>(zw[0] >> (4 * j), 0x000f000fu, 0x43004300u)};
+  }
+  template <bool ZP>
+  static __device__ __forceinline__ void run(const uint32_t* w, const Zero& zero, uint32_t (&frag)[4]) {
+    const uint32_t q = w[0];
+    const __nv_bfloat162 z0 = ZP ? __low2bfloat162(as_b2(zero.sub)) : as_b2(0x43084308u);
+    const __nv_bfloat162 z1 = ZP ? __high2bfloat162(as_b2(zero.sub)) : as_b2(0x43084308u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = lop3<kAndOr>(q >> (4 * i), 0x000f000fu, 0x43004300u);
+      frag[i] = as_u32(__hsub2(as_b2(v), i < 2 ? z0 : z1));
+    }
+  }
+};
+
+template <>
+struct Dequant<__nv_bfloat16, 8> {
+  static constexpr int kWords = 2;
+  struct Zero {
+    float z0, z1;  // 2^23 + z of n8-blocks 2j and 2j + 1
+  };
+  // 128 + q does not fit bf16's 8 significant bits for q >= 128, so the values go through fp32:
+  //   0x4B000000 = 2^23 (exponent 150 = 127 + 23): mantissa ulp 1, so 0x4B0000xx is exactly 2^23 + x. Selector
+  //   0x744i of __byte_perm(w, 0x4B000000, .) builds (byte i of w, 0x00, 0x00, 0x4B) = that float for byte i.
+  //   Minus (2^23 + z) -> q - z exactly in fp32; |q - z| <= 255 has at most 8 significant bits, so the conversion
+  //   to bf16 (cvt.rn.bf16x2.f32) is exact too.
+  //   symmetric z = 128: 2^23 + 128 = 8388736.0f (0x4B000080).
+  //   zero points: the same byte_perm on the zero-point word gives 2^23 + z.
+  static __device__ __forceinline__ Zero zero(const uint32_t (&zw)[2], int j) {
+    const uint32_t word = zw[j >> 1];
+    return {__uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (j & 1))),
+            __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | ((j & 1) + 2)))};
+  }
+  template <bool ZP>
+  static __device__ __forceinline__ void run(const uint32_t* w, const Zero& zero, uint32_t (&frag)[4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float z = ZP ? (h == 0 ? zero.z0 : zero.z1) : 8388736.0f;
+      float v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(__byte_perm(w[h], 0x4B000000u, 0x7440u | i)) - z;
+      frag[2 * h] = as_u32(__floats2bfloat162_rn(v[0], v[2]));      // rows r, r+1 (bytes 0, 2)
+      frag[2 * h + 1] = as_u32(__floats2bfloat162_rn(v[1], v[3]));  // rows r+8, r+9 (bytes 1, 3)
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------ the kernel
+
+// Compile-time shape of one configuration.
+template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int BITS = 4, bool ZP = false>
+struct Tile {
+  static constexpr int kWK = kWarps / WN;                 // warps side by side along k
+  static constexpr int kRows = 16 * MB;                   // A rows per block (MB 16-row m-blocks)
+  static constexpr int kTN = 64 * WN;                     // output columns per block (WN 64-column groups)
+  static constexpr int kStageStrips = STRIPS * kWK;       // 16-row k-strips per stage
+  static constexpr int kStageK = 16 * kStageStrips;       // k per stage
+  static constexpr int kAChunks = kStageK / 8;            // 16-byte chunks (8 values) per A row per stage
+  static constexpr int kABytes = kRows * kStageK * 2;     // A tile (16-bit values)
+  static constexpr int kPieceInt4 = 32 * BITS / 4;        // a 16 x 64 piece of B: 512 (4-bit) / 1024 bytes in int4
+  static constexpr int kBBytes = kStageStrips * WN * kPieceInt4 * 16;
+  static constexpr int kSBytes = GROUPED ? kStageStrips * kTN * 2 : 0;  // at most one scale row per strip
+  // zero-point rows (grouped only; channelwise zero points are read once into registers): 64 columns = 8 * BITS bytes
+  static constexpr int kZBytes = GROUPED && ZP ? kStageStrips * WN * 8 * BITS : 0;
+  static constexpr int kStageBytes = kABytes + kBBytes + kSBytes + kZBytes;
+  static constexpr int kPipeBytes = STAGES * kStageBytes;
+  // [RED] in-block reduction area, one m-block at a time: 8 warps x 8 n8-blocks x 4 floats x 32 lanes.
+  static constexpr int kRedBytes = kWarps * 8 * 4 * 32 * 4;
+  static constexpr int kSmemBytes = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;
+
+  static_assert(kWarps % WN == 0, "WN must divide the 8 warps");
+  static_assert(kAChunks >= 8, "the A swizzle XORs 3 bits of the chunk index: a stage needs >= 64 k");
+  static_assert((kRows * kAChunks) % kThreads == 0, "A tile copies must split evenly over the threads");
+  static_assert(kBBytes / 16 == STRIPS * kThreads * BITS / 4, "B tile copies: STRIPS * b / 4 16-byte copies per thread");
+  static_assert(STAGES >= 2, "at least double buffering");
+};
+
+// Blocks per SM the register allocation must allow: 3 for the 16-row kernels (72 KB of shared memory at 2 strips
+// x 4 stages), except the two-batch-block swapped kernels with 12 / 16 strip-stages (3 strips x 4 or 2 x 6 stages:
+// 108 KB, 4 x 4: 144 KB), whose shared memory only fits 2 / 1 blocks anyway (32 accumulators spill at 85 registers).
+// The swapped one-batch-block kernels likewise take the 1 / 2 limits (their fp32 group partial sums need registers).
+// 8-bit kernels (twice the B bytes per strip) take at most the blocks their shared memory fits on a multiprocessor;
+// grouped zero-point kernels and grouped unswapped 8-bit kernels at most 2 (at 3 blocks = 80 registers they spilled
+// 8-48 bytes, the latter on sm_80).
+template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
+__host__ __device__ constexpr int min_blocks() {
+  constexpr int by_strips = MB != 1 ? 1 : SWAP == 0 ? 3 : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2 : 3;
+  constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;
+  constexpr int by_smem = BITS == 4 ? by_strips : (fit < 1 ? 1 : fit < by_strips ? fit : by_strips);
+  return GROUPED && (ZP || (BITS == 8 && SWAP == 0)) && by_smem > 2 ? 2 : by_smem;
+}
+
+// Template parameters:
+//   K          Kind<ActT, BITS, ZP>: activation / scale / output type (half or __nv_bfloat16), weight bits (4, 8),
+//              zero points (ZP true: from Z; false: symmetric, z = 2^(BITS-1))
+//   MB         16-row m-blocks per thread block: 1, 2 or 4 (m rows 16, 32, 64 per block)
+//   WN         64-column warp groups per block (n-tile width 64 * WN); the other 8 / WN warps split k
+//   STRIPS     16-row k-strips each warp handles per stage
+//   STAGES     pipeline depth (shared-memory stages)
+//   GROUPED    true: grouped scales applied to B before the mma; false: channelwise, applied to C in fp32
+//   SWAP       0: C = A W (A = mma A operand); 1: C^T = W^T A^T with one 8-row batch block (m <= 8 per chunk);
+//              2: C^T = W^T A^T with two 8-row batch blocks (rows 0-7 and 8-15 of the 16-row chunk, m <= 16)
+//   NO_F32_SCALE  benchmark only: grouped scales always on B in 16-bit (the previous kernel, see kF32Scale)
+// Arguments:
+//   A          ActT [m, k] row-major (as int4 = 8 values), act-order already gathered
+//   B          int32 [k / 16, n * BITS / 2] Marlin tiles (as int4: row stride n * BITS / 8 int4)
+//   S          ActT [scale_rows, n] permuted scales (as int4: row stride n / 8 int4)
+//   Z          int32 [scale_rows, n * BITS / 32] zero points in the Marlin order (as int4: row stride n * BITS / 128
+//              int4); only read when ZP
+//   C          ActT [m, n] row-major output
+//   locks      int32 workspace, zero on entry and on exit; one int per (ntile, mchunk) when splits > 1
+//   m, n, k    problem size; group_size = k / scale_rows (only read when GROUPED)
+//   group_shift log2(group_size) when it is a power of two (then k / g is a shift), else -1 (division)
+//   splits     number of k ranges; stages_per_split = k stages per range (the last one may be shorter)
+template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, bool NO_F32_SCALE = false>
+__global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, GROUPED, NO_F32_SCALE ? 0 : SWAP,
+                                                       K::kBits, K::kZp>())
+    marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
+                       const int4* __restrict__ Z, typename K::ActT* __restrict__ C, int* __restrict__ locks, int m,
+                       int n, int k, int group_size, int group_shift, int splits, int stages_per_split) {
+  static_assert(SWAP >= 0 && SWAP <= 2 && (SWAP == 0 || MB == 1), "the swapped (W^T x A^T) path serves m <= 16 only");
+  constexpr int BITS = K::kBits;
+  constexpr bool ZP = K::kZp;
+  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>;
+  using Ops = Act<typename K::ActT>;
+  using DQ = Dequant<typename K::ActT, BITS>;
+  constexpr int kWords = DQ::kWords;  // B words per lane per tile = zero-point words per lane
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wn = warp % WN;  // this warp's 64 columns inside the tile
+  const int wk = warp / WN;  // this warp's k-slot inside a stage
+
+  // ---- which tile, which rows, which k range
+  const int m_chunks = (m + T::kRows - 1) / T::kRows;
+  int bid = blockIdx.x;
+  const int mchunk = bid % m_chunks;
+  bid /= m_chunks;
+  const int split = bid % splits;
+  const int ntile = bid / splits;
+  const int row0 = mchunk * T::kRows;
+  const int col0 = ntile * T::kTN;
+  const int k_strips = k / 16;
+  const int total_stages = (k_strips + T::kStageStrips - 1) / T::kStageStrips;
+  const int stage_begin = split * stages_per_split;
+  const int stage_end = min(stage_begin + stages_per_split, total_stages);
+  const int n_stages = stage_end - stage_begin;  // >= 1: the host never makes an empty split
+
+  // group of a k index: a shift for the power-of-two group sizes (all GPTQ uses), a division otherwise
+  auto group_of = [&](int kk) { return group_shift >= 0 ? (kk >> group_shift) : (kk / group_size); };
+  const int b_row_int4 = n * BITS / 8;    // B row: n * BITS / 2 words
+  const int s_row_int4 = n / 8;           // scale row: n 16-bit values
+  const int z_row_int4 = n * BITS / 128;  // zero-point row: n * BITS / 32 words
+
+  // Channelwise zero points (one row, constant over k): this lane's words, read once.
+  uint32_t zconst[kWords] = {};
+  if constexpr (ZP && !GROUPED) {
+    const uint32_t* z32 = reinterpret_cast<const uint32_t*>(Z);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) zconst[i] = __ldg(z32 + ((col0 / 64 + wn) * 8 + (lane >> 2)) * kWords + i);
+  }
+
+  // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) into shared slot `slot`
+  auto load_stage = [&](int slot, int st) {
+    unsigned char* base = smem + slot * T::kStageBytes;
+    uint16_t* sA = reinterpret_cast<uint16_t*>(base);
+    int4* sB = reinterpret_cast<int4*>(base + T::kABytes);
+    int4* sS = reinterpret_cast<int4*>(base + T::kABytes + T::kBBytes);
+    int4* sZ = reinterpret_cast<int4*>(base + T::kABytes + T::kBBytes + T::kSBytes);
+    const int k0 = st * T::kStageK;
+    const int strip0 = st * T::kStageStrips;
+    // A: kRows x kAChunks 16-byte chunks. Rows >= m and columns >= k are not copied: a garbage A row only
+    // reaches the same (never written) C row, and strips past k are skipped in the compute.
+    // The 16-byte chunk ch of row r is stored at chunk (ch ^ (r & 7)): ldmatrix then reads 8 rows of one
+    // logical chunk from 8 different 16-byte bank groups (row stride kStageK * 2 bytes is a multiple of 128).
+#pragma unroll
+    for (int i = tid; i < T::kRows * T::kAChunks; i += kThreads) {
+      const int r = i / T::kAChunks;
+      const int ch = i % T::kAChunks;
+      const int grow = row0 + r;
+      const int gcol = k0 + ch * 8;
+      const bool ok = grow < m && gcol < k;
+      cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((size_t)grow * k + gcol) / 8, ok);
+    }
+    // B: kStageStrips strips x WN pieces of kPieceInt4 int4. 4-bit: copied as they lie (lane l's int4 is l).
+    // 8-bit: lane l's two int4 are 2l and 2l + 1 in global memory; they are stored at l and 32 + l, so that each of
+    // the lane's two 16-byte shared loads reads 32 consecutive int4 (no bank conflicts).
+#pragma unroll
+    for (int j = 0; j < STRIPS * BITS / 4; ++j) {
+      const int i = tid + j * kThreads;
+      const int strip = i / (WN * T::kPieceInt4);
+      const int w = i % (WN * T::kPieceInt4);
+      const int gstrip = strip0 + strip;
+      const int pw = i % T::kPieceInt4;
+      const int at = BITS == 8 ? i - pw + (pw & 1) * 32 + (pw >> 1) : i;
+      cp_async16(sB + at, B + (size_t)gstrip * b_row_int4 + (size_t)ntile * WN * T::kPieceInt4 + w,
+                 gstrip < k_strips);
+    }
+    // Scales and zero points (grouped): the distinct rows k0 / g .. (last k of the stage) / g, kTN values each.
+    if constexpr (GROUPED) {
+      const int kend = min(k0 + T::kStageK, k);
+      const int r0 = group_of(k0);
+      const int nrows = group_of(kend - 1) - r0 + 1;  // <= kStageStrips since group_size >= 16
+      for (int i = tid; i < nrows * WN * 8; i += kThreads) {
+        const int r = i / (WN * 8);
+        const int c = i % (WN * 8);
+        cp_async16(sS + i, S + (size_t)(r0 + r) * s_row_int4 + (size_t)ntile * WN * 8 + c, true);
+      }
+      if constexpr (ZP) {
+        constexpr int kZInt4 = WN * BITS / 2;  // int4 of one zero-point row of the tile (64 columns: 8 * BITS bytes)
+        for (int i = tid; i < nrows * kZInt4; i += kThreads) {
+          const int r = i / kZInt4;
+          const int c = i % kZInt4;
+          cp_async16(sZ + i, Z + (size_t)(r0 + r) * z_row_int4 + (size_t)ntile * kZInt4 + c, true);
+        }
+      }
+    }
+  };
+
+  float acc[MB][8][4];
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
+
+  // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st`
+  // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
+  // the 32 partial sums, except with zero points, which spilled): when all of a warp's strips of the stage lie in one
+  // group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to those once, in
+  // fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per strip);
+  // otherwise (a group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other kernels.
+  constexpr bool kF32Scale =
+      GROUPED && !NO_F32_SCALE &&
+      (SWAP == 1 ||
+       (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= 2 && !ZP));
+  // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
+  // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
+  auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
+    const uint32_t* sZ = reinterpret_cast<const uint32_t*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes +
+                                                           T::kSBytes);
+    const int at = ((srow * WN + wn) * 8 + (lane >> 2)) * kWords;
+    if constexpr (kWords == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(sZ + at);
+      zw[0] = v.x;
+      zw[1] = v.y;
+    } else {
+      zw[0] = sZ[at];
+    }
+  };
+  // strips(tag, d): this warp's strips of the stage into accumulators d. tag::value: all of them lie in one group
+  // (the caller checked): leave B unscaled (the caller scales d) and read the zero points once.
+  auto strips = [&](auto one_group_tag, float (&d)[MB][8][4], int slot, int st) {
+    constexpr bool kOneGroup = decltype(one_group_tag)::value;
+    constexpr bool kScaleB = GROUPED && !kOneGroup;
+    const unsigned char* base = smem + slot * T::kStageBytes;
+    const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
+    const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
+    const int4* sS = reinterpret_cast<const int4*>(base + T::kABytes + T::kBBytes);
+    const int strip0 = st * T::kStageStrips;
+    uint32_t zw[kWords];  // this lane's zero-point words (ZP)
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) zw[i] = zconst[i];
+    if constexpr (ZP && GROUPED && kOneGroup)
+      zero_row(slot, group_of((strip0 + wk * STRIPS) * 16) - group_of(st * T::kStageK), zw);
+#pragma unroll
+    for (int ls = 0; ls < STRIPS; ++ls) {
+      const int strip = wk * STRIPS + ls;  // strip inside the stage
+      if (strip0 + strip < k_strips) {     // warp-uniform
+        // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
+        uint32_t bw[4 * kWords];
+#pragma unroll
+        for (int h = 0; h < kWords; ++h) {
+          const int4 bq = sB[(strip * WN + wn) * T::kPieceInt4 + h * 32 + lane];
+          bw[4 * h] = (uint32_t)bq.x;
+          bw[4 * h + 1] = (uint32_t)bq.y;
+          bw[4 * h + 2] = (uint32_t)bq.z;
+          bw[4 * h + 3] = (uint32_t)bq.w;
+        }
+        // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
+        // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
+        // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
+        // scheduled it so that two sm_80 kernels spilled.)
+        int4 sc = make_int4(0, 0, 0, 0);
+        if constexpr (kScaleB) {
+          const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
+          sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+          if constexpr (ZP) zero_row(slot, srow, zw);
+        }
+        // A fragments: ldmatrix row = (lane % 8) + 8 * ((lane / 8) % 2), logical chunk 2 * strip + lane / 16.
+        uint32_t a[MB][4];
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          const int r = mb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int ch = 2 * strip + (lane >> 4);
+          ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
+        }
+        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
+          uint32_t f[4];
+          typename DQ::Zero zero{};
+          if constexpr (ZP) zero = DQ::zero(zw, j);
+          DQ::template run<ZP>(&bw[j * kWords], zero, f);
+          if constexpr (kScaleB) {
+            const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
+            const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
+            f[0] = Ops::mul2(f[0], s0);
+            f[1] = Ops::mul2(f[1], s0);
+            f[2] = Ops::mul2(f[2], s1);
+            f[3] = Ops::mul2(f[3], s1);
+          }
+          if constexpr (SWAP != 0) {
+            // C^T = W^T A^T: the tile's 4 fragments are exactly the mma A fragment of W^T (rows = 16 columns n,
+            // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
+            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 2 (A rows 0-7, k 0-7 / 8-15); with
+            // SWAP == 2 the second batch block (A rows 8-15) is matrices 1 and 3, accumulated in d[0][4 + j].
+            const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
+            Ops::mma(d[0][j], wa, a[0][0], a[0][2]);
+            if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][1], a[0][3]);
+          } else {
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) {
+              Ops::mma(d[mb][2 * j], a[mb], f[0], f[1]);
+              Ops::mma(d[mb][2 * j + 1], a[mb], f[2], f[3]);
+            }
+          }
+        }
+      }
+    }
+  };
+  auto compute_stage = [&](int slot, int st) {
+    if constexpr (kF32Scale) {
+      const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
+      if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
+      const int last = min(first + STRIPS, k_strips) - 1;
+      if (group_of(first * 16) == group_of(last * 16)) {
+        float part[MB][8][4];
+#pragma unroll
+        for (int nb = 0; nb < 4 * SWAP; ++nb)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[0][nb][i] = 0.0f;
+        strips(std::true_type{}, part, slot, st);
+        // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
+        // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
+        const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
+        const int srow = group_of(first * 16) - group_of(st * T::kStageK);
+        const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 s01 = Ops::to_float2(sw[j]);
+#pragma unroll
+          for (int h = 0; h < SWAP; ++h) {
+            acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
+            acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
+            acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
+            acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+          }
+        }
+        return;
+      }
+    }
+    strips(std::false_type{}, acc, slot, st);
+  };
+
+  // ---- main loop: STAGES - 1 stages in flight, one barrier per stage
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_stages) load_stage(s, stage_begin + s);
+    cp_async_commit();  // always commit (possibly empty) so the group count stays aligned
+  }
+  for (int it = 0; it < n_stages; ++it) {
+    cp_async_wait<STAGES - 2>();  // stage `it` has landed (for this thread)
+    __syncthreads();              // ... for all threads; and everyone is done computing stage it - 1
+    const int next = it + STAGES - 1;
+    if (next < n_stages) load_stage(next % STAGES, stage_begin + next);  // refills the slot of stage it - 1
+    cp_async_commit();
+    compute_stage(it % STAGES, stage_begin + it);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory is now free for the reduction
+
+  // ---- [RED] across blocks: wait for our turn on this tile's lock
+  int* lock = locks + ntile * m_chunks + mchunk;
+  if (splits > 1) {
+    if (tid == 0) {
+      int v;
+      do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(lock) : "memory");
+      } while (v != split);
+    }
+    __syncthreads();
+  }
+
+  // ---- [RED] inside the block, then [OUT]; one m-block at a time (32 KB of shared memory)
+  float2* red = reinterpret_cast<float2*>(smem);
+  const uint32_t* S2 = reinterpret_cast<const uint32_t*>(S);  // scale pairs
+  uint32_t* C2 = reinterpret_cast<uint32_t*>(C);              // output pairs
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) {
+    // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
+    if constexpr (SWAP != 0) {
+      // acc[0][4 h + j][e] = C[row 8 h + 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4,
+      // cols inside this warp's 64, h = batch block); stored where the non-swapped layout keeps that element
+      // (row 8 h + r is half `hi = h` of lane 4 r + ...). With SWAP == 1 rows 8..15 are never stored (m <= 8 there).
+      float* redf = reinterpret_cast<float*>(smem);
+      const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+      for (int h = 0; h < SWAP; ++h)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = 2 * t + (e & 1);
+            const int col = 16 * j + g + 8 * (e >> 1);
+            const int ln = row * 4 + ((col & 7) >> 1);
+            redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2 + h) * 32 + ln) + (col & 1)] = acc[0][4 * h + j][e];
+          }
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi)
+          red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] =
+              make_float2(acc[mb][nb][2 * hi], acc[mb][nb][2 * hi + 1]);
+    }
+    __syncthreads();
+    // Pair p = ((wn * 8 + nb) * 2 + hi) * 32 + ln: accumulator registers 2 hi, 2 hi + 1 of lane ln, which hold
+    // C[row, col], C[row, col + 1] with row = ln / 4 + 8 hi, col = 8 nb + 2 (ln % 4) (mma C fragment layout).
+#pragma unroll
+    for (int p = tid; p < WN * 512; p += kThreads) {
+      const int ln = p & 31;
+      const int hi = (p >> 5) & 1;
+      const int nb = (p >> 6) & 7;
+      const int pwn = p >> 9;
+      float2 v = make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int w = 0; w < T::kWK; ++w) {
+        const float2 x = red[(w * WN + pwn) * 512 + (p & 511)];
+        v.x += x.x;
+        v.y += x.y;
+      }
+      const int row = row0 + mb * 16 + (ln >> 2) + 8 * hi;
+      const int col = col0 + pwn * 64 + nb * 8 + 2 * (ln & 3);
+      if constexpr (!GROUPED) {
+        // Channelwise table (runs of 32): position 8 t + jpos holds column 2 t + {0,1,8,9,16,17,24,25}[jpos].
+        // Column 8 nb + 2 t + e of the 64-column run lies in run nb / 4 at jpos = 2 (nb % 4) + e, i.e. at
+        // position 32 (nb / 4) + 8 t + 2 (nb % 4) + e: the pair (e = 0, 1) is one 32-bit word.
+        const int pos = col0 + pwn * 64 + 32 * (nb >> 2) + 8 * (ln & 3) + 2 * (nb & 3);
+        const float2 s = Ops::to_float2(S2[pos >> 1]);
+        v.x *= s.x;
+        v.y *= s.y;
+      }
+      if (row < m) {
+        const size_t at = ((size_t)row * n + col) >> 1;
+        if (splits > 1 && split > 0) {  // add the partial sums of splits 0 .. split - 1 (read from L2)
+          const float2 o = Ops::to_float2(__ldcg(reinterpret_cast<const unsigned int*>(C2 + at)));
+          v.x += o.x;
+          v.y += o.y;
+        }
+        C2[at] = Ops::pack(v.x, v.y);
+      }
+    }
+    __syncthreads();  // `red` is rewritten by the next m-block
+  }
+
+  // ---- [RED] across blocks: hand the tile to the next split (the last one re-zeroes the lock)
+  if (splits > 1) {
+    __threadfence();  // our C writes are visible device-wide before the lock moves
+    __syncthreads();
+    if (tid == 0) atomicExch(lock, split == splits - 1 ? 0 : split + 1);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ host side
+
+inline void set_error(char* err, int errlen, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+
+inline void set_error(char* err, int errlen, const char* fmt, ...) {
+  if (err == nullptr || errlen <= 0) return;
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(err, static_cast<size_t>(errlen), fmt, args);
+  va_end(args);
+}
+
+struct Launch {
+  const void* A;
+  const void* B;
+  const void* s;
+  const void* zp;
+  void* C;
+  int* workspace;
+  long workspace_ints;
+  int m, n, k, scale_rows, sms, split_k;
+  cudaStream_t stream;
+  char* err;
+  int errlen;
+};
+
+// Pick the split over k, then launch one instantiation.
+template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
+int launch_config(const Launch& L) {
+  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, K::kBits, K::kZp>;
+  using ActT = typename K::ActT;
+  auto kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
+  const int smem = T::kSmemBytes;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) {
+    set_error(L.err, L.errlen, "cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem,
+              cudaGetErrorString(e));
+    return MARLIN_CUDA_ERROR;
+  }
+  int per_sm = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+  if (e != cudaSuccess || per_sm < 1) {
+    set_error(L.err, L.errlen, "kernel configuration (MB=%d, WN=%d, %d bytes of shared memory) cannot run here: %s",
+              MB, WN, smem, e != cudaSuccess ? cudaGetErrorString(e) : "0 blocks fit on a multiprocessor");
+    return MARLIN_CUDA_ERROR;
+  }
+  const int n_tiles = L.n / T::kTN;
+  const int m_chunks = (L.m + T::kRows - 1) / T::kRows;
+  const long base_blocks = (long)n_tiles * m_chunks;
+  const int total_stages = (L.k / 16 + T::kStageStrips - 1) / T::kStageStrips;
+  const long resident = (long)L.sms * per_sm;
+
+  // Split k when the tiles alone leave multiprocessors idle: enough splits to give every SM a block, each split
+  // at least 2 stages long (fewer, longer chains of the lock), at most 16 (the chain is serial), and only while
+  // the whole grid stays resident (a waiting block must never keep a block it waits for from starting) and one
+  // lock per (ntile, mchunk) fits in the workspace. bf16: at most 8, because every split rounds the running sum in C
+  // to bf16 (8 mantissa bits): 16 roundings made the error twice torch's.
+  const int max_splits = std::is_same<ActT, half>::value ? 16 : 8;
+  int splits = 1;
+  if (L.split_k > 0) {
+    splits = L.split_k;
+  } else if (base_blocks < L.sms) {
+    splits = (int)(L.sms / base_blocks);
+    splits = min(splits, max_splits);
+    splits = min(splits, max(1, total_stages / 2));
+  }
+  splits = max(1, min(splits, total_stages));
+  while (splits > 1 && (base_blocks * splits > resident || base_blocks > L.workspace_ints)) --splits;
+  const int stages_per_split = (total_stages + splits - 1) / splits;
+  splits = (total_stages + stages_per_split - 1) / stages_per_split;  // no empty split
+
+  const long grid = base_blocks * splits;
+  if (grid > 0x7fffffffL) {
+    set_error(L.err, L.errlen, "m = %d, n = %d need %ld thread blocks, more than a launch can have", L.m, L.n, grid);
+    return MARLIN_BAD_SHAPE;
+  }
+  const int group_size = L.k / L.scale_rows;
+  int group_shift = -1;
+  if ((group_size & (group_size - 1)) == 0) {
+    group_shift = 0;
+    while ((1 << group_shift) < group_size) ++group_shift;
+  }
+  kernel<<<(unsigned)grid, kThreads, smem, L.stream>>>(
+      static_cast<const int4*>(L.A), static_cast<const int4*>(L.B), static_cast<const int4*>(L.s),
+      static_cast<const int4*>(L.zp), static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift,
+      splits, stages_per_split);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    set_error(L.err, L.errlen, "kernel launch (MB=%d, WN=%d, grid %ld, %d bytes of shared memory) failed: %s", MB,
+              WN, grid, smem, cudaGetErrorString(e));
+    return MARLIN_CUDA_ERROR;
+  }
+  return MARLIN_OK;
+}
+
+// Largest dynamic shared memory a block may opt in to on the current device (0 when the query fails).
+inline int smem_optin() {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return 0;
+  return optin;
+}
+
+// m <= 8: swapped, one batch block; m = 9..16: swapped with two (SWAP_MID) or the unswapped kernel.
+template <class K, int STRIPS, bool GROUPED, bool SWAP_MID>
+int launch_small_kind(const Launch& L) {
+  if (L.m <= 8) return launch_config<K, 1, 1, STRIPS, 4, GROUPED, 1>(L);
+  if constexpr (SWAP_MID) return launch_config<K, 1, 1, STRIPS, 4, GROUPED, 2>(L);
+  else return launch_config<K, 1, 1, STRIPS, 4, GROUPED, 0>(L);
+}
+
+// Every kind but fp16 x 4-bit symmetric (that one is dispatch_fp16_int4 in marlin_gemm.cu, with its benchmark
+// variants). The kernel moves about the same bytes per second for the same bytes of B in flight per SM (kernel/NOTES.md),
+// so each schedule keeps as many in flight as fp16 x 4-bit does, or more:
+//   m <= 16, n / 64 <= SMs (one wave at one block per SM): 4 strips per warp, swapped (4-bit 144 KB, 8-bit 208 KB);
+//   4-bit, n / 64 <= 2 SMs, or any n with zero points: 3 strips, 2 blocks per SM (108 KB; the zero-point kernels
+//          spill at the 3-blocks-per-SM register limit of the 2-strip kernel);
+//   4-bit symmetric, larger n: 2 strips, 3 blocks per SM (72 KB), swapped for m <= 8 only;
+//   8-bit, larger n: 2 strips, 2 blocks per SM (104 KB);
+//   m > 16, and m <= 16 where the shared memory is too small for the above (sm_86 / sm_89: ~100 KB): MB = 2, 1 strip
+//   (52 / 68 KB).
+template <class K, bool GROUPED>
+int dispatch_kind(const Launch& L) {
+  constexpr bool kZp = K::kZp;
+  constexpr int kBits = K::kBits;
+  if (L.m <= 16) {
+    const int optin = smem_optin();
+    if (optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && L.n / 64 <= L.sms)
+      return launch_small_kind<K, 4, GROUPED, true>(L);
+    if constexpr (kBits == 4) {
+      if (optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes && (kZp || L.n / 64 <= 2 * L.sms))
+        return launch_small_kind<K, 3, GROUPED, true>(L);
+      if constexpr (!kZp) {
+        if (optin >= Tile<1, 1, 2, 4, GROUPED, 4, kZp>::kSmemBytes) return launch_small_kind<K, 2, GROUPED, false>(L);
+      }
+    } else {
+      if (optin >= Tile<1, 1, 2, 4, GROUPED, 8, kZp>::kSmemBytes) return launch_small_kind<K, 2, GROUPED, true>(L);
+    }
+  }
+  return launch_config<K, 2, 1, 1, 4, GROUPED>(L);
+}
+
+// One kind, grouped (more than one scale row) or channelwise.
+template <class K>
+int dispatch(const Launch& L) {
+  return L.scale_rows > 1 ? dispatch_kind<K, true>(L) : dispatch_kind<K, false>(L);
+}
+
+// The kinds of each translation unit (bits 4 or 8; zero points when L.zp is not null).
+int launch_fp16_int4_sym(const Launch& L);          // marlin_gemm.cu
+int launch_fp16_other(const Launch& L, int bits);   // marlin_gemm_fp16.cu: 4-bit with zero points, 8-bit
+int launch_bf16_int4(const Launch& L);              // marlin_gemm_bf16_int4.cu
+int launch_bf16_int8(const Launch& L);              // marlin_gemm_bf16_int8.cu
+
+}  // namespace detail
+}  // namespace marlin_convert

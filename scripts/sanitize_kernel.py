@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Small kernel calls for compute-sanitizer: every kind, group size and m-path on tiny shapes, each checked.
+
+Run under the sanitizer (after the kernel is built, so that the JIT build is not instrumented), e.g.
+    compute-sanitizer --tool memcheck --kernel-name kns=marlin_gemm_kernel --error-exitcode 3 \\
+        python3 scripts/sanitize_kernel.py
+    compute-sanitizer --tool racecheck ... python3 scripts/sanitize_kernel.py --few
+``scripts/gpu_check.sh`` runs memcheck, racecheck and initcheck this way. Each call gets fresh random inputs and a
+NaN-poisoned output, and is compared with an fp32 reference (mean relative error < 1e-2: this is a memory and race
+check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
+Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
+groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
+m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, and n = 10240, 17408 for the m <= 16 kernels of
+larger n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+KINDS = [(dtype, bits, asym) for dtype in ("float16", "bfloat16") for bits in (4, 8) for asym in (False, True)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--few", action="store_true", help="fewer calls (for racecheck, which is slow)")
+    args = parser.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from marlin_convert import layout
+    from marlin_convert.kernel import ensure_kernel, marlin_gemm, required_workspace_ints
+
+    ensure_kernel(0)
+    rng = np.random.default_rng(0)
+    cases = []  # (kind, m, k, n, group, act_order, split_k)
+    for kind in KINDS:
+        for group in (16, 32, 64, 128, -1):
+            for m in (1, 9, 17):
+                cases.append((kind, m, 256, 64, group, False, 0))
+        cases += [(kind, 3, 512, 192, 64, True, 0), (kind, 12, 512, 64, 16, False, 4), (kind, 5, 128, 17408, 32, False, 0),
+                  (kind, 10, 128, 17408, -1, False, 0), (kind, 40, 256, 192, 128, False, 3),
+                  (kind, 6, 128, 10240, 64, False, 0)]
+    if args.few:
+        cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16]
+    failures = 0
+    for (dtype_name, bits, asym), m, k, n, group, act, split_k in cases:
+        dtype = getattr(torch, dtype_name)
+        g = k if group == -1 else group
+        q = rng.integers(0, 2**bits, size=(k, n), dtype=np.uint8)
+        scales = torch.from_numpy(rng.random((k // g, n), dtype=np.float32) * 0.02 + 0.002).to(dtype)
+        z = rng.integers(0, 2**bits, size=(k // g, n), dtype=np.uint8) if asym else np.full((k // g, n), 2 ** (bits - 1))
+        g_idx = layout.trivial_g_idx(k, g)
+        perm = None
+        if act:
+            g_idx = rng.permutation(g_idx).astype(np.int32)
+            perm, _ = layout.act_order_perm(g_idx)
+        b = torch.from_numpy(layout.gptq_to_marlin_weight(layout.pack_gptq_qweight(q, bits=bits), perm, bits=bits))
+        s = torch.from_numpy(layout.permute_scales(scales.view(torch.int16).numpy())).view(dtype)
+        zp = torch.from_numpy(layout.marlin_zero_points(z.astype(np.uint8), bits)).cuda() if asym else None
+        rows = torch.from_numpy(g_idx.astype(np.int64))
+        w = ((torch.from_numpy(q.astype(np.float32)) - torch.from_numpy(z.astype(np.float32))[rows])
+             * scales.float()[rows]).cuda()
+        ws = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
+        a = torch.randn(m, k, device="cuda").to(dtype)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        marlin_gemm(a, b.cuda(), s.cuda(), ws, perm=torch.from_numpy(perm).cuda() if act else None, out=out,
+                    split_k=split_k, zp=zp, bits=bits)
+        torch.cuda.synchronize()
+        ref = a.float() @ w
+        rel = float((out.float() - ref).abs().mean() / ref.abs().mean())
+        ok = rel < 1e-2 and not torch.isnan(out).any() and int(ws.abs().sum()) == 0
+        failures += not ok
+        if not ok:
+            print(f"WRONG {dtype_name} b{bits} zp={asym} m={m} k={k} n={n} g={group} act={act} split={split_k}: "
+                  f"mean-rel {rel:.2e}")
+    print(f"sanitize_kernel: {len(cases)} calls, {failures} wrong")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
