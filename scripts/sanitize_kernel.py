@@ -5,6 +5,7 @@ Run under the sanitizer (after the kernel is built, so that the JIT build is not
     compute-sanitizer --tool memcheck --kernel-name kns=marlin_gemm_kernel --error-exitcode 3 \\
         python3 scripts/sanitize_kernel.py
     compute-sanitizer --tool racecheck ... python3 scripts/sanitize_kernel.py --few
+    compute-sanitizer --tool initcheck ... python3 scripts/sanitize_kernel.py --host-inputs
 ``scripts/gpu_check.sh`` runs memcheck, racecheck and initcheck this way. Each call gets fresh random inputs and a
 NaN-poisoned output, and is compared with an fp32 reference (mean relative error < 1e-2: this is a memory and race
 check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
@@ -28,6 +29,10 @@ KINDS = [(dtype, bits, asym) for dtype in ("float16", "bfloat16") for bits in (4
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--few", action="store_true", help="fewer calls (for racecheck, which is slow)")
+    parser.add_argument("--host-inputs", action="store_true",
+                        help="make every tensor the kernel reads on the host and copy it over, and gather act-order "
+                             "columns on the host (for initcheck with --kernel-name: writes of uninstrumented torch "
+                             "kernels are not tracked, so their outputs would read as uninitialized)")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -66,11 +71,18 @@ def main(argv=None) -> int:
         rows = torch.from_numpy(g_idx.astype(np.int64))
         w = ((torch.from_numpy(q.astype(np.float32)) - torch.from_numpy(z.astype(np.float32))[rows])
              * scales.float()[rows]).cuda()
-        ws = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
-        a = torch.randn(m, k, device="cuda").to(dtype)
+        a_host = torch.randn(m, k).to(dtype)
+        if args.host_inputs:
+            ws = torch.zeros(required_workspace_ints(n), dtype=torch.int32).cuda()
+            a = a_host.cuda()
+            gathered = a_host[:, torch.from_numpy(perm).long()].cuda() if act else a
+            perm_arg = None  # A[:, perm] already gathered
+        else:
+            ws = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
+            a = gathered = a_host.cuda()
+            perm_arg = torch.from_numpy(perm).cuda() if act else None
         out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-        marlin_gemm(a, b.cuda(), s.cuda(), ws, perm=torch.from_numpy(perm).cuda() if act else None, out=out,
-                    split_k=split_k, zp=zp, bits=bits)
+        marlin_gemm(gathered, b.cuda(), s.cuda(), ws, perm=perm_arg, out=out, split_k=split_k, zp=zp, bits=bits)
         torch.cuda.synchronize()
         ref = a.float() @ w
         rel = float((out.float() - ref).abs().mean() / ref.abs().mean())
