@@ -60,6 +60,22 @@ from pathlib import Path
 sys.path.insert(0, "scripts")
 import make_gptq_checkpoint as gen
 root = Path(sys.argv[1])
+
+
+def mixed_dynamic():
+    """GPTQModel-style `dynamic`: down_proj 8-bit, up_proj group 32, o_proj not quantized, lm_head 8-bit g32."""
+    spec = gen.tiny_llama(num_layers=1, hidden=512, intermediate=1536, vocab=512, group_size=128)
+    spec.dynamic = {"+:.*down_proj": {"bits": 8}, "+:.*up_proj": {"group_size": 32}, "-:.*o_proj": {}}
+    o_proj = next(lin for lin in spec.linears if lin.name.endswith("o_proj"))
+    spec.linears.remove(o_proj)  # a plain float16 weight [N, K], as GPTQModel writes an excluded module
+    spec.extras.append(gen.TensorSpec(f"{o_proj.name}.weight", (o_proj.out_features, o_proj.in_features), "float16"))
+    for lin in spec.linears:
+        if lin.name.endswith("down_proj"):
+            lin.bits = 8
+        if lin.name.endswith("up_proj"):
+            lin.group_size = 32
+    return gen.with_quantized_lm_head(spec)
+
 cases = {
     "dense-g128-actorder": gen.tiny_llama(num_layers=2, hidden=1024, intermediate=2816, vocab=512, group_size=128,
                                           act_order=True, shards=2),
@@ -74,6 +90,23 @@ cases = {
                                           stacked=True, act_order=True, group_size=128),
     "moe-per-expert": gen.qwen3_moe(num_layers=1, num_experts=16, hidden=512, expert_intermediate=256,
                                     group_size=128),
+    # issue 7: shapes that don't tile (zero padding), K = 1000 and N = 1000, plain and act-order
+    "padded-k1000-n1000-g128": gen.CheckpointSpec(
+        linears=[gen.LinearSpec("model.layers.0.mlp.down_proj", 1000, 1000),
+                 gen.LinearSpec("model.layers.0.mlp.up_proj", 1008, 8608)], extras=[], group_size=128),
+    "padded-k1000-actorder": gen.CheckpointSpec(
+        linears=[gen.LinearSpec("model.layers.0.mlp.down_proj", 1000, 1000)], extras=[], group_size=128,
+        act_order=True),
+    # issue 9: 8-bit, asymmetric v1 / v2, a bf16 model, mixed bits from `dynamic` with a quantized lm_head
+    "dense-int8-g128": gen.tiny_llama(num_layers=1, hidden=1024, intermediate=2816, vocab=512, bits=8),
+    "dense-asym-v1-g64": gen.tiny_llama(num_layers=1, hidden=1024, intermediate=2816, vocab=512, group_size=64,
+                                        sym=False, zero_format="v1"),
+    "dense-asym-v2-int8-actorder": gen.tiny_llama(num_layers=1, hidden=512, intermediate=1536, vocab=512, bits=8,
+                                                  sym=False, zero_format="v2", checkpoint_format_label="gptq_v2",
+                                                  act_order=True),
+    "dense-bf16-model": gen.tiny_llama(num_layers=1, hidden=1024, intermediate=2816, vocab=512,
+                                       scale_dtype="bfloat16", extra_dtype="bfloat16"),
+    "dense-mixed-dynamic": mixed_dynamic(),
 }
 for name, spec in cases.items():
     gen.write_checkpoint(root / f"{name}-gptq", spec)
