@@ -151,7 +151,8 @@ int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* 
       return MARLIN_BAD_POINTER;
     }
   }
-  const detail::Launch L{A, B, s, zp, C, workspace, workspace_ints, m, n, k, scale_rows, sms, split_k, stream, err, errlen};
+  const detail::Launch L{A, B, s, zp, C, workspace, workspace_ints, m, n, k, scale_rows, sms, split_k, stream, err,
+                         errlen};
   if (act == MARLIN_ACT_FP16) return bits == 4 && zp == nullptr ? launch_fp16_int4_sym(L) : launch_fp16_other(L, bits);
   return bits == 4 ? launch_bf16_int4(L) : launch_bf16_int8(L);
 }

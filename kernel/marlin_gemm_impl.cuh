@@ -21,7 +21,7 @@
 //        k --->        stage 0                         stage 1                  ...  (STAGES of them in flight)
 //               +--------+--------+-----+--------+--------+--------+-----+
 //   cols wn=0   | wk=0   | wk=1   | ... | wk=WK-1| wk=0   | wk=1   | ... |        each cell: STRIPS strips of 16 k-rows
-//   cols wn=1   | wk=0   | wk=1   | ... | wk=WK-1| ...                              x 64 columns = STRIPS x 64 b bytes of B
+//   cols wn=1   | wk=0   | wk=1   | ... | wk=WK-1| ...                            x 64 columns = STRIPS x 128 b bytes of B
 //               +--------+--------+-----+--------+--------+--------+-----+
 //
 // The grid is (n / TN tiles) x (ceil(m / 16MB) row chunks) x (splits over k), linearised as
@@ -131,7 +131,9 @@ struct Act<half> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) { return as_u32(__hmul2(as_h2(a), as_h2(b))); }
+  static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+    return as_u32(__hmul2(as_h2(a), as_h2(b)));
+  }
   static __device__ __forceinline__ uint32_t low2(uint32_t a) { return as_u32(__low2half2(as_h2(a))); }
   static __device__ __forceinline__ uint32_t high2(uint32_t a) { return as_u32(__high2half2(as_h2(a))); }
   static __device__ __forceinline__ float2 to_float2(uint32_t a) { return __half22float2(as_h2(a)); }
@@ -147,7 +149,9 @@ struct Act<__nv_bfloat16> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) { return as_u32(__hmul2(as_b2(a), as_b2(b))); }
+  static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+    return as_u32(__hmul2(as_b2(a), as_b2(b)));
+  }
   static __device__ __forceinline__ uint32_t low2(uint32_t a) { return as_u32(__low2bfloat162(as_b2(a))); }
   static __device__ __forceinline__ uint32_t high2(uint32_t a) { return as_u32(__high2bfloat162(as_b2(a))); }
   static __device__ __forceinline__ float2 to_float2(uint32_t a) { return __bfloat1622float2(as_b2(a)); }
@@ -349,7 +353,8 @@ struct Tile {
   static_assert(kWarps % WN == 0, "WN must divide the 8 warps");
   static_assert(kAChunks >= 8, "the A swizzle XORs 3 bits of the chunk index: a stage needs >= 64 k");
   static_assert((kRows * kAChunks) % kThreads == 0, "A tile copies must split evenly over the threads");
-  static_assert(kBBytes / 16 == STRIPS * kThreads * BITS / 4, "B tile copies: STRIPS * b / 4 16-byte copies per thread");
+  static_assert(kBBytes / 16 == STRIPS * kThreads * BITS / 4,
+                "B tile copies: STRIPS * BITS / 4 16-byte copies per thread");
   static_assert(STAGES >= 2, "at least double buffering");
 };
 
@@ -867,8 +872,8 @@ int launch_small_kind(const Launch& L) {
 }
 
 // Every kind but fp16 x 4-bit symmetric (that one is dispatch_fp16_int4 in marlin_gemm.cu, with its benchmark
-// variants). The kernel moves about the same bytes per second for the same bytes of B in flight per SM (kernel/NOTES.md),
-// so each schedule keeps as many in flight as fp16 x 4-bit does, or more:
+// variants). The m <= 16 schedule keeps at least as many bytes of B in flight per SM as fp16 x 4-bit does (for 8-bit
+// that did not make it faster: kernel/NOTES.md):
 //   m <= 16, n / 64 <= SMs (one wave at one block per SM): 4 strips per warp, swapped (4-bit 144 KB, 8-bit 208 KB);
 //   4-bit, n / 64 <= 2 SMs, or any n with zero points: 3 strips, 2 blocks per SM (108 KB; the zero-point kernels
 //          spill at the 3-blocks-per-SM register limit of the 2-strip kernel);

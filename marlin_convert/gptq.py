@@ -176,6 +176,8 @@ class QuantConfig:
 
 
 def _read_json(path: Path) -> dict:
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise InputError(f"{path}: not a regular file")
     try:
         data = strict_json.loads(path.read_bytes())
     except OSError as exc:

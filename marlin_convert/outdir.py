@@ -42,7 +42,7 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise OutputError(f"OUT_DIR {out_dir} is a symbolic link (to {os.readlink(out_dir)}): the conversion would "
                           "replace the link, not write into its target",
                           hint="give the directory the link points to, or another path")
-    src, dst = in_dir.resolve(), out_dir.resolve()
+    src, dst = Path(os.path.realpath(in_dir)), Path(os.path.realpath(out_dir))  # realpath: no error on link loops
     if dst == src or src in dst.parents:
         raise OutputError(f"OUT_DIR {out_dir} is inside (or equal to) IN_DIR {in_dir}", hint="choose a separate directory")
     if dst in src.parents:

@@ -68,7 +68,7 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
     """Decide what of ``in_dir``'s top level is copied (see the module docstring). ``produced``: the names the
     converter writes itself (shards, index, configs, manifest). Raises :class:`InputError` for a broken link or
     an unreadable file; reads nothing but directory entries and permissions."""
-    root = in_dir.resolve()
+    root = Path(os.path.realpath(in_dir))
     extra = ExtraFiles()
     for entry in sorted(os.scandir(in_dir), key=lambda e: e.name):
         name, path = entry.name, Path(entry.path)
@@ -78,7 +78,7 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
             extra.skipped.append(f"{name}: hidden")
             continue
         if entry.is_symlink():
-            target = path.resolve()
+            target = Path(os.path.realpath(path))  # a link loop resolves to a path that does not exist
             if not target.exists():
                 raise InputError(f"{path}: broken link (to {os.readlink(path)})",
                                  hint="restore its target, or remove the link")

@@ -10,7 +10,8 @@ Exact command (GPU machine, repo root):
 What is timed: one launch per weight copy, replayed from a CUDA graph (so Python/launch overhead is out of the
 numbers), several weight copies rotated so the weight is not L2-resident (L2 is 60 MB on an H200: the copies of each
 operand together exceed 4 x 60 MB), CUDA events, median of the repeats after warm-up. Bandwidth arithmetic:
-    ours   bytes = B (k * n * bits / 8) + s (k / g * n * 2) [+ zp (k / g * n * bits / 8)] + A (m * k * 2) + C (m * n * 2)
+    ours   bytes = B (k * n * bits / 8) + s (k / g * n * 2) [+ zp (k / g * n * bits / 8)] + A (m * k * 2)
+                   + C (m * n * 2)
     torch  bytes = W (k * n * 2) + A + C         (torch.matmul in the kind's activation dtype, fp16 or bf16)
     tinygemm bytes = W (k * n / 2) + scales and zeros (k / g * n * 2 * 2) + A + C   (torch._weight_int4pack_mm, bf16;
            its speed-up is over torch's bf16 matmul)
@@ -258,7 +259,8 @@ def main(argv=None) -> int:
             base_small = geomean([v for m, vals in base.items() if 1 <= m <= 16 for v in vals])
             per_m = " ".join(f"{geomean(sg.get(m, [])):>6.2f}x" for m in ms)
             name = "-" if cfg is None else str(cfg)
-            print(f"{kind:>12} {name:>4} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | {per_m}")
+            print(f"{kind:>12} {name:>4} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | "
+                  f"{per_m}")
     return 0
 
 

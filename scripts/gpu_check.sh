@@ -28,11 +28,12 @@ else
 fi
 
 # ---- 2b. compute-sanitizer over small calls of every kind (scripts/sanitize_kernel.py; the kernel is built already,
-# and only marlin_gemm_kernel launches are instrumented). racecheck is slow: it gets the --few subset.
+# and only marlin_gemm_kernel launches are instrumented). racecheck is slow: it gets the --few subset; initcheck gets
+# inputs made on the host (writes of the uninstrumented torch kernels are not tracked).
 if command -v compute-sanitizer > /dev/null; then
   san_status=ok san_summary=""
   for tool in memcheck racecheck initcheck; do
-    few=(); [[ $tool == racecheck ]] && few=(--few)
+    few=(); [[ $tool == racecheck ]] && few=(--few); [[ $tool == initcheck ]] && few=(--host-inputs)
     if ! compute-sanitizer --tool "$tool" --kernel-name kns=marlin_gemm_kernel --error-exitcode 3 \
          $PY scripts/sanitize_kernel.py "${few[@]}" > "$OUT/sanitizer_$tool.log" 2>&1; then
       san_status=FAILED; tail -20 "$OUT/sanitizer_$tool.log"

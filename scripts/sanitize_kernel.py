@@ -5,6 +5,7 @@ Run under the sanitizer (after the kernel is built, so that the JIT build is not
     compute-sanitizer --tool memcheck --kernel-name kns=marlin_gemm_kernel --error-exitcode 3 \\
         python3 scripts/sanitize_kernel.py
     compute-sanitizer --tool racecheck ... python3 scripts/sanitize_kernel.py --few
+    compute-sanitizer --tool initcheck ... python3 scripts/sanitize_kernel.py --host-inputs
 ``scripts/gpu_check.sh`` runs memcheck, racecheck and initcheck this way. Each call gets fresh random inputs and a
 NaN-poisoned output, and is compared with an fp32 reference (mean relative error < 1e-2: this is a memory and race
 check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
@@ -28,6 +29,10 @@ KINDS = [(dtype, bits, asym) for dtype in ("float16", "bfloat16") for bits in (4
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--few", action="store_true", help="fewer calls (for racecheck, which is slow)")
+    parser.add_argument("--host-inputs", action="store_true",
+                        help="make every tensor the kernel reads on the host and copy it over, and gather act-order "
+                             "columns on the host (for initcheck with --kernel-name: writes of uninstrumented torch "
+                             "kernels are not tracked, so their outputs would read as uninitialized)")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -43,9 +48,9 @@ def main(argv=None) -> int:
         for group in (16, 32, 64, 128, -1):
             for m in (1, 9, 17):
                 cases.append((kind, m, 256, 64, group, False, 0))
-        cases += [(kind, 3, 512, 192, 64, True, 0), (kind, 12, 512, 64, 16, False, 4), (kind, 5, 128, 17408, 32, False, 0),
-                  (kind, 10, 128, 17408, -1, False, 0), (kind, 40, 256, 192, 128, False, 3),
-                  (kind, 6, 128, 10240, 64, False, 0)]
+        cases += [(kind, 3, 512, 192, 64, True, 0), (kind, 12, 512, 64, 16, False, 4),
+                  (kind, 5, 128, 17408, 32, False, 0), (kind, 10, 128, 17408, -1, False, 0),
+                  (kind, 40, 256, 192, 128, False, 3), (kind, 6, 128, 10240, 64, False, 0)]
     if args.few:
         cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16]
     failures = 0
@@ -54,7 +59,8 @@ def main(argv=None) -> int:
         g = k if group == -1 else group
         q = rng.integers(0, 2**bits, size=(k, n), dtype=np.uint8)
         scales = torch.from_numpy(rng.random((k // g, n), dtype=np.float32) * 0.02 + 0.002).to(dtype)
-        z = rng.integers(0, 2**bits, size=(k // g, n), dtype=np.uint8) if asym else np.full((k // g, n), 2 ** (bits - 1))
+        z = (rng.integers(0, 2**bits, size=(k // g, n), dtype=np.uint8) if asym
+             else np.full((k // g, n), 2 ** (bits - 1)))
         g_idx = layout.trivial_g_idx(k, g)
         perm = None
         if act:
@@ -64,17 +70,26 @@ def main(argv=None) -> int:
         s = torch.from_numpy(layout.permute_scales(scales.view(torch.int16).numpy())).view(dtype)
         zp = torch.from_numpy(layout.marlin_zero_points(z.astype(np.uint8), bits)).cuda() if asym else None
         rows = torch.from_numpy(g_idx.astype(np.int64))
-        w = ((torch.from_numpy(q.astype(np.float32)) - torch.from_numpy(z.astype(np.float32))[rows])
-             * scales.float()[rows]).cuda()
-        ws = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
-        a = torch.randn(m, k, device="cuda").to(dtype)
+        zero = torch.from_numpy(z.astype(np.float32))
+        w = (torch.from_numpy(q.astype(np.float32)) - zero[rows]) * scales.float()[rows]
+        a_host = torch.randn(m, k).to(dtype)
+        if args.host_inputs:
+            ws = torch.zeros(required_workspace_ints(n), dtype=torch.int32).cuda()
+            gathered = (a_host[:, torch.from_numpy(perm).long()] if act else a_host).cuda()
+            perm_arg = None  # A[:, perm] already gathered
+        else:
+            ws = torch.zeros(required_workspace_ints(n), dtype=torch.int32, device="cuda")
+            gathered = a_host.cuda()
+            perm_arg = torch.from_numpy(perm).cuda() if act else None
         out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-        marlin_gemm(a, b.cuda(), s.cuda(), ws, perm=torch.from_numpy(perm).cuda() if act else None, out=out,
-                    split_k=split_k, zp=zp, bits=bits)
+        marlin_gemm(gathered, b.cuda(), s.cuda(), ws, perm=perm_arg, out=out, split_k=split_k, zp=zp, bits=bits)
         torch.cuda.synchronize()
-        ref = a.float() @ w
-        rel = float((out.float() - ref).abs().mean() / ref.abs().mean())
-        ok = rel < 1e-2 and not torch.isnan(out).any() and int(ws.abs().sum()) == 0
+        # checked on the host: the only device reads are of what the kernel wrote (initcheck flags any element of
+        # `out` it left unwritten) and of the workspace it re-zeroed
+        out_host, ws_host = out.cpu().float(), ws.cpu()
+        ref = a_host.float() @ w
+        rel = float((out_host - ref).abs().mean() / ref.abs().mean())
+        ok = rel < 1e-2 and not torch.isnan(out_host).any() and int(ws_host.abs().sum()) == 0
         failures += not ok
         if not ok:
             print(f"WRONG {dtype_name} b{bits} zp={asym} m={m} k={k} n={n} g={group} act={act} split={split_k}: "

@@ -354,6 +354,13 @@ def test_shard_that_is_a_directory_or_a_broken_link(capsys, tmp_path, sharded):
     _convert_fails(capsys, tmp_path, sharded, victim.name, "is not a regular file")
 
 
+def test_index_that_is_a_fifo_is_refused_without_reading(capsys, tmp_path, sharded):
+    index = sharded / "model.safetensors.index.json"
+    index.unlink()
+    os.mkfifo(index)  # reading it would block forever
+    _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", "not a regular file")
+
+
 def test_index_metadata_that_is_not_an_object(capsys, tmp_path, sharded):
     _edit_index(sharded, lambda index: index.update(metadata=[1, 2]))
     _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", "'metadata' is a JSON list")
@@ -416,8 +423,9 @@ def test_files_linked_into_the_hub_cache_blob_store_are_copied(capsys, tmp_path)
     assert (tmp_path / "out" / "chat_template.jinja").read_text() == "{{ messages }}"
 
 
-def test_a_broken_link_among_the_extra_files_is_named_before_any_work(capsys, tmp_path, src):
-    (src / "merges.txt").symlink_to(tmp_path / "gone.json")
+@pytest.mark.parametrize("target", ["gone.json", "merges.txt"])  # missing, or a link to itself (a loop)
+def test_a_broken_link_among_the_extra_files_is_named_before_any_work(capsys, tmp_path, src, target):
+    (src / "merges.txt").symlink_to(target)
     _convert_fails(capsys, tmp_path, src, str(src / "merges.txt"), "broken link")
 
 
