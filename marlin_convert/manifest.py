@@ -9,9 +9,11 @@ GPTQ form, its tensors and their digests. Version 2 (CONTRACT C); the README doc
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+from . import strict_json
 from .errors import ManifestError
 
 MANIFEST_FILE = "marlin_manifest.json"
@@ -36,7 +38,10 @@ def write_manifest(directory: Path, manifest: dict) -> Path:
 
 
 def load_manifest(directory: Path) -> dict:
-    """Read and sanity-check ``directory/marlin_manifest.json``. Raises :class:`ManifestError`."""
+    """Read ``directory/marlin_manifest.json`` and check every field's JSON type and value (:func:`check_manifest`).
+
+    Raises :class:`ManifestError` naming the file and the field (``layers[3].bits``) on the first problem.
+    """
     path = Path(directory) / MANIFEST_FILE
     if not path.is_file():
         raise ManifestError(
@@ -44,14 +49,198 @@ def load_manifest(directory: Path) -> dict:
             hint="run 'marlin-convert IN_DIR OUT_DIR' first, then verify OUT_DIR",
         )
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        manifest = strict_json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
         raise ManifestError(f"{path}: unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != "marlin-convert-manifest":
         raise ManifestError(f"{path}: not a marlin-convert manifest")
     if manifest.get("version") != MANIFEST_VERSION:
         raise ManifestError(f"{path}: manifest version {manifest.get('version')!r}, this tool reads {MANIFEST_VERSION}")
-    for key in ("layers", "kept"):
-        if not isinstance(manifest.get(key), list):
-            raise ManifestError(f"{path}: field '{key}' is missing or not a list")
+    try:
+        check_manifest(manifest)
+    except _FieldError as exc:
+        raise ManifestError(f"{path}: field {exc.args[0]}") from None
     return manifest
+
+
+def manifest_digest(directory: Path) -> str:
+    """``sha256:`` of the manifest file's bytes (what ``verify`` reports, so a recorded value shows tampering)."""
+    return "sha256:" + hashlib.sha256((Path(directory) / MANIFEST_FILE).read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------- field types and values
+
+
+class _FieldError(ValueError):
+    """``args[0]``: the field's path and what is wrong with it."""
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    return {str: "a string", list: "a list", dict: "an object", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _get(obj: dict, key: str, where: str, kind, *, null: bool = False, choices=None, minimum=None):
+    """``obj[key]`` checked: ``kind`` is int (never bool), bool, str, list or dict."""
+    field = f"{where}.{key}" if where else key
+    if key not in obj:
+        raise _FieldError(f"'{field}' is missing")
+    value = obj[key]
+    if value is None and null:
+        return None
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = {int: "an integer", bool: "a boolean", str: "a string", list: "a list", dict: "an object"}[kind]
+        raise _FieldError(f"'{field}': expected {expected}{' or null' if null else ''}, got {_kind(value)} "
+                          f"{json.dumps(value)[:60]}")
+    if choices is not None and value not in choices:
+        raise _FieldError(f"'{field}': {json.dumps(value)[:60]} is not one of {', '.join(map(json.dumps, choices))}")
+    if minimum is not None and value < minimum:
+        raise _FieldError(f"'{field}': {value} is below {minimum}")
+    return value
+
+
+def _strings(obj: dict, key: str, where: str) -> list[str]:
+    items = _get(obj, key, where, list)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise _FieldError(f"'{where + '.' if where else ''}{key}[{i}]': expected a string, got {_kind(item)}")
+    return items
+
+
+def _string_map(obj: dict, key: str, where: str, keys: tuple[str, ...]) -> dict[str, str]:
+    """An object whose keys come from ``keys`` and whose values are strings."""
+    mapping = _get(obj, key, where, dict)
+    for name, value in mapping.items():
+        if name not in keys:
+            raise _FieldError(f"'{where}.{key}': unknown key {json.dumps(name)} (expected {', '.join(keys)})")
+        if not isinstance(value, str):
+            raise _FieldError(f"'{where}.{key}.{name}': expected a string, got {_kind(value)}")
+    return mapping
+
+
+def _digest_map(obj: dict, key: str, where: str, keys: tuple[str, ...]) -> dict[str, str]:
+    mapping = _string_map(obj, key, where, keys)
+    for name, value in mapping.items():
+        if not _is_digest(value):
+            raise _FieldError(f"'{where}.{key}.{name}': expected \"sha256:\" and 64 hex digits, got {json.dumps(value)}")
+    return mapping
+
+
+def _object(value, where: str) -> None:
+    if not isinstance(value, dict):
+        raise _FieldError(f"'{where}': expected an object, got {_kind(value)}")
+
+
+def _is_shape(value: list) -> bool:
+    return all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)
+
+
+def _sha256(record: dict, where: str) -> None:
+    if not _is_digest(_get(record, "sha256", where, str)):
+        raise _FieldError(f"'{where}.sha256': expected \"sha256:\" and 64 hex digits")
+
+
+def _is_digest(value) -> bool:
+    return (isinstance(value, str) and value.startswith("sha256:") and len(value) == 71
+            and all(c in "0123456789abcdef" for c in value[7:]))
+
+
+#: tensors of a converted layer (CONTRACT C) and of the source layer it came from
+MARLIN_KINDS = ("B", "s", "zp", "perm", "g_idx")
+SOURCE_KINDS = ("qweight", "scales", "qzeros", "g_idx")
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _check_layer(entry, where: str) -> None:
+    _object(entry, where)
+    _get(entry, "name", where, str)
+    for key in ("outputs", "shards"):
+        _string_map(entry, key, where, MARLIN_KINDS)
+    shapes = _get(entry, "shapes", where, dict)
+    for kind, shape in shapes.items():
+        if kind not in MARLIN_KINDS or not isinstance(shape, list) or not _is_shape(shape):
+            raise _FieldError(f"'{where}.shapes.{kind}': expected a list of non-negative integers")
+    _get(entry, "bits", where, int, choices=(4, 8))
+    group_size = _get(entry, "group_size", where, int)
+    if group_size != -1 and group_size < 1:
+        raise _FieldError(f"'{where}.group_size': {group_size} is neither -1 (channelwise) nor positive")
+    _get(entry, "sym", where, bool)
+    _get(entry, "zero_format", where, str, choices=("v1", "v2"))
+    _get(entry, "act_order", where, bool)
+    for key in ("num_groups", "in_features", "out_features", "padded_in_features", "padded_out_features"):
+        _get(entry, key, where, int, minimum=1)
+    _get(entry, "scale_dtype", where, str, choices=SCALE_DTYPES)
+    experts = _get(entry, "num_experts", where, int, minimum=0)
+    if experts:
+        _get(entry, "expert_stride_int32", where, int, minimum=1)
+    workspace = _get(entry, "workspace", where, dict)
+    _get(workspace, "rule", f"{where}.workspace", str)
+    _get(workspace, "ints", f"{where}.workspace", int, minimum=0)
+    if "per_expert" in workspace:
+        _get(workspace, "per_expert", f"{where}.workspace", bool)
+    _get(entry, "source_format", where, str, choices=("gptq",))
+    sources = _get(entry, "sources", where, list)
+    for i, source in enumerate(sources):
+        _check_source(source, f"{where}.sources[{i}]")
+
+
+def _check_source(source, where: str) -> None:
+    _object(source, where)
+    _get(source, "name", where, str)
+    _string_map(source, "tensors", where, SOURCE_KINDS)
+    slices = _get(source, "slices", where, list, null=True)
+    if slices is not None and (len(slices) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                             for v in slices) or not 0 <= slices[0] < slices[1]):
+        raise _FieldError(f"'{where}.slices': expected [first, stop] with 0 <= first < stop, got {json.dumps(slices)}")
+    _get(source, "g_idx", where, str, choices=("act_order", "trivial", "absent"))
+    _get(source, "zero_format", where, str, choices=("v1", "v2"))
+    _get(source, "zero_stored", where, int, null=True, minimum=0)
+    _digest_map(source, "digests", where, SOURCE_KINDS)
+
+
+def _check_kept(entry, where: str) -> None:
+    _object(entry, where)
+    _get(entry, "name", where, str)
+    _get(entry, "reason", where, str)
+    tensors = _get(entry, "tensors", where, dict)
+    for key in ("tensors", "shards"):
+        _string_map(entry, key, where, tuple(tensors))
+    _digest_map(entry, "digests", where, tuple(tensors))
+
+
+def _check_passthrough(entry, where: str) -> None:
+    _object(entry, where)
+    for key in ("name", "shard", "dtype"):
+        _get(entry, key, where, str)
+    if not _is_shape(_get(entry, "shape", where, list)):
+        raise _FieldError(f"'{where}.shape': expected a list of non-negative integers")
+    _sha256(entry, where)
+
+
+def check_manifest(manifest: dict) -> None:
+    """Check the JSON type (and, where the contract fixes it, the value) of every field verify reads.
+
+    Raises ``_FieldError`` naming the first bad field; consistency between fields and with the files is
+    :mod:`marlin_convert.verify`'s job (it reports each mismatch by name instead of stopping).
+    """
+    _get(manifest, "checkpoint_format", "", str, choices=("marlin", "marlin-partial"))
+    _get(manifest, "model_dtype", "", str, null=True)
+    _strings(manifest, "shards", "")
+    for key, check in (("layers", _check_layer), ("kept", _check_kept), ("passthrough", _check_passthrough)):
+        for i, entry in enumerate(_get(manifest, key, "", list)):
+            check(entry, f"{key}[{i}]")
+    files = _get(manifest, "files", "", dict)
+    for name, record in files.items():
+        where = f"files[{json.dumps(name)}]"
+        _object(record, where)
+        _get(record, "bytes", where, int, minimum=0)
+        _sha256(record, where)
+

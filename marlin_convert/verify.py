@@ -1,61 +1,76 @@
-"""Prove a converted checkpoint right, layer by layer.
+"""Prove a converted checkpoint right: nothing in it is taken on trust.
 
-Two independent checks per converted layer (per expert, for stacked experts):
+1. **The manifest** (:func:`marlin_convert.manifest.load_manifest`): every field has its type and value, else
+   exit 2 naming the field. Its own SHA-256 is reported (and checked against ``expect_manifest`` when given).
+2. **The manifest against the files** (:mod:`marlin_convert.audit`): every tensor of every shard accounted for,
+   every shape consistent with K, N, bits and groups, configs and index saying the same, no file added or missing.
+3. **The bytes**, in parallel worker processes (forked; they die with this process):
 
-* **integrity** (CPU, no GPU needed): invert the Marlin layout (``B`` -> GPTQ ``qweight``, ``s`` -> GPTQ
-  ``scales``), rebuild the tensors Marlin does not store (``qzeros`` from the recorded zero format, ``g_idx``
-  from ``perm`` and the sorted g_idx, or the trivial ``k // g``), and compare their SHA-256 with the digests the
-  converter recorded from the source. Equal digests prove the conversion lossless; any flipped bit in ``B`` or
-  ``s`` changes them. With a source directory, the rebuilt tensors are also compared with the originals.
-* **kernel** (GPU): run the bundled Marlin kernel on fresh random activations for several batch sizes and
-  compare with an fp32 reference computed from the rebuilt GPTQ integers: ``W = (q - 8) * scales[g_idx]``,
-  ``C_ref = A @ W``. Pass when ``mean|C - C_ref| / mean|C_ref| < 1e-3`` and no output is NaN or unwritten.
+   * every file is hashed whole against the manifest's ``files`` digest, and while its bytes are in hand, each
+     passthrough tensor and each tensor of a layer kept in GPTQ form against its own digest;
+   * every converted layer (each expert of a stacked one) is inverted back to GPTQ (:mod:`marlin_convert.rebuild`,
+     C fast path) and the rebuilt ``qweight``, ``scales``, ``qzeros`` and ``g_idx`` hashed against the digests the
+     converter recorded from the source: equal digests prove the conversion lossless. With a source directory,
+     the rebuilt tensors are also compared with the originals byte for byte.
 
-Only one layer (one expert slice) is in memory at a time, on the host and on each GPU.
+4. **The kernel** (GPU, :mod:`marlin_convert.gpu_check`): each slice's Marlin tensors and rebuilt GPTQ tensors
+   travel in one pinned upload; the reference ``W = (q - z) * s`` is built on the GPU in fp32 from the GPTQ
+   integers with plain torch ops, one fp32 GEMM per slice covers every batch size; the kernel runs per batch size
+   into NaN-poisoned outputs. Pass when ``mean|C - C_ref| / mean|C_ref| < 1e-3`` and every output is written.
+
+Memory: each worker holds one slice (one layer or expert) and an 8 MiB read buffer; with the kernel, slices
+travel through ``min(workers, 8) + 2 * GPUs + 1`` shared staging slots of the largest slice, and each GPU holds two
+slices plus one slice's fp32 reference.
 """
 
 from __future__ import annotations
 
 import hashlib
-import threading
+import mmap
+import multiprocessing
+import os
+import queue
+import resource
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from . import layout
+from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
+from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gptq import open_checkpoint
-from .manifest import load_manifest
-from .safetensors_io import SafetensorsFile, read_header, read_tensor
+from .manifest import load_manifest, manifest_digest
+from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
+from .workers import kill_workers, worker_pool
 
-#: documented pass bound on mean|C - C_ref| / mean|C_ref| (the bound the reference Marlin tests use)
-RELATIVE_ERROR_BOUND = 1e-3
 DEFAULT_BATCH_SIZES = (1, 16, 128)
-
-
-@dataclass
-class KernelCheck:
-    batch: int
-    max_abs_error: float
-    relative_error: float
-    ok: bool
-    problem: str | None = None
+DEFAULT_WORKERS = max(1, os.cpu_count() or 1)
+#: bytes read per positioned read when hashing a file
+READ_CHUNK = 8 << 20
+#: staging slots for the workers when the kernel runs (plus two per GPU and a spare)
+MAX_WORKER_SLOTS = 8
+ACTIVATION_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass
 class LayerResult:
     name: str
     expert: int | None
+    bits: int
     in_features: int
     out_features: int
     group_size: int
     act_order: bool
+    sym: bool
+    padded: bool
     integrity_ok: bool = True
     integrity_problems: list[str] = field(default_factory=list)
     kernel: list[KernelCheck] = field(default_factory=list)
+    kernel_note: str | None = None
     seconds: float = 0.0
     device: str | None = None
 
@@ -67,261 +82,274 @@ class LayerResult:
     def label(self) -> str:
         return self.name if self.expert is None else f"{self.name}[expert {self.expert}]"
 
+    def fail(self, problem: str) -> None:
+        self.integrity_ok = False
+        self.integrity_problems.append(problem)
+
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "expert": self.expert,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "group_size": self.group_size,
-            "act_order": self.act_order,
-            "ok": self.ok,
-            "integrity_ok": self.integrity_ok,
-            "integrity_problems": self.integrity_problems,
-            "kernel": [check.__dict__ for check in self.kernel],
-            "seconds": round(self.seconds, 4),
-            "device": self.device,
-        }
+        data = dict(self.__dict__)
+        data["kernel"] = [check.__dict__ for check in self.kernel]
+        data["seconds"] = round(self.seconds, 4)
+        data["ok"] = self.ok
+        return data
+
+
+@dataclass
+class KeptResult:
+    name: str
+    reason: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
 
 
 @dataclass
 class VerifyReport:
     out_dir: str
+    manifest_sha256: str
     results: list[LayerResult]
+    kept: list[KeptResult]
+    problems: list[str]
+    files_checked: int
+    tensors_checked: int
     kernel_checked: bool
     batch_sizes: list[int]
+    activation_dtype: str | None
     seconds: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    bytes_checked: int = 0
+    peak_rss_bytes: int = 0  # summed over this process and its workers (each one's peak: an upper bound)
+    gpu_peak_bytes: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     bound: float = RELATIVE_ERROR_BOUND
 
     @property
     def failures(self) -> list[LayerResult]:
         return [r for r in self.results if not r.ok]
 
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.problems and all(k.ok for k in self.kept)
+
     def to_dict(self) -> dict:
         return {
             "out_dir": self.out_dir,
-            "ok": not self.failures,
+            "ok": self.ok,
+            "manifest_sha256": self.manifest_sha256,
             "layers_checked": len(self.results),
             "failures": [r.label for r in self.failures],
+            "kept": [{"name": k.name, "reason": k.reason, "ok": k.ok, "problems": k.problems} for k in self.kept],
+            "problems": self.problems,
+            "files_checked": self.files_checked,
+            "tensors_checked": self.tensors_checked,
             "kernel_checked": self.kernel_checked,
             "batch_sizes": self.batch_sizes,
+            "activation_dtype": self.activation_dtype,
             "relative_error_bound": self.bound,
             "seconds": round(self.seconds, 3),
+            "bytes_checked": self.bytes_checked,
+            "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "gpu_peak_bytes": self.gpu_peak_bytes,
+            "notes": self.notes,
             "results": [r.to_dict() for r in self.results],
         }
 
 
-# ------------------------------------------------------------------------------------------- rebuilding GPTQ
+# ------------------------------------------------------------------------------------------ work in workers
+
+
+@dataclass(frozen=True)
+class SourceTask:
+    """Rebuild and hash every slice of one source layer of manifest layer ``layer``."""
+
+    layer: int
+    source: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileTask:
+    file: FileCheck
+
+    @property
+    def nbytes(self) -> int:
+        return self.file.size
 
 
 @dataclass
-class RebuiltLayer:
-    """One layer (or expert) rebuilt in GPTQ form from its Marlin tensors, plus what the kernel needs."""
-
-    qweight: np.ndarray  # int32 [K/8, N]
-    scales: np.ndarray  # [K/g, N], the stored dtype's bits
-    qzeros: np.ndarray  # int32 [K/g, N/8]
-    g_idx: np.ndarray | None  # int32 [K] (None when the source had none)
-    marlin_b: np.ndarray  # int32 [K/16, 2N]
-    marlin_s: np.ndarray  # [K/g, N]
-    perm: np.ndarray | None  # int32 [K]
+class SliceOutcome:
+    expert: int | None
+    problems: list[str]
+    seconds: float
+    sent: bool  # handed to the GPU (in a staging slot)
 
 
-class _Shards:
-    """Lazily parsed output shard headers."""
+@dataclass
+class _Outcome:
+    """What a task reports back: seconds per stage, and which process ran it with what peak RSS."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._files: dict[str, SafetensorsFile] = {}
-        self._lock = threading.Lock()
-
-    def read(self, shard: str, name: str, index: int | None) -> np.ndarray:
-        with self._lock:
-            if shard not in self._files:
-                path = self.directory / shard
-                if not path.is_file():
-                    raise ManifestError(f"{path}: shard named by the manifest is missing")
-                self._files[shard] = read_header(path)
-        file = self._files[shard]
-        if name not in file.tensors:
-            raise ManifestError(f"{file.path}: tensor '{name}' named by the manifest is missing")
-        return read_tensor(file, name, index)
+    seconds: dict[str, float]
+    pid: int = 0
+    peak_rss: int = 0
 
 
-def rebuild_layer(entry: dict, source: dict, shards: _Shards, expert: int | None) -> RebuiltLayer:
-    """Read one manifest layer's Marlin tensors (one expert slice of them) and invert them to GPTQ.
+@dataclass
+class SourceOutcome(_Outcome):
+    layer: int = 0
+    source: int = 0
+    slices: list[SliceOutcome] = field(default_factory=list)
+    digest_problems: list[str] = field(default_factory=list)
 
-    ``source`` is the manifest's record of the source layer this slice came from (its g_idx kind and stored
-    zero value). The exact inverse of the converter, so the rebuilt tensors hash like the originals.
-    """
-    outputs, where = entry["outputs"], entry["shards"]
-    k, n = entry["in_features"], entry["out_features"]
-    b = shards.read(where["B"], outputs["B"], expert)
-    s = shards.read(where["s"], outputs["s"], expert)
-    if b.shape != (k // layout.TILE, 2 * n) or s.shape != (entry["num_groups"], n):
-        raise ManifestError(f"layer '{entry['name']}': stored B {list(b.shape)} / s {list(s.shape)} do not match "
-                            f"K = {k}, N = {n}, {entry['num_groups']} groups")
-    perm = sorted_g_idx = None
-    if entry["act_order"]:
-        perm = shards.read(where["perm"], outputs["perm"], expert)
-        sorted_g_idx = shards.read(where["g_idx"], outputs["g_idx"], expert)
-    qweight = layout.marlin_to_gptq_weight(b, perm)
-    scales = layout.unpermute_scales(s)
-    zeros = np.full((entry["num_groups"], n), source["zero_stored"], dtype=np.uint8)
-    qzeros = layout.pack_gptq_qzeros(zeros)
-    if source["g_idx"] == "absent":
-        g_idx = None
-    elif entry["act_order"]:
-        g_idx = layout.restore_g_idx(perm, sorted_g_idx)
+
+@dataclass
+class FileOutcome(_Outcome):
+    name: str = ""
+    problems: list[str] = field(default_factory=list)
+    ranges_checked: int = 0
+
+
+@dataclass
+class _WorkerState:
+    """What forked workers inherit (set before the pool forks)."""
+
+    out_dir: Path
+    manifest: dict
+    layers: list[MarlinLayer | None]
+    reader: TensorReader
+    source: object | None  # the source Checkpoint, with --source
+    stage_size: int
+    slots: mmap.mmap | None = None  # shared staging slots (kernel runs only)
+    free_slots: object | None = None  # multiprocessing queue of free slot numbers
+    messages: object | None = None  # multiprocessing queue of staged slices
+    wait_for_slot: Callable[[], None] | None = None  # no worker processes: lets the GPU free slots meanwhile
+
+
+_STATE: _WorkerState | None = None
+_private_stage: Stage | None = None
+
+
+def _stage_for(state: _WorkerState) -> tuple[Stage, int | None]:
+    """A stage for the next slice: a shared slot (waits for a free one) when the GPU runs, else this worker's own."""
+    global _private_stage
+    if state.slots is None:
+        if _private_stage is None or _private_stage.bytes.size < state.stage_size:
+            _private_stage = Stage(bytearray(state.stage_size))
+        return _private_stage, None
+    while state.wait_for_slot is not None and state.free_slots.empty():
+        state.wait_for_slot()
+    slot = state.free_slots.get()
+    view = memoryview(state.slots)[slot * state.stage_size:(slot + 1) * state.stage_size]
+    return Stage(view), slot
+
+
+def _run_source(task: SourceTask) -> SourceOutcome:
+    state = _STATE
+    entry = state.manifest["layers"][task.layer]
+    layer = state.layers[task.layer]
+    source = entry["sources"][task.source]
+    hashes = {kind: hashlib.sha256() for kind in source["digests"]}
+    span = [None] if source["slices"] is None else list(range(*source["slices"]))
+    stacked_source = source["slices"] is not None and len(entry["sources"]) == 1
+    outcomes, complete = [], True
+    seconds = {"read + inverse": 0.0, "hash": 0.0}
+    for expert in span:
+        start = time.perf_counter()
+        stage, slot = _stage_for(state)
+        try:
+            rebuilt = rebuild_slice(layer, source, expert, state.reader, stage)
+        except (ManifestError, ValueError) as exc:  # bytes the audit could not foresee (a file changed meanwhile)
+            rebuilt = SliceRebuild(False, [f"cannot rebuild: {getattr(exc, 'message', exc)}"])
+        rebuilt_at = time.perf_counter()
+        seconds["read + inverse"] += rebuilt_at - start
+        problems = list(rebuilt.problems)
+        if rebuilt.complete:
+            for kind, digest in hashes.items():
+                digest.update(stage.view(kind).reshape(-1).view(np.uint8))
+            if state.source is not None:
+                for kind, name in source["tensors"].items():
+                    original = state.source.read(name, expert if stacked_source else None)
+                    if original.tobytes() != stage.view(kind).tobytes():
+                        problems.append(f"rebuilt {kind} differs from the source tensor '{name}'")
+        complete &= rebuilt.complete
+        seconds["hash"] += time.perf_counter() - rebuilt_at
+        sent = slot is not None and rebuilt.complete
+        if slot is not None:
+            if sent:
+                state.messages.put((task.layer, expert, slot, stage.placed, source["zero_format"]))
+            else:
+                state.free_slots.put(slot)
+        outcomes.append(SliceOutcome(expert, problems, time.perf_counter() - start, sent))
+    if not complete:
+        digest_problems = [f"digests of '{source['name']}' not checked: it could not be rebuilt"]
     else:
-        g_idx = layout.trivial_g_idx(k, k // entry["num_groups"])
-    return RebuiltLayer(qweight, scales, qzeros, g_idx, b, s, perm)
+        mismatched = [kind for kind, digest in hashes.items()
+                      if "sha256:" + digest.hexdigest() != source["digests"][kind]]
+        digest_problems = [f"digest mismatch: rebuilt {', '.join(mismatched)} of '{source['name']}' differ(s) "
+                           "from the source"] if mismatched else []
+    return SourceOutcome(seconds, layer=task.layer, source=task.source, slices=outcomes,
+                         digest_problems=digest_problems)
 
 
-_REBUILDABLE = ("qweight", "scales", "qzeros", "g_idx")
+def _run_file(task: FileTask) -> FileOutcome:
+    """Hash one file whole, and the digest ranges inside it from the same bytes."""
+    check = task.file
+    path = _STATE.out_dir / check.name
+    whole = hashlib.sha256()
+    ranges = [(r, hashlib.sha256()) for r in check.ranges]
+    buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    read_seconds = hash_seconds = 0.0
+    position, first = 0, 0  # ranges[:first] are finished
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            start = time.perf_counter()
+            got = f.readinto(buffer)
+            read_seconds += time.perf_counter() - start
+            if not got:
+                break
+            start = time.perf_counter()
+            chunk = view[:got]
+            whole.update(chunk)
+            end = position + got
+            for r, digest in ranges[first:]:
+                if r.begin >= end:
+                    break
+                if r.end > position:
+                    digest.update(chunk[max(r.begin, position) - position:min(r.end, end) - position])
+            while first < len(ranges) and ranges[first][0].end <= end:
+                first += 1
+            position = end
+            hash_seconds += time.perf_counter() - start
+    problems = []
+    if position != check.size:
+        problems.append(f"file {check.name}: {position} bytes read, the manifest says {check.size}")
+    elif "sha256:" + whole.hexdigest() != check.digest:
+        problems.append(f"file {check.name}: SHA-256 differs from the manifest")
+    for r, digest in ranges:
+        if "sha256:" + digest.hexdigest() != r.digest:
+            problems.append(f"{r.label}: SHA-256 of its bytes in {check.name} differs from the manifest")
+    return FileOutcome({"read": read_seconds, "hash": hash_seconds}, name=check.name, problems=problems,
+                       ranges_checked=len(ranges))
 
 
-def _rebuilt_tensors(rebuilt: RebuiltLayer) -> dict[str, np.ndarray]:
-    tensors = {"qweight": rebuilt.qweight, "scales": rebuilt.scales, "qzeros": rebuilt.qzeros}
-    if rebuilt.g_idx is not None:
-        tensors["g_idx"] = rebuilt.g_idx
-    return tensors
+def _run(task):
+    outcome = _run_file(task) if isinstance(task, FileTask) else _run_source(task)
+    outcome.pid = os.getpid()
+    outcome.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return outcome
 
 
-# ------------------------------------------------------------------------------------------------ the kernel
-
-
-def _scales_tensor(bits: np.ndarray, dtype_name: str):
-    """Host scales (bfloat16 kept as uint16 bits) as a torch tensor of their real dtype."""
-    import torch
-
-    if dtype_name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(bits))
-
-
-class _GpuLayer:
-    """One layer's Marlin tensors on a GPU. Stacked experts are uploaded into one [E, ...] buffer, slice by
-    slice, and the kernel reads each expert's slice in place (a view at offset e * K*N/8 words, no copy)."""
-
-    def __init__(self, entry: dict, device) -> None:
-        import torch
-
-        self.entry, self.device = entry, device
-        k, n, groups = entry["in_features"], entry["out_features"], entry["num_groups"]
-        lead = (entry["num_experts"],) if entry["num_experts"] else ()
-        self.b = torch.empty((*lead, k // layout.TILE, 2 * n), dtype=torch.int32, device=device)
-        self.s = torch.empty((*lead, groups, n), dtype=torch.float16, device=device)
-        self.perm = torch.empty((*lead, k), dtype=torch.int32, device=device) if entry["act_order"] else None
-        self.workspace = torch.zeros(entry["workspace"]["ints"], dtype=torch.int32, device=device)
-
-    def _slot(self, tensor, expert):
-        return tensor if expert is None else tensor[expert]
-
-    def check(self, rebuilt: RebuiltLayer, expert: int | None, batch_sizes: list[int], seed: int) -> list[KernelCheck]:
-        import torch
-
-        from .kernel import marlin_gemm
-
-        entry, device = self.entry, self.device
-        k, n = entry["in_features"], entry["out_features"]
-        b, s = self._slot(self.b, expert), self._slot(self.s, expert)
-        b.copy_(torch.from_numpy(rebuilt.marlin_b))
-        s.copy_(_scales_tensor(rebuilt.marlin_s, entry["scale_dtype"]).to(torch.float16))
-        perm = None
-        if self.perm is not None:
-            perm = self._slot(self.perm, expert)
-            perm.copy_(torch.from_numpy(rebuilt.perm))
-        # the reference: fp32 dequantization of the rebuilt GPTQ integers, (q - 8) * scales[g_idx]
-        q = torch.from_numpy(layout.unpack_gptq_qweight(rebuilt.qweight)).to(device=device, dtype=torch.float32)
-        scales = _scales_tensor(rebuilt.scales, entry["scale_dtype"]).to(device=device, dtype=torch.float32)
-        g_idx = rebuilt.g_idx if rebuilt.g_idx is not None else layout.trivial_g_idx(k, k // entry["num_groups"])
-        weight = (q - 8.0) * scales[torch.from_numpy(g_idx.astype(np.int64)).to(device)]
-        del q
-        generator = torch.Generator(device=device).manual_seed(seed + (expert or 0))
-        checks = []
-        for m in batch_sizes:
-            a = torch.randn(m, k, generator=generator, device=device, dtype=torch.float32).to(torch.float16)
-            out = torch.full((m, n), float("nan"), dtype=torch.float16, device=device)  # poison: unwritten stays NaN
-            try:
-                c = marlin_gemm(a, b, s, self.workspace, perm=perm, out=out)
-            except Exception as exc:  # the kernel's own rejection, reported on this layer
-                checks.append(KernelCheck(m, float("inf"), float("inf"), False, f"kernel error: {exc}"))
-                continue
-            with _no_tf32():
-                reference = a.float() @ weight
-            c32 = c.float()
-            unwritten = int(torch.isnan(c32).sum())
-            diff = torch.nan_to_num((c32 - reference).abs(), nan=float("inf"))
-            relative = float(diff.mean() / reference.abs().mean().clamp_min(1e-30))
-            problem = f"{unwritten} outputs NaN or never written" if unwritten else None
-            if problem is None and not relative < RELATIVE_ERROR_BOUND:
-                problem = f"relative error {relative:.2e} >= {RELATIVE_ERROR_BOUND:.0e}"
-            checks.append(KernelCheck(m, float(diff.max()), relative, problem is None, problem))
-        if int(self.workspace.abs().sum()) != 0:
-            checks.append(KernelCheck(0, 0.0, 0.0, False, "workspace not left zeroed after the kernel"))
-        return checks
-
-
-class _no_tf32:
-    """Keep fp32 matmuls in full fp32 for the reference (restores the previous setting)."""
-
-    def __enter__(self):
-        import torch
-
-        self.previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = self.previous
+def _pool(workers: int) -> ProcessPoolExecutor | None:
+    """Forked workers that die with this process (:mod:`marlin_convert.workers`), or None: run here."""
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    return worker_pool(workers)
 
 
 # ------------------------------------------------------------------------------------------------ the driver
-
-
-def _digest(array: np.ndarray) -> str:
-    return "sha256:" + hashlib.sha256(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))).hexdigest()
-
-
-def _verify_entry(entry: dict, shards: _Shards, source_checkpoint, batch_sizes: list[int] | None, device,
-                  seed: int) -> list[LayerResult]:
-    """Integrity and kernel checks of one manifest layer, one result per expert slice (one for a 2-D layer)."""
-    results = []
-    gpu_layer = _GpuLayer(entry, device) if batch_sizes else None
-    stacked_source = len(entry["sources"]) == 1 and entry["num_experts"] > 0
-    for source in entry["sources"]:
-        hashes = {kind: hashlib.sha256() for kind in source["digests"]}
-        span = [None] if source["slices"] is None else list(range(*source["slices"]))
-        first_result = len(results)
-        for expert in span:
-            start = time.perf_counter()
-            result = LayerResult(entry["name"], expert, entry["in_features"], entry["out_features"],
-                                 entry["group_size"], entry["act_order"], device=str(device) if device else None)
-            rebuilt = rebuild_layer(entry, source, shards, expert)
-            tensors = _rebuilt_tensors(rebuilt)
-            for kind, digest in hashes.items():
-                if kind in tensors:
-                    digest.update(memoryview(np.ascontiguousarray(tensors[kind]).reshape(-1).view(np.uint8)))
-            if source_checkpoint is not None:
-                for kind, name in source["tensors"].items():
-                    original = source_checkpoint.read(name, expert if stacked_source else None)
-                    if kind in tensors and original.tobytes() != np.ascontiguousarray(tensors[kind]).tobytes():
-                        result.integrity_ok = False
-                        result.integrity_problems.append(f"rebuilt {kind} differs from the source tensor '{name}'")
-            if gpu_layer is not None:
-                result.kernel = gpu_layer.check(rebuilt, expert, batch_sizes, seed)
-            result.seconds = time.perf_counter() - start
-            results.append(result)
-        # a source tensor's digest covers all its slices: a mismatch is reported on each of them
-        mismatched = [kind for kind, digest in hashes.items()
-                      if kind not in _REBUILDABLE or "sha256:" + digest.hexdigest() != source["digests"][kind]]
-        for result in results[first_result:] if mismatched else []:
-            result.integrity_ok = False
-            result.integrity_problems.append("digest mismatch: rebuilt " + ", ".join(mismatched)
-                                             + f" of '{source['name']}' differ(s) from the source")
-    return results
 
 
 def parse_gpus(spec: str) -> list[int]:
@@ -335,6 +363,33 @@ def parse_gpus(spec: str) -> list[int]:
     return gpus
 
 
+def activation_dtype(manifest: dict, override: str | None) -> str:
+    """The activations' dtype: ``override`` (--dtype), else the model's (manifest model_dtype), else float16."""
+    if override is not None:
+        if override not in ACTIVATION_DTYPES:
+            raise InputError(f"--dtype {override!r}: expected one of {', '.join(ACTIVATION_DTYPES)}")
+        return override
+    return "bfloat16" if manifest.get("model_dtype") == "bfloat16" else "float16"
+
+
+def _results_skeleton(manifest: dict, checked: Audit) -> list[list[LayerResult]]:
+    """One result per slice of every layer entry, in manifest order; failures of the audit already recorded."""
+    per_entry = []
+    for entry, layer, problems in zip(manifest["layers"], checked.layers, checked.layer_problems):
+        padded = (entry["padded_in_features"], entry["padded_out_features"]) != (entry["in_features"],
+                                                                                 entry["out_features"])
+        # an entry the audit refused gets one result: its num_experts is not to be trusted
+        slices = list(range(entry["num_experts"])) if layer is not None and entry["num_experts"] else [None]
+        results = [LayerResult(entry["name"], e, entry["bits"], entry["in_features"], entry["out_features"],
+                               entry["group_size"], entry["act_order"], entry["sym"], padded) for e in slices]
+        if layer is None:
+            for result in results:
+                for problem in problems or ["layer not checked"]:
+                    result.fail(problem)
+        per_entry.append(results)
+    return per_entry
+
+
 def verify(
     out_dir: Path,
     *,
@@ -342,61 +397,177 @@ def verify(
     batch_sizes: list[int] | None = DEFAULT_BATCH_SIZES,
     source_dir: Path | None = None,
     seed: int = 0,
+    dtype: str | None = None,
+    workers: int = DEFAULT_WORKERS,
+    expect_manifest: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    """Verify every converted layer of ``out_dir``. ``gpus=None`` (or empty ``batch_sizes``) skips the kernel.
+    """Verify ``out_dir`` (see the module docstring). ``gpus=None`` (or empty ``batch_sizes``) skips the kernel.
 
-    Layers are spread round-robin over ``gpus``, one thread per GPU. Raises :class:`ManifestError` for a
-    directory that is not a marlin-convert output, :class:`KernelUnavailableError` when the kernel is asked
-    for and cannot run; returns a report in which failed layers have ``ok == False``.
+    Raises :class:`ManifestError` for a missing or malformed manifest, :class:`KernelUnavailableError` when the
+    kernel is asked for and cannot run; returns a report whose ``ok`` is False when anything failed.
+    ``progress(count)`` counts layer entries and listed files as they finish (``len(layers) + len(files)`` in
+    all).
     """
     start = time.perf_counter()
     out_dir = Path(out_dir)
     manifest = load_manifest(out_dir)
-    source_checkpoint = open_checkpoint(Path(source_dir)) if source_dir is not None else None
+    digest = manifest_digest(out_dir)
+    checked = audit(out_dir, manifest)
+    problems = list(checked.problems)
+    if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
+        problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
+    source = open_checkpoint(Path(source_dir)) if source_dir is not None else None
     use_kernel = bool(gpus) and bool(batch_sizes)
-    devices: list = [None]
-    if use_kernel:
-        from .kernel import ensure_kernel
+    act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
+    per_entry = _results_skeleton(manifest, checked)
+    kept = [KeptResult(entry["name"], entry["reason"], list(checked.kept_problems.get(entry["name"], [])))
+            for entry in manifest["kept"]]
+    kept_by_label = {f"kept '{k.name}'": k for k in kept}
 
-        try:
-            devices = [ensure_kernel(gpu) for gpu in gpus]
-        except KernelUnavailableError as exc:
-            skip = "'verify --skip-kernel' proves the conversion lossless without a GPU"
-            raise KernelUnavailableError(exc.message, hint=f"{exc.hint}; or {skip}" if exc.hint else skip) from exc
-    shards = _Shards(out_dir)
-    entries = manifest["layers"]
-    results: list[list[LayerResult]] = [[] for _ in entries]
-    errors: list[BaseException] = []
+    tasks: list = [FileTask(f) for f in checked.files]
+    usable = [i for i, layer in enumerate(checked.layers) if layer is not None]
+    for i in usable:
+        layer = checked.layers[i]
+        per_slice = stage_bytes(layer)
+        for s, src in enumerate(manifest["layers"][i]["sources"]):
+            slices = 1 if src["slices"] is None else src["slices"][1] - src["slices"][0]
+            tasks.append(SourceTask(i, s, per_slice * slices))
+    tasks.sort(key=lambda t: -t.nbytes)  # largest first: no worker is left with a big task at the end
+    stage_size = max((stage_bytes(checked.layers[i]) for i in usable), default=0)
+    pending_sources = {i: len(manifest["layers"][i]["sources"]) for i in usable}
 
-    def worker(slot: int) -> None:
-        device = devices[slot]
-        try:
-            if device is not None:
-                import torch
+    global _STATE
+    _STATE = _WorkerState(out_dir, manifest, checked.layers, TensorReader(out_dir, checked.headers), source,
+                          stage_size)
+    if progress is not None:  # entries and files that cannot be checked are done already
+        progress(len(manifest["layers"]) - len(usable) + len(manifest["files"]) - len(checked.files))
+    gpu_checker = None
+    stage_seconds: dict[str, float] = {}
+    counts = {"files": 0, "tensors": 0, "expected": 0, "received": 0}
+    peaks: dict[int, int] = {}
+    gpu_peaks: dict[str, int] = {}
+    notes: list[str] = []
+    pool = None
+    finished = False
+    try:
+        if use_kernel and usable:
+            # a slot per busy worker (at most 8: the GPU drains them faster than workers fill them), two per GPU in
+            # flight, one spare
+            slot_count = min(max(1, workers), MAX_WORKER_SLOTS) + 2 * len(gpus) + 1
+            context = multiprocessing.get_context("fork") if workers > 1 else None
+            _STATE.slots = mmap.mmap(-1, slot_count * stage_size)
+            _STATE.free_slots = context.Queue() if context else queue.Queue()
+            _STATE.messages = context.Queue() if context else queue.Queue()
+            for slot in range(slot_count):
+                _STATE.free_slots.put(slot)
+        pool = _pool(workers)
+        # submitting forks the workers now, before CUDA is initialised in this process
+        futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
+        if use_kernel:
+            from .kernel import ensure_kernel
 
-                torch.cuda.set_device(device)  # per thread: kernel launches go to this GPU's current stream
-            for position in range(slot, len(entries), len(devices)):
-                results[position] = _verify_entry(entries[position], shards, source_checkpoint,
-                                                  list(batch_sizes) if use_kernel else None, device, seed + position)
+            loading = time.perf_counter()
+            try:
+                devices = [ensure_kernel(gpu) for gpu in gpus]
+            except KernelUnavailableError as exc:
+                skip = "'verify --skip-kernel' proves the conversion lossless without a GPU"
+                raise KernelUnavailableError(exc.message,
+                                             hint=f"{exc.hint}; or {skip}" if exc.hint else skip) from exc
+            stage_seconds["kernel load"] = time.perf_counter() - loading
+            if usable:
+                from .gpu_check import GpuChecker
+
+                gpu_checker = GpuChecker(devices, _STATE.slots, stage_size, list(batch_sizes), act_dtype, seed)
+
+        def absorb(outcome) -> None:
+            peaks[outcome.pid] = max(peaks.get(outcome.pid, 0), outcome.peak_rss)
+            for key, value in outcome.seconds.items():
+                stage_seconds[key] = stage_seconds.get(key, 0.0) + value
+            if isinstance(outcome, FileOutcome):
+                counts["files"] += 1
+                counts["tensors"] += outcome.ranges_checked
+                for problem in outcome.problems:
+                    owner = next((k for label, k in kept_by_label.items() if problem.startswith(label)), None)
+                    (owner.problems if owner else problems).append(problem)
                 if progress is not None:
                     progress(1)
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
+                return
+            results = per_entry[outcome.layer]
+            for sliced in outcome.slices:
+                result = results[sliced.expert or 0]
+                result.seconds += sliced.seconds
+                for problem in sliced.problems:
+                    result.fail(problem)
+                counts["expected"] += sliced.sent
+            first, stop = manifest["layers"][outcome.layer]["sources"][outcome.source]["slices"] or (0, 1)
+            for result in results[first:stop]:
+                for problem in outcome.digest_problems:
+                    result.fail(problem)
+            pending_sources[outcome.layer] -= 1
+            if pending_sources[outcome.layer] == 0 and progress is not None:
+                progress(1)
 
-    if len(devices) == 1:
-        worker(0)
-    else:
-        threads = [threading.Thread(target=worker, args=(slot,)) for slot in range(len(devices))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    if errors:
-        raise errors[0]
-    flat = [result for per_entry in results for result in per_entry]
-    return VerifyReport(str(out_dir), flat, use_kernel, list(batch_sizes or []), time.perf_counter() - start)
+        def feed_gpu(block: bool) -> None:
+            """Hand staged slices to the GPU checker; give uploaded slots back to the workers."""
+            while True:
+                try:
+                    message = _STATE.messages.get(timeout=0.002) if block else _STATE.messages.get_nowait()
+                except queue.Empty:
+                    break
+                counts["received"] += 1
+                layer_index, expert, slot, placed, zero_format = message
+                gpu_checker.submit(layer_index, checked.layers[layer_index], expert, slot, placed, zero_format)
+                block = False
+            for slot in gpu_checker.uploaded_slots():
+                _STATE.free_slots.put(slot)
+
+        if pool is None:  # no worker processes: the tasks run here, the GPU fed whenever a slot is needed
+            if gpu_checker is not None:
+                _STATE.wait_for_slot = lambda: feed_gpu(False)
+            for task in tasks:
+                absorb(_run(task))
+        waiting = set(futures)
+        while waiting or (gpu_checker is not None and counts["received"] < counts["expected"]):
+            if gpu_checker is not None:
+                feed_gpu(True)
+                done = {f for f in waiting if f.done()}
+            else:
+                done, _ = wait(waiting, return_when=FIRST_COMPLETED)
+            for future in done:
+                waiting.discard(future)
+                absorb(future.result())
+        if gpu_checker is not None:
+            for (layer_index, expert), (checks, note) in gpu_checker.finish().items():
+                result = per_entry[layer_index][expert or 0]
+                result.kernel, result.kernel_note = checks, note
+                result.device = gpu_checker.device_of(layer_index)
+            stage_seconds.update(gpu_checker.seconds)
+            gpu_peaks = gpu_checker.peak_memory()
+            if not gpu_checker.pinned:
+                notes.append("the staging memory could not be pinned (cudaHostRegister failed): uploads ran "
+                             "synchronously")
+        finished = True
+    finally:
+        if pool is not None:
+            if not finished:
+                kill_workers(pool)
+            pool.shutdown(wait=True, cancel_futures=True)
+        if gpu_checker is not None:
+            gpu_checker.close()
+        if _STATE.slots is not None:
+            try:
+                _STATE.slots.close()
+            except BufferError:  # a view is still referenced somewhere: the mapping goes with its last user
+                pass
+        _STATE = None
+
+    flat = [result for results in per_entry for result in results]
+    peaks[os.getpid()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return VerifyReport(str(out_dir), digest, flat, kept, problems, counts["files"], counts["tensors"], use_kernel,
+                        list(batch_sizes or []) if use_kernel else [], act_dtype, time.perf_counter() - start,
+                        stage_seconds, sum(f.size for f in checked.files), sum(peaks.values()), gpu_peaks, notes)
 
 
-__all__ = ["VerifyReport", "LayerResult", "verify", "parse_gpus", "rebuild_layer", "VerificationFailed",
-           "RELATIVE_ERROR_BOUND"]
+__all__ = ["VerifyReport", "LayerResult", "KeptResult", "verify", "parse_gpus", "activation_dtype",
+           "VerificationFailed", "RELATIVE_ERROR_BOUND", "ManifestError"]

@@ -46,6 +46,22 @@ def _preset(name: str, shards: int):
     return gen.tiny_llama(num_layers=2, shards=shards)
 
 
+def ensure_source(directory: Path, preset: str, shards: int) -> Path:
+    """The generated GPTQ checkpoint ``directory/<preset>-gptq``, written on first use and reused after."""
+    source = directory / f"{preset}-gptq"
+    marker = source / ".complete"
+    if not marker.exists():
+        shutil.rmtree(source, ignore_errors=True)
+        print(f"generating {preset} checkpoint in {source} ...", flush=True)
+        # in a child process, so that this process stays small (see scripts/peak_rss.py)
+        code = (f"import sys; sys.path[:0] = [{str(REPO / 'scripts')!r}, {str(REPO)!r}]; import bench_convert as b, "
+                f"make_gptq_checkpoint as gen; gen.write_checkpoint({str(source)!r}, b._preset({preset!r}, "
+                f"{shards}))")
+        subprocess.run([sys.executable, "-c", code], check=True)
+        marker.write_text("ok")
+    return source
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -61,17 +77,7 @@ def main() -> None:
     parser.add_argument("--stack-experts", action="store_true", help="convert with --stack-experts")
     args = parser.parse_args()
 
-    source = args.dir / f"{args.preset}-gptq"
-    marker = source / ".complete"
-    if not marker.exists():
-        shutil.rmtree(source, ignore_errors=True)
-        print(f"generating {args.preset} checkpoint in {source} ...", flush=True)
-        # in a child process, so that this process stays small (see scripts/peak_rss.py)
-        code = (f"import sys; sys.path[:0] = [{str(REPO / 'scripts')!r}, {str(REPO)!r}]; import bench_convert as b, "
-                f"make_gptq_checkpoint as gen; gen.write_checkpoint({str(source)!r}, b._preset({args.preset!r}, "
-                f"{args.shards}))")
-        subprocess.run([sys.executable, "-c", code], check=True)
-        marker.write_text("ok")
+    source = ensure_source(args.dir, args.preset, args.shards)
     total = _dir_bytes(source)
     largest = max(info.nbytes for p in source.glob("*.safetensors") for info in read_header(p).tensors.values())
 

@@ -1,4 +1,4 @@
-"""``verify`` on the GPU: the bundled kernel against the fp32 reference on converted checkpoints.
+"""``verify`` on the GPU: the bundled kernel against the fp32 reference on converted checkpoints of every kind.
 
 Skipped, with the reason, where the kernel cannot run (no CUDA build of torch, no GPU, compute capability < 8.0,
 no nvcc or ninja).
@@ -6,7 +6,9 @@ no nvcc or ninja).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from checkpoint_kinds import KINDS, kind_spec
 from make_gptq_checkpoint import qwen3_moe, tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
@@ -18,29 +20,62 @@ _REASON = unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"GPU kernel unavailable: {_REASON}")]
 
 
+def _assert_all_pass(report, batches, count):
+    assert report.kernel_checked and len(report.results) == count and report.ok, \
+        [(r.label, r.integrity_problems, [c.problem for c in r.kernel]) for r in report.failures] + report.problems
+    for result in report.results:
+        assert [c.batch for c in result.kernel] == batches
+        for check in result.kernel:
+            print(result.label, check.batch, f"{check.relative_error:.2e}")
+            assert check.ok and check.relative_error < check.bound
+            assert check.bound == RELATIVE_ERROR_BOUND or report.activation_dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("group_size, act_order", [(128, False), (128, True), (-1, False), (32, True)])
 def test_every_layer_passes_at_every_batch_size(tmp_path, group_size, act_order):
     spec = tiny_llama(num_layers=1, hidden=512, intermediate=1536, group_size=group_size, act_order=act_order)
     src = write_checkpoint(tmp_path / "in", spec)
     convert(src, tmp_path / "out", workers=1)
-    report = verify(tmp_path / "out", gpus=[0], batch_sizes=[1, 7, 16, 128])
-    assert report.kernel_checked and len(report.results) == 7
-    for result in report.results:
-        assert [c.batch for c in result.kernel] == [1, 7, 16, 128]
-        for check in result.kernel:
-            print(result.label, check.batch, f"{check.relative_error:.2e}")
-            assert check.ok and check.relative_error < RELATIVE_ERROR_BOUND
+    report = verify(tmp_path / "out", gpus=[0], batch_sizes=[1, 7, 16, 128], workers=2)
+    _assert_all_pass(report, [1, 7, 16, 128], 7)
 
 
-def test_stacked_experts_are_checked_expert_by_expert_in_place(tmp_path):
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_every_kind_passes(tmp_path, name):
+    src = write_checkpoint(tmp_path / "in", kind_spec(name, small=False))
+    convert(src, tmp_path / "out", workers=1)
+    _assert_all_pass(verify(tmp_path / "out", gpus=[0], batch_sizes=[1, 16, 128], workers=2), [1, 16, 128], 2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bf16_models_and_the_dtype_override(tmp_path, dtype):
+    spec = tiny_llama(num_layers=1, hidden=256, intermediate=512, group_size=64, scale_dtype="bfloat16",
+                      extra_dtype="bfloat16", config_extra={"torch_dtype": "bfloat16"})
+    src = write_checkpoint(tmp_path / "in", spec)
+    convert(src, tmp_path / "out", workers=1)
+    report = verify(tmp_path / "out", gpus=[0], batch_sizes=[1, 16], dtype=None if dtype == "bfloat16" else dtype)
+    assert report.activation_dtype == dtype
+    _assert_all_pass(report, [1, 16], 7)
+
+
+def test_stacked_experts_are_checked_expert_by_expert(tmp_path):
     spec = qwen3_moe(num_layers=1, num_experts=8, hidden=256, expert_intermediate=128, stacked=True,
                      act_order=True, group_size=64)
     src = write_checkpoint(tmp_path / "in", spec)
     convert(src, tmp_path / "out", workers=1)
-    report = verify(tmp_path / "out", gpus=[0], batch_sizes=[1, 16])
+    report = verify(tmp_path / "out", gpus=[0], batch_sizes=[1, 16], workers=2)
     experts = [r.expert for r in report.results if r.name.endswith("experts.down_proj")]
     assert experts == list(range(8))
-    assert report.failures == []
+    assert report.ok and all(len(r.kernel) == 2 for r in report.results)
+
+
+def test_one_worker_and_many_slices_do_not_wait_on_each_other(tmp_path):
+    """With no worker processes, a stacked layer of more experts than staging slots still completes."""
+    spec = qwen3_moe(num_layers=1, num_experts=32, hidden=256, expert_intermediate=128, stacked=True, group_size=64)
+    src = write_checkpoint(tmp_path / "in", spec)
+    convert(src, tmp_path / "out", workers=1)
+    report = verify(tmp_path / "out", gpus=[0], batch_sizes=[1], workers=1)
+    assert report.ok and sum(r.name.endswith("experts.up_proj") for r in report.results) == 32
 
 
 def test_gpu_list_spreads_layers_and_the_cli_exits_zero(tmp_path, capsys):

@@ -5,6 +5,7 @@ Usage examples:
     marlin-convert verify ./out --gpu 0,1 --batch 1,16,128 --json verify.json
     marlin-convert verify ./out --skip-kernel                 # integrity only, no GPU needed
     marlin-convert verify ./out --skip-kernel --source ./in   # also compare with the original tensors
+    marlin-convert verify ./out --gpu 0 --dtype bfloat16      # activations in bf16 (default: the model's dtype)
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ import typer
 
 from ..errors import InputError, VerificationFailed
 from ..manifest import load_manifest
-from ..verify import DEFAULT_BATCH_SIZES, RELATIVE_ERROR_BOUND, parse_gpus, verify as run_verify
+from ..verify import (
+    ACTIVATION_DTYPES,
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_WORKERS,
+    RELATIVE_ERROR_BOUND,
+    LayerResult,
+    parse_gpus,
+    verify as run_verify,
+)
 from ._output import Output, check_json_path
 from ._progress import item_progress
 
@@ -31,6 +40,12 @@ JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help=
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random activations.")]
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar, and the table shows failing layers only (then the summary line).")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", metavar="DTYPE", help=f"Activation dtype for the kernel check ({' or '.join(ACTIVATION_DTYPES)}); default: the model's "
+                    "(config.json torch_dtype), else float16.")]
+WorkersOpt = Annotated[int, typer.Option("--workers", metavar="N", help="Worker processes for hashing and the inverse repack.")]
+ManifestDigestOpt = Annotated[Optional[str], typer.Option(
+    "--manifest-sha256", metavar="DIGEST", help="Fail unless the manifest's SHA-256 is this (as printed by an earlier run).")]
 
 #: above this many checked layers (or experts) the table shows failures only, with a summary line
 MAX_ROWS = 80
@@ -46,58 +61,94 @@ def _parse_batches(spec: str) -> list[int]:
     return sizes
 
 
+def _kind(result: LayerResult) -> str:
+    group = "ch" if result.group_size == -1 else f"g{result.group_size}"
+    extras = [("sym" if result.sym else "asym")] + (["act"] if result.act_order else []) + (
+        ["padded"] if result.padded else [])
+    return f"{result.bits}-bit {group} " + " ".join(extras)
+
+
 def verify(
     out_dir: OutDirArg,
     gpu: GpuOpt = "0",
     batch: BatchOpt = ",".join(str(b) for b in DEFAULT_BATCH_SIZES),
     skip_kernel: SkipKernelOpt = False,
     source: SourceOpt = None,
+    dtype: DtypeOpt = None,
+    workers: WorkersOpt = DEFAULT_WORKERS,
+    manifest_sha256: ManifestDigestOpt = None,
     json_file: JsonOpt = None,
     seed: SeedOpt = 0,
     quiet: QuietOpt = False,
 ) -> None:
-    """Check every converted layer: the inverse transform reproduces the source digests (lossless), and the
-    Marlin kernel matches an fp32 dequantization reference (mean relative error < 1e-3, no NaN or unwritten
-    output). Exits 1 naming the failed layers."""
+    """Check everything: the manifest against the files (every tensor, shape, config and digest), the inverse
+    transform reproducing the source digests (lossless), layers kept in GPTQ form byte for byte, and the Marlin
+    kernel against an fp32 dequantization reference (mean relative error < 1e-3, no NaN or unwritten output).
+    Exits 1 naming what failed."""
     check_json_path(json_file)
     batches = _parse_batches(batch)
     gpus = None if skip_kernel else parse_gpus(gpu)
+    if workers < 1:
+        raise InputError(f"--workers {workers}: expected at least 1")
     manifest = load_manifest(out_dir)
-    total = len(manifest["layers"])
+    total = len(manifest["layers"]) + len(manifest["files"])
     with item_progress(total, "verifying", enabled=not quiet) as advance:
         report = run_verify(out_dir, gpus=gpus, batch_sizes=None if skip_kernel else batches, source_dir=source,
-                            seed=seed, progress=advance)
+                            seed=seed, dtype=dtype, workers=workers, expect_manifest=manifest_sha256,
+                            progress=advance)
     data = report.to_dict()
     output = Output(f"Verified {out_dir}", data)
-    output.columns = ["layer", "K x N", "group", "lossless"]
+    output.columns = ["layer", "K x N", "kind", "lossless"]
     if report.kernel_checked:
         output.columns += [f"m={m} max / rel err" for m in report.batch_sizes] + ["time", "status"]
     else:
         output.columns += ["time", "status"]
     shown = report.failures if quiet or len(report.results) > MAX_ROWS else report.results
     for result in shown:
-        cells = [result.label, f"{result.in_features} x {result.out_features}",
-                 "channel" if result.group_size == -1 else result.group_size,
+        cells = [result.label, f"{result.in_features} x {result.out_features}", _kind(result),
                  "yes" if result.integrity_ok else "NO"]
         if report.kernel_checked:
-            cells += [f"{c.max_abs_error:.2e} / {c.relative_error:.1e}" for c in result.kernel if c.batch]
+            runs = {c.batch: c for c in result.kernel if c.batch}
+            cells += [f"{runs[m].max_abs_error:.2e} / {runs[m].relative_error:.1e}" if m in runs else "-"
+                      for m in report.batch_sizes]
         problems = result.integrity_problems + [c.problem for c in result.kernel if c.problem]
-        cells += [f"{result.seconds * 1000:.0f} ms", "ok" if result.ok else "FAIL: " + "; ".join(problems)]
+        status = "ok" if result.ok else "FAIL: " + "; ".join(problems)
+        if result.kernel_note:
+            status += f" ({result.kernel_note})"
+        cells += [f"{result.seconds * 1000:.0f} ms", status]
         output.add_row(*cells, style=None if result.ok else "red")
     if len(report.results) > MAX_ROWS and not quiet:
         output.lines.append(f"{len(report.results)} layers/experts checked; showing failures only")
-    worst = max((c.relative_error for r in report.results for c in r.kernel if c.batch), default=None)
-    summary = (f"{len(report.results) - len(report.failures)}/{len(report.results)} passed"
-               f" in {report.seconds:.1f} s; lossless round trip checked for every layer")
+    for kept in report.kept:
+        state = "ok (bytes equal the source's digests)" if kept.ok else "FAIL: " + "; ".join(kept.problems)
+        output.lines.append(f"kept in GPTQ form: {kept.name} ({kept.reason}): {state}")
+    for problem in report.problems:
+        output.lines.append(f"[red]FAIL: {problem}[/red]")
+    output.lines += [f"note: {note}" for note in report.notes]
+    passed = len(report.results) - len(report.failures) + sum(k.ok for k in report.kept)
+    summary = (f"{passed}/{len(report.results) + len(report.kept)} passed: {len(report.results)} converted, "
+               f"{len(report.kept)} kept in GPTQ form; {report.files_checked} file(s) and {report.tensors_checked} "
+               f"copied tensor(s) hashed against the manifest; {len(report.problems)} other problem(s); "
+               f"{report.seconds:.1f} s")
     if report.kernel_checked:
-        summary += f"; kernel on GPU {gpu}, batch sizes {batch}, worst relative error {worst:.2e}" \
-                   f" (bound {RELATIVE_ERROR_BOUND:.0e})"
+        worst = max((c.relative_error for r in report.results for c in r.kernel if c.batch), default=None)
+        bound = f"bound {RELATIVE_ERROR_BOUND:.0e}" + ("; bf16 runs: max(2e-3, twice torch's own bf16 error)"
+                                                      if any(c.bound != RELATIVE_ERROR_BOUND for r in report.results
+                                                             for c in r.kernel) else "")
+        summary += (f"; kernel on GPU {gpu} in {report.activation_dtype}, batch sizes {batch}, worst relative "
+                    f"error {worst:.2e} ({bound})" if worst is not None else f"; kernel on GPU {gpu}: no layer ran")
     else:
         summary += "; kernel not run (--skip-kernel)"
     output.lines.append(summary)
+    output.lines.append(f"manifest {report.manifest_sha256}")
     output.render()
     output.write_json(json_file)
-    if report.failures:
+    if not report.ok:
         names = ", ".join(r.label for r in report.failures[:5])
         more = f" and {len(report.failures) - 5} more" if len(report.failures) > 5 else ""
-        raise VerificationFailed(f"{len(report.failures)} layer(s) failed verification: {names}{more}")
+        parts = [f"{len(report.failures)} layer(s) failed verification" + (f": {names}{more}" if names else "")]
+        if report.problems:
+            parts.append(f"{len(report.problems)} problem(s) with the files (listed above)")
+        if not all(k.ok for k in report.kept):
+            parts.append(f"{sum(not k.ok for k in report.kept)} kept layer(s) differ")
+        raise VerificationFailed("; ".join(parts))

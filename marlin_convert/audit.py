@@ -1,0 +1,352 @@
+"""Check a converted directory's manifest against its files, before any tensor data is read.
+
+The manifest (types already checked by :func:`marlin_convert.manifest.load_manifest`) must describe the
+directory exactly: every tensor of every shard is a converted layer's output, a passthrough tensor or a tensor
+of a layer kept in GPTQ form, once, with the dtype and shape the layer's K, N, bits and groups imply; every
+layer entry agrees with itself (groups, padded shape, workspace, expert stride, sources); the shard files hold
+nothing beyond their tensors; the configs and the index say what the manifest says; the files on disk are the
+files the manifest lists. Each mismatch is reported by name; none stops the audit.
+
+What is left for the data pass (:mod:`marlin_convert.verify`) comes back as :class:`Audit`: the checked layers,
+and per file the byte ranges whose digests to check while the file is hashed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import layout, strict_json
+from .convert import GPTQ_MODULES_KEY
+from .errors import InputError
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
+from .manifest import MANIFEST_FILE
+from .rebuild import MarlinLayer
+from .safetensors_io import SafetensorsFile, read_header
+from .spec import QuantSpec
+
+
+
+@dataclass(frozen=True)
+class DigestRange:
+    """Bytes ``[begin, end)`` of a file whose SHA-256 must be ``digest``; ``label`` names them in a report."""
+
+    label: str
+    begin: int
+    end: int
+    digest: str
+
+
+@dataclass
+class FileCheck:
+    """One file of the output: its expected size and digest, and the tensor ranges inside it to hash too."""
+
+    name: str
+    size: int
+    digest: str
+    ranges: list[DigestRange] = field(default_factory=list)
+
+
+@dataclass
+class Audit:
+    """The result: ``layers[i]`` is the checked view of manifest layer ``i`` (None when its entry is unusable),
+    ``layer_problems[i]`` what is wrong with it; ``problems`` the checkpoint-level mismatches; ``kept_problems``
+    per kept layer name; ``files`` what to hash."""
+
+    headers: dict[str, SafetensorsFile]
+    layers: list[MarlinLayer | None]
+    layer_problems: list[list[str]]
+    kept_problems: dict[str, list[str]]
+    problems: list[str]
+    files: list[FileCheck]
+
+
+def _safe_relative(name: str) -> bool:
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and "\\" not in name
+
+
+def _layer_view(entry: dict) -> tuple[MarlinLayer | None, list[str]]:
+    """Build the checked view of one layer entry; problems where the entry disagrees with itself."""
+    try:
+        spec = QuantSpec.create(bits=entry["bits"], group_size=entry["group_size"], sym=entry["sym"],
+                                zero_format=entry["zero_format"], act_order=entry["act_order"],
+                                in_features=entry["in_features"], out_features=entry["out_features"],
+                                scale_dtype=entry["scale_dtype"], num_experts=entry["num_experts"],
+                                source_format=entry["source_format"])
+        padded = spec.padded_shape
+    except ValueError as exc:
+        return None, [f"manifest entry is not a valid layer: {exc}"]
+    problems = []
+    recorded = (entry["padded_in_features"], entry["padded_out_features"])
+    if recorded != padded:
+        problems.append(f"manifest says padded shape {list(recorded)}, K = {spec.in_features}, N = "
+                        f"{spec.out_features}, group {spec.group_size} give {list(padded)}")
+    if entry["num_groups"] != spec.num_groups:
+        problems.append(f"manifest says {entry['num_groups']} groups, K = {spec.in_features} with group "
+                        f"{spec.group_size} has {spec.num_groups}")
+    layer = MarlinLayer(entry["name"], spec, padded[0], padded[1],
+                        {kind: (entry["shards"].get(kind), name) for kind, name in entry["outputs"].items()})
+    expected = set(layer.expected_kinds)
+    for key in ("outputs", "shards", "shapes"):
+        if set(entry[key]) != expected:
+            problems.append(f"manifest '{key}' lists {sorted(entry[key])}, this layer has {sorted(expected)}")
+    lead = [spec.num_experts] if spec.num_experts else []
+    for kind in sorted(expected & set(entry["shapes"])):
+        if entry["shapes"][kind] != lead + list(layer.shape(kind)):
+            problems.append(f"manifest shape of {kind} {entry['shapes'][kind]} is not {lead + list(layer.shape(kind))}")
+    workspace = entry["workspace"]
+    if workspace["ints"] != layout.workspace_ints(padded[1]) or workspace["rule"] != layout.WORKSPACE_RULE:
+        problems.append(f"manifest workspace {workspace['ints']} ints ({workspace['rule']!r}) is not "
+                        f"{layout.workspace_ints(padded[1])} ({layout.WORKSPACE_RULE!r})")
+    if workspace.get("per_expert", False) != bool(spec.num_experts):
+        problems.append("manifest workspace.per_expert does not match num_experts")
+    if spec.num_experts and entry["expert_stride_int32"] != padded[0] * padded[1] * spec.bits // 32:
+        problems.append(f"manifest expert_stride_int32 {entry['expert_stride_int32']} is not K_pad * N_pad * b / 32 "
+                        f"= {padded[0] * padded[1] * spec.bits // 32}")
+    problems += _source_problems(entry, spec)
+    return (None if problems else layer), problems
+
+
+def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
+    sources, experts = entry["sources"], spec.num_experts
+    problems = []
+    if experts == 0:
+        wanted = [None]
+    elif len(sources) == 1:
+        wanted = [[0, experts]]
+    else:
+        wanted = [[e, e + 1] for e in range(experts)]
+    if [s["slices"] for s in sources] != wanted:
+        problems.append(f"manifest sources cover slices {[s['slices'] for s in sources]}, expected {wanted}")
+    for source in sources:
+        where = f"source '{source['name']}'"
+        kinds = set(source["tensors"])
+        needed = {"qweight", "scales", "qzeros"} | ({"g_idx"} if source["g_idx"] != "absent" else set())
+        if kinds != needed or set(source["digests"]) != kinds:
+            problems.append(f"{where}: tensors {sorted(kinds)} / digests {sorted(source['digests'])}, expected "
+                            f"{sorted(needed)}")
+        if source["g_idx"] == "act_order" and not spec.act_order:
+            problems.append(f"{where}: act-order source in a layer without perm")
+        if spec.sym:
+            stored = (1 << (spec.bits - 1)) - (1 if source["zero_format"] == "v1" else 0)
+            if source["zero_stored"] != stored:
+                problems.append(f"{where}: zero_stored {source['zero_stored']} is not the symmetric {spec.bits}-bit "
+                                f"{source['zero_format']} value {stored}")
+        elif source["zero_stored"] is not None:
+            problems.append(f"{where}: zero_stored {source['zero_stored']} on an asymmetric layer (expected null)")
+    return problems
+
+
+def audit(out_dir: Path, manifest: dict) -> Audit:
+    """Check ``manifest`` against the files of ``out_dir`` (see the module docstring)."""
+    out_dir = Path(out_dir)
+    problems: list[str] = []
+    shard_names = manifest["shards"]
+    for name in set(shard_names) | {e["shard"] for e in manifest["passthrough"]}:
+        if not _safe_relative(name) or "/" in name:
+            raise InputError(f"{out_dir / MANIFEST_FILE}: shard name {name!r} is not a file name in the directory")
+    for name in manifest["files"]:
+        if not _safe_relative(name):
+            raise InputError(f"{out_dir / MANIFEST_FILE}: file name {name!r} is not inside the directory")
+
+    headers: dict[str, SafetensorsFile] = {}
+    for name in dict.fromkeys(shard_names):
+        path = out_dir / name
+        try:  # checks the header and that the tensors tile the data exactly, nothing after them
+            headers[name] = read_header(path)
+        except InputError as exc:
+            problems.append(f"shard {name}: {exc.message}")
+
+    # every tensor of every shard, claimed once: (shard, tensor) -> (who, dtype, shape) (None: not recorded)
+    claims: dict[tuple[str, str], tuple[str, str | None, tuple | None]] = {}
+    claim_problems: dict[str, list[str]] = {}
+
+    def claim(owner: str, shard: str | None, tensor: str, dtype: str | None, shape) -> None:
+        key = (shard, tensor)
+        if key in claims:
+            claim_problems.setdefault(owner, []).append(f"tensor '{tensor}' is also claimed by {claims[key][0]}")
+        claims[key] = (owner, dtype, shape)
+
+    layers, layer_problems = [], []
+    for entry in manifest["layers"]:
+        layer, found = _layer_view(entry)
+        for kind, tensor in entry["outputs"].items():
+            shape = tuple(entry["shapes"].get(kind, ()))
+            claim(f"layer '{entry['name']}'", entry["shards"].get(kind), tensor, "I32" if kind != "s" else None, shape)
+        layers.append(layer)
+        layer_problems.append(found)
+    for entry in manifest["passthrough"]:
+        claim(f"passthrough '{entry['name']}'", entry["shard"], entry["name"], entry["dtype"], tuple(entry["shape"]))
+    for entry in manifest["kept"]:
+        for kind, tensor in entry["tensors"].items():
+            claim(f"kept layer '{entry['name']}'", entry["shards"].get(kind), tensor, None, None)
+
+    owner_problems: dict[str, list[str]] = dict(claim_problems)
+    for (shard, tensor), (owner, dtype, shape) in claims.items():
+        header = headers.get(shard)
+        if shard not in headers:
+            why = "which the manifest's shard list does not name" if shard not in shard_names else "which is unreadable"
+            owner_problems.setdefault(owner, []).append(f"tensor '{tensor}' is in shard {shard!r}, {why}")
+            continue
+        info = header.tensors.get(tensor)
+        if info is None:
+            owner_problems.setdefault(owner, []).append(f"tensor '{tensor}' is missing from shard {shard}")
+        elif (dtype is not None and info.dtype != dtype) or (shape is not None and info.shape != shape):
+            owner_problems.setdefault(owner, []).append(
+                f"tensor '{tensor}' in {shard} is {info.dtype}{list(info.shape)}, the manifest says "
+                f"{dtype or info.dtype}{list(shape) if shape is not None else list(info.shape)}")
+    for shard, header in headers.items():
+        for tensor in header.tensors:
+            if (shard, tensor) not in claims:
+                problems.append(f"shard {shard}: tensor '{tensor}' is not accounted for by the manifest")
+    for i, (entry, layer) in enumerate(zip(manifest["layers"], layers)):
+        found = owner_problems.pop(f"layer '{entry['name']}'", [])
+        if layer is not None and layer.spec.scale_dtype:
+            shard, tensor = entry["shards"].get("s"), entry["outputs"].get("s")
+            info = headers.get(shard).tensors.get(tensor) if shard in headers else None
+            if info is not None and info.dtype != layer.dtype("s"):
+                found.append(f"tensor '{tensor}' is {info.dtype}, scale_dtype says {entry['scale_dtype']}")
+        if found:
+            layer_problems[i] += found
+            layers[i] = None
+    kept_problems = {entry["name"]: owner_problems.pop(f"kept layer '{entry['name']}'", [])
+                     for entry in manifest["kept"]}
+    problems += [f"{owner}: {p}" for owner, found in owner_problems.items() for p in found]
+
+    problems += _format_problems(manifest)
+    problems += _config_problems(out_dir, manifest)
+    problems += _index_problems(out_dir, headers, len(shard_names))
+    files, file_problems = _file_checks(out_dir, manifest, headers, kept_problems)
+    problems += file_problems
+    return Audit(headers, layers, layer_problems, kept_problems, problems, files)
+
+
+def _format_problems(manifest: dict) -> list[str]:
+    partial = bool(manifest["kept"])
+    label = manifest["checkpoint_format"]
+    if (label == "marlin-partial") != partial:
+        return [f"manifest checkpoint_format is {label!r} with {len(manifest['kept'])} layer(s) kept in GPTQ form"]
+    return []
+
+
+def _read_config(path: Path) -> tuple[dict | None, str | None]:
+    try:
+        data = strict_json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        return None, f"{path.name}: unreadable: {exc}"
+    return (data, None) if isinstance(data, dict) else (None, f"{path.name}: not a JSON object")
+
+
+def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
+    """config.json's quantization_config (when the file exists) and quantize_config.json (always written) must say
+    what the manifest says: format, Marlin or not, the modules kept in GPTQ form."""
+    label = manifest["checkpoint_format"]
+    kept = sorted(entry["name"] for entry in manifest["kept"])
+    problems, sections = [], []
+    for name, required in ((CONFIG_FILE, False), (QUANTIZE_CONFIG_FILE, True)):
+        path = out_dir / name
+        if not path.exists():
+            if required:
+                problems.append(f"{name} is missing")
+            continue
+        data, problem = _read_config(path)
+        if problem:
+            problems.append(problem)
+            continue
+        if name == CONFIG_FILE:
+            dtype = data.get("torch_dtype", data.get("dtype"))
+            if dtype != manifest["model_dtype"]:
+                problems.append(f"{name}: torch_dtype {dtype!r}, the manifest's model_dtype is "
+                                f"{manifest['model_dtype']!r}")
+            data = data.get("quantization_config")
+            if not isinstance(data, dict):
+                problems.append(f"{name}: no quantization_config object")
+                continue
+        sections.append((name, data))
+    for name, section in sections:
+        said = {key: section.get(key) for key in ("quant_method", "checkpoint_format", "is_marlin_format")}
+        wanted = {"quant_method": "gptq", "checkpoint_format": label, "is_marlin_format": label == "marlin"}
+        for key in wanted:
+            if said[key] != wanted[key]:
+                problems.append(f"{name}: {key} is {json.dumps(said[key])}, expected {json.dumps(wanted[key])} "
+                                f"(manifest: {label})")
+        if "format" in section and section["format"] != label:
+            problems.append(f"{name}: format is {json.dumps(section['format'])}, expected {json.dumps(label)}")
+        listed = section.get(GPTQ_MODULES_KEY)
+        if (sorted(listed) if isinstance(listed, list) and all(isinstance(m, str) for m in listed) else listed) != \
+                (kept or None):
+            problems.append(f"{name}: {GPTQ_MODULES_KEY} is {json.dumps(listed)[:80]}, the manifest keeps "
+                            f"{len(kept)} layer(s) in GPTQ form")
+    return problems
+
+
+def _index_problems(out_dir: Path, headers: dict[str, SafetensorsFile], shard_count: int) -> list[str]:
+    path = out_dir / INDEX_FILE
+    if not path.exists():
+        return [f"{INDEX_FILE} is missing ({shard_count} shards)"] if shard_count > 1 else []
+    data, problem = _read_config(path)
+    if problem:
+        return [problem]
+    weight_map, metadata = data.get("weight_map"), data.get("metadata")
+    if not isinstance(weight_map, dict):
+        return [f"{INDEX_FILE}: no weight_map object"]
+    actual = {tensor: shard for shard, header in headers.items() for tensor in header.tensors}
+    problems = []
+    for tensor in sorted(set(actual) | set(weight_map)):
+        if weight_map.get(tensor) != actual.get(tensor):
+            problems.append(f"{INDEX_FILE}: '{tensor}' maps to {json.dumps(weight_map.get(tensor))}, it is in "
+                            f"{json.dumps(actual.get(tensor))}")
+            if len(problems) >= 5:
+                problems.append(f"{INDEX_FILE}: (more mismatches not listed)")
+                break
+    total = sum(header.data_bytes for header in headers.values())
+    if not isinstance(metadata, dict) or metadata.get("total_size") != total:
+        size = metadata.get("total_size") if isinstance(metadata, dict) else None
+        problems.append(f"{INDEX_FILE}: metadata.total_size is {json.dumps(size)}, the shards hold {total} bytes")
+    return problems
+
+
+def _file_checks(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFile],
+                 kept_problems: dict[str, list[str]]) -> tuple[list[FileCheck], list[str]]:
+    """The files to hash: those the manifest lists and that exist with the recorded size. Files present but not
+    listed, listed but missing, or of another size are problems. Passthrough and kept tensors become ranges."""
+    problems = []
+    present = {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file() or p.is_symlink()}
+    present.discard(MANIFEST_FILE)
+    listed = manifest["files"]
+    for name in sorted(present - set(listed)):
+        problems.append(f"file {name} is not listed in the manifest")
+    checks: dict[str, FileCheck] = {}
+    for name, record in listed.items():
+        path = out_dir / name
+        if name not in present:
+            problems.append(f"file {name} listed in the manifest is missing")
+        elif path.is_symlink() or not path.is_file():
+            problems.append(f"file {name} is not a regular file")
+        elif path.stat().st_size != record["bytes"]:
+            problems.append(f"file {name} has {path.stat().st_size} bytes, the manifest says {record['bytes']}")
+        else:
+            checks[name] = FileCheck(name, record["bytes"], record["sha256"])
+    for shard in headers:
+        if shard not in listed:
+            problems.append(f"shard {shard} has no digest in the manifest's files")
+
+    def add_range(shard: str, tensor: str, label: str, digest: str) -> None:
+        info = headers[shard].tensors.get(tensor) if shard in headers else None
+        if info is not None and shard in checks:
+            checks[shard].ranges.append(DigestRange(label, info.begin, info.end, digest))
+
+    for entry in manifest["passthrough"]:
+        add_range(entry["shard"], entry["name"], f"passthrough '{entry['name']}'", entry["sha256"])
+    for entry in manifest["kept"]:
+        for kind, tensor in entry["tensors"].items():
+            shard = entry["shards"].get(kind)
+            if shard not in checks:
+                kept_problems[entry["name"]].append(f"{kind} '{tensor}': its shard cannot be hashed")
+            add_range(shard, tensor, f"kept '{entry['name']}' {kind}", entry["digests"][kind])
+    for check in checks.values():
+        check.ranges.sort(key=lambda r: r.begin)
+    return list(checks.values()), problems
+

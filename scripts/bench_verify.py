@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Benchmark ``marlin-convert verify`` on a generated, converted checkpoint, next to a SHA-256 pass in the same run.
+
+    python scripts/bench_verify.py                        # Llama-7B-shaped (3.9 GB, 4 shards): --skip-kernel,
+                                                          # and the kernel check too where a CUDA GPU is visible
+    python scripts/bench_verify.py --preset tiny          # seconds, for a smoke run
+    python scripts/bench_verify.py --gpu 0,1              # layers spread over two GPUs
+
+The GPTQ checkpoint is generated once into --dir and converted once (both kept between runs, reused when present).
+Then, with the converted files in the page cache (one untimed pass reads them first):
+
+1. one single-process SHA-256 pass over every converted file (the baseline of issue #10's target: ``verify
+   --skip-kernel`` at most 1.5 times its time);
+2. ``verify --skip-kernel`` and, with a GPU, ``verify --gpu ...`` (batches 1, 16, 128), each as a child process
+   whose wall time and peak RSS come from the OS (scripts/peak_rss.py), best of --repeat runs.
+
+Printed per run: wall time, GB/s of checkpoint over the whole command and over verify's own work (its time after
+start-up, less the kernel load), time per stage (read, inverse + hash summed over the worker processes; upload,
+reference and kernel summed over the GPU's timed events) with GB/s, peak RSS (largest process, and summed over
+verify's processes) and peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
+
+from bench_convert import ensure_source  # noqa: E402
+from peak_rss import measure  # noqa: E402
+
+#: issue #10: --skip-kernel at most this many times one single-process SHA-256 pass; the kernel check at least this
+TARGET_SHA_RATIO = 1.5
+TARGET_GPU_GBPS = 2.0
+TARGET_GPU_WALL_SECONDS = 5.0
+READ_CHUNK = 16 << 20
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def sha256_pass(directory: Path) -> float:
+    """Seconds for one single-process SHA-256 pass over every file of ``directory``."""
+    buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    start = time.perf_counter()
+    for path in _files(directory):
+        digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            while got := f.readinto(buffer):
+                digest.update(view[:got])
+    return time.perf_counter() - start
+
+
+def _prepare(args) -> Path:
+    """The converted checkpoint of ``args.preset`` (generated and converted once, reused when present)."""
+    source = ensure_source(args.dir, args.preset, args.shards)
+    out = args.dir / f"{args.preset}-marlin"
+    marker = args.dir / f"{args.preset}-marlin.complete"
+    if not marker.exists() or not out.exists():
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"converting into {out} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "marlin_convert.cli.app", str(source), str(out), "-q"], check=True,
+                       stdout=subprocess.DEVNULL)
+        marker.write_text("ok")
+    return out
+
+
+def _verify_runs(out: Path, extra: list[str], repeat: int, report: Path) -> list[tuple[float, int, dict]]:
+    runs = []
+    for _ in range(max(1, repeat)):
+        seconds, peak = measure([sys.executable, "-m", "marlin_convert.cli.app", "verify", str(out), "-q",
+                                 "--json", str(report), *extra])
+        runs.append((seconds, peak, json.loads(report.read_text())))
+    return runs
+
+
+def _print_run(title: str, runs: list[tuple[float, int, dict]], total: int, sha_seconds: float | None) -> None:
+    seconds, peak, data = min(runs, key=lambda r: r[0])
+    stages = data["stage_seconds"]
+    own = data["seconds"] - stages.get("kernel load", 0.0)
+    print(f"\n== {title}: {'ok' if data['ok'] else 'FAILED'} ({data['layers_checked']} layers/experts, "
+          f"{data['files_checked']} files)")
+    rows = [("wall time", f"{seconds:.2f} s (best of {len(runs)}: " + ", ".join(f"{r[0]:.2f}" for r in runs)
+             + f"), {total / seconds / 1e9:.2f} GB/s over the whole command")]
+    rows.append(("verify's own work", f"{own:.2f} s, {total / own / 1e9:.2f} GB/s (start-up"
+                 + (f" and {stages['kernel load']:.2f} s kernel load" if "kernel load" in stages else "")
+                 + " excluded)"))
+    if sha_seconds is not None:
+        ratio = seconds / sha_seconds
+        rows.append(("vs SHA-256 pass", f"{ratio:.2f}x its time (target <= {TARGET_SHA_RATIO}x): "
+                                        f"{'PASS' if ratio <= TARGET_SHA_RATIO else 'MISS'}"))
+    else:
+        rate = total / own / 1e9
+        rows.append(("targets", f">= {TARGET_GPU_GBPS} GB/s: {'PASS' if rate >= TARGET_GPU_GBPS else 'MISS'}; "
+                                f"whole command < {TARGET_GPU_WALL_SECONDS:.0f} s: "
+                                f"{'PASS' if seconds < TARGET_GPU_WALL_SECONDS else 'MISS'}"))
+    for stage in ("read", "read + inverse", "hash", "upload", "reference", "kernel"):
+        if stage in stages:
+            where = "summed over workers" if stage in ("read", "read + inverse", "hash") else "GPU events, summed"
+            rate = total / stages[stage] / 1e9 if stages[stage] else float("inf")
+            rows.append((f"stage: {stage}", f"{stages[stage]:.2f} s ({where}), {rate:.2f} GB/s"))
+    rows.append(("peak RSS", f"{peak / 2**20:.0f} MiB largest process (OS), {data['peak_rss_bytes'] / 2**20:.0f} MiB "
+                             "summed over verify's processes"))
+    if data.get("gpu_peak_bytes"):
+        rows.append(("peak GPU memory", ", ".join(f"{d}: {b / 2**20:.0f} MiB" for d, b in data["gpu_peak_bytes"].items())))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-7b", choices=["llama-7b", "qwen3-moe", "qwen3-moe-stacked", "tiny"])
+    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "marlin-convert-bench")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--gpu", default=None, help="GPU list for the kernel run (default: 0 when CUDA is visible)")
+    parser.add_argument("--skip-gpu", action="store_true", help="only the --skip-kernel run")
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+    out = _prepare(args)
+    total = sum(p.stat().st_size for p in _files(out))
+    sha_pass = sha256_pass(out)  # the untimed warm-up read: puts every file in the page cache
+    sha_seconds = min(sha256_pass(out) for _ in range(max(1, args.repeat)))
+    print(f"checkpoint {out}: {total / 1e9:.3f} GB in {len(_files(out))} files; {os.cpu_count()} cores, "
+          f"{args.workers} workers")
+    print(f"SHA-256, one process: {sha_seconds:.2f} s, {total / sha_seconds / 1e9:.2f} GB/s "
+          f"(best of {max(1, args.repeat)}; cold-ish first pass {sha_pass:.2f} s)")
+    report = args.dir / "verify-report.json"
+    workers = ["--workers", str(args.workers)]
+    _print_run("verify --skip-kernel", _verify_runs(out, ["--skip-kernel", *workers], args.repeat, report), total,
+               sha_seconds)
+    gpu = args.gpu
+    if gpu is None and not args.skip_gpu:
+        try:
+            import torch
+
+            gpu = "0" if torch.cuda.is_available() else None
+        except ImportError:
+            gpu = None
+    if gpu is not None and not args.skip_gpu:
+        runs = _verify_runs(out, ["--gpu", gpu, *workers], args.repeat, report)
+        _print_run(f"verify --gpu {gpu} (batches 1, 16, 128)", runs, total, None)
+    else:
+        print("\n(no CUDA GPU here: the kernel run is skipped)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""``verify`` trusts nothing: manifest types, the manifest against the files, every digest, corrupt tables.
+
+All on the CPU (``--skip-kernel`` / ``gpus=None``); the kernel half is in ``test_verify_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+from make_gptq_checkpoint import tiny_llama, write_checkpoint
+
+from marlin_convert.cli.app import main
+from marlin_convert.convert import convert
+from marlin_convert.manifest import MANIFEST_FILE, load_manifest, manifest_digest
+from marlin_convert.safetensors_io import read_header
+from marlin_convert.verify import verify
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A converted act-order checkpoint (2 shards, with an index), written once: tests copy it before changing it."""
+    root = tmp_path_factory.mktemp("verify")
+    src = write_checkpoint(root / "in", tiny_llama(num_layers=1, shards=2, group_size=64, act_order=True))
+    convert(src, root / "out", workers=1)
+    return root / "out"
+
+
+@pytest.fixture
+def out(tmp_path, converted):
+    copy = tmp_path / "out"
+    shutil.copytree(converted, copy)
+    return copy
+
+
+def _edit_manifest(out, change) -> None:
+    path = out / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _flip(path, offset: int, bit: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+def test_a_fresh_conversion_passes_with_every_file_and_tensor_checked(out, capsys):
+    manifest = load_manifest(out)
+    report = verify(out, gpus=None, workers=2)
+    assert report.ok and len(report.results) == 7 and report.problems == []
+    assert report.files_checked == len(manifest["files"]) and report.files_checked >= 5
+    assert report.tensors_checked == len(manifest["passthrough"]) + sum(len(k["tensors"]) for k in manifest["kept"])
+    assert report.manifest_sha256 == manifest_digest(out)
+    assert verify(out, gpus=None, workers=1).to_dict()["ok"] is True
+
+
+@pytest.mark.parametrize("path, value, named", [
+    (("layers", 0, "bits"), "4", "layers[0].bits"),
+    (("layers", 0, "bits"), 4.0, "layers[0].bits"),
+    (("layers", 0, "bits"), 3, "layers[0].bits"),
+    (("layers", 0, "sym"), "true", "layers[0].sym"),
+    (("layers", 0, "in_features"), None, "layers[0].in_features"),
+    (("layers", 0, "workspace", "ints"), "64", "layers[0].workspace.ints"),
+    (("layers", 0, "sources", 0, "digests", "qweight"), 5, "layers[0].sources[0].digests.qweight"),
+    (("layers", 0, "sources", 0, "slices"), [3, 1], "layers[0].sources[0].slices"),
+    (("layers", 0, "shapes", "B"), [1, -2], "layers[0].shapes.B"),
+    (("layers",), {}, "'layers'"),
+    (("passthrough", 0, "sha256"), "md5:00", "passthrough[0].sha256"),
+    (("files",), [], "'files'"),
+    (("checkpoint_format",), "gptq", "checkpoint_format"),
+    (("model_dtype",), 16, "model_dtype"),
+])
+def test_a_field_of_the_wrong_type_or_value_exits_2_naming_it(out, capsys, path, value, named):
+    def change(manifest):
+        target = manifest
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    _edit_manifest(out, change)
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("Error:") == 1 and named in err and "Traceback" not in err
+
+
+def test_a_manifest_with_a_repeated_key_exits_2(out, capsys):
+    path = out / MANIFEST_FILE
+    path.write_text(path.read_text().replace('"format":', '"version": 2, "format":', 1))
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
+    assert "duplicate key 'version'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../escape.json", "/etc/passwd"])
+def test_file_names_outside_the_directory_are_refused(out, capsys, name):
+    _edit_manifest(out, lambda m: m["files"].update({name: {"bytes": 1, "sha256": "sha256:" + "0" * 64}}))
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
+    assert "not inside the directory" in capsys.readouterr().err
+
+
+def _fails(out, *fragments) -> str:
+    report = verify(out, gpus=None, workers=1)
+    assert not report.ok
+    text = "\n".join(report.problems + [p for r in report.failures for p in r.integrity_problems]
+                     + [p for k in report.kept for p in k.problems])
+    for fragment in fragments:
+        assert fragment in text, text
+    return text
+
+
+def test_a_removed_layer_leaves_its_tensors_unaccounted(out):
+    _edit_manifest(out, lambda m: m["layers"].pop(3))
+    _fails(out, "is not accounted for by the manifest")
+
+
+def test_no_layers_at_all_fails(out):
+    _edit_manifest(out, lambda m: m.update(layers=[]))
+    _fails(out, "is not accounted for by the manifest")
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("workspace", {"rule": "(N / 64) * 16", "ints": 8}, "workspace 8 ints"),
+    ("bits", 8, "manifest shape of B"),
+    ("group_size", 32, "groups"),
+    ("scale_dtype", "bfloat16", "scale_dtype says bfloat16"),
+    ("num_groups", 3, "manifest says 3 groups"),
+    ("padded_out_features", 1024, "padded shape"),
+])
+def test_an_edited_layer_field_fails_that_layer(out, field, value, fragment):
+    _edit_manifest(out, lambda m: m["layers"][2].update({field: value}))
+    report = verify(out, gpus=None, workers=1)
+    name = load_manifest(out)["layers"][2]["name"]
+    assert [r.name for r in report.failures] == [name]
+    assert any(fragment in p for p in report.failures[0].integrity_problems), report.failures[0].integrity_problems
+
+
+def test_an_edited_shape_fails_that_layer(out):
+    def change(manifest):
+        manifest["layers"][1]["shapes"]["B"][0] += 1
+
+    _edit_manifest(out, change)
+    _fails(out, "manifest shape of B")
+
+
+@pytest.mark.parametrize("removed, fragment", [
+    ("config.json", "config.json listed in the manifest is missing"),
+    ("quantize_config.json", "quantize_config.json is missing"),
+    ("model.safetensors.index.json", "model.safetensors.index.json is missing"),
+])
+def test_a_deleted_config_or_index_fails(out, removed, fragment):
+    (out / removed).unlink()
+    _fails(out, fragment)
+
+
+def test_configs_must_say_what_the_manifest_says(out):
+    path = out / "quantize_config.json"
+    config = json.loads(path.read_text())
+    config["checkpoint_format"] = "gptq"
+    path.write_text(json.dumps(config))
+    _fails(out, "quantize_config.json: checkpoint_format is \"gptq\"", "file quantize_config.json")
+
+
+def test_an_index_that_maps_a_tensor_elsewhere_fails(out):
+    path = out / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "model-99.safetensors"
+    path.write_text(json.dumps(index))
+    _fails(out, f"'{name}' maps to \"model-99.safetensors\"")
+
+
+def test_appended_bytes_and_added_files_fail(out):
+    shard = next(out.glob("*.safetensors"))
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 8)
+    (out / "extra.bin").write_bytes(b"x")
+    _fails(out, "after the last tensor", f"file {shard.name} has", "file extra.bin is not listed")
+
+
+def test_an_added_tensor_is_not_accounted_for(out):
+    from marlin_convert.safetensors_io import PlannedTensor, ShardWriter, read_tensor
+
+    shard = next(out.glob("*.safetensors"))
+    header = read_header(shard)
+    tensors = {name: read_tensor(header, name) for name in header.tensors}
+    planned = [PlannedTensor(n, i.dtype, i.shape) for n, i in header.tensors.items()]
+    planned.append(PlannedTensor("intruder.weight", "F16", (4,)))
+    writer = ShardWriter(shard, planned, header.metadata)
+    for name, array in tensors.items():
+        writer.record(name, writer.write_array(name, array))
+    writer.record("intruder.weight", writer.write_array("intruder.weight", np.ones(4, np.float16)))
+    writer.close()
+    _fails(out, "tensor 'intruder.weight' is not accounted for")
+
+
+def test_flips_in_passthrough_tensors_are_named(out):
+    manifest = load_manifest(out)
+    rng = random.Random(0)
+    for entry in manifest["passthrough"]:
+        info = read_header(out / entry["shard"]).tensors[entry["name"]]
+        _flip(out / entry["shard"], rng.randrange(info.begin, info.end), rng.randrange(8))
+    text = _fails(out)
+    for entry in manifest["passthrough"]:
+        assert f"passthrough '{entry['name']}': SHA-256" in text
+
+
+@pytest.mark.parametrize("kind", ["perm", "g_idx", "B", "s"])
+def test_bit_flips_in_every_marlin_tensor_fail_the_layer_by_name(out, kind):
+    manifest = load_manifest(out)
+    rng = random.Random(kind)
+    pristine = {p.name: p.read_bytes() for p in out.glob("*.safetensors")}
+    for trial in range(12):
+        entry = rng.choice(manifest["layers"])
+        shard = out / entry["shards"][kind]
+        info = read_header(shard).tensors[entry["outputs"][kind]]
+        _flip(shard, rng.randrange(info.begin, info.end), rng.randrange(8))
+        report = verify(out, gpus=None, workers=1)
+        assert [r.name for r in report.failures] == [entry["name"]], (trial, report.failures)
+        shard.write_bytes(pristine[shard.name])
+
+
+def test_an_expected_manifest_digest_shows_tampering(out, capsys):
+    digest = manifest_digest(out)
+    assert verify(out, gpus=None, workers=1, expect_manifest=digest).ok
+    _edit_manifest(out, lambda m: m["notes"].append("edited"))
+    report = verify(out, gpus=None, workers=1, expect_manifest=digest)
+    assert not report.ok and f"expected {digest}" in report.problems[0]
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", digest]) == 1
+    assert "manifest SHA-256" in capsys.readouterr().out
+
+
+@pytest.fixture
+def partial(tmp_path):
+    """One layer converted, one kept in GPTQ form (group size 48 has no Marlin form)."""
+    from make_gptq_checkpoint import CheckpointSpec, LinearSpec
+
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 128, 256),
+                                   LinearSpec("model.layers.0.mlp.down_proj", 96, 128, group_size=48)],
+                          extras=[], group_size=64, dynamic={r"+:.*down_proj": {"group_size": 48}})
+    src = write_checkpoint(tmp_path / "in", spec)
+    convert(src, tmp_path / "out", workers=1, skip_incompatible=True)
+    return tmp_path / "out"
+
+
+def test_kept_layers_are_checked_byte_for_byte_and_counted(partial, capsys):
+    assert main(["verify", str(partial), "--skip-kernel", "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "2/2 passed: 1 converted, 1 kept in GPTQ form" in text
+    assert "kept in GPTQ form: model.layers.0.mlp.down_proj" in text
+    manifest = load_manifest(partial)
+    kept = manifest["kept"][0]
+    shard = partial / kept["shards"]["qweight"]
+    info = read_header(shard).tensors[kept["tensors"]["qweight"]]
+    _flip(shard, info.begin + 3, 2)
+    report = verify(partial, gpus=None, workers=1)
+    assert [k.name for k in report.kept if not k.ok] == ["model.layers.0.mlp.down_proj"]
+    assert "kept 'model.layers.0.mlp.down_proj' qweight: SHA-256" in report.kept[0].problems[0]
+    assert main(["verify", str(partial), "--skip-kernel", "-q"]) == 1
+    assert "1 kept layer(s) differ" in capsys.readouterr().err
+
+
+def test_a_partial_checkpoint_must_say_so(partial):
+    _edit_manifest(partial, lambda m: m.update(checkpoint_format="marlin"))
+    _fails(partial, "checkpoint_format is 'marlin' with 1 layer(s) kept", "quantize_config.json: checkpoint_format is "
+                                                                         "\"marlin-partial\", expected \"marlin\"")
