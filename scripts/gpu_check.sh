@@ -130,7 +130,7 @@ for src in "$E2E"/*-gptq; do
         --source "$src" --json "$OUT/verify_$name.json" > "$OUT/verify_$name.log" 2>&1; then
     status=ok
   else
-    status=FAILED; e2e_failed=1; tail -5 "$OUT/convert_$name.log" "$OUT/verify_$name.log"
+    status=FAILED; e2e_failed=1; tail -n 5 "$OUT/convert_$name.log" "$OUT/verify_$name.log" || true
   fi
   summary=$($PY -c "
 import json, sys

@@ -75,7 +75,7 @@ def test_one_worker_and_many_slices_do_not_wait_on_each_other(tmp_path):
     src = write_checkpoint(tmp_path / "in", spec)
     convert(src, tmp_path / "out", workers=1)
     report = verify(tmp_path / "out", gpus=[0], batch_sizes=[1], workers=1)
-    assert report.ok and sum(r.name.endswith("experts.up_proj") for r in report.results) == 32
+    assert report.ok and sum(r.name.endswith("experts.gate_up_proj") for r in report.results) == 32
 
 
 def test_gpu_list_spreads_layers_and_the_cli_exits_zero(tmp_path, capsys):
