@@ -42,6 +42,14 @@ int launch_small(const Launch& L, bool swap, bool swap_small_only = false, bool 
   return launch_config<K, 1, 1, 2, 4, GROUPED, 0>(L);
 }
 
+// Benchmark only (cfg 10..13): swapped kernels with WN 64-column groups per block (one / two batch blocks).
+template <int WN, int STRIPS, int STAGES, bool GROUPED>
+int launch_wide(const Launch& L) {
+  using K = KindFp16Int4;
+  if (L.m <= 8) return launch_config<K, 1, WN, STRIPS, STAGES, GROUPED, 1>(L);
+  return launch_config<K, 1, WN, STRIPS, STAGES, GROUPED, 2>(L);
+}
+
 template <bool GROUPED>
 int dispatch_fp16_int4(const Launch& L) {
   using K = KindFp16Int4;
@@ -68,13 +76,39 @@ int dispatch_fp16_int4(const Launch& L) {
         return one_wave ? launch_small<4, 4, GROUPED>(L, true, true, true)
                         : launch_small<2, 4, GROUPED>(L, true, true, true);
       case 8: return one_wave ? launch_small<4, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true, true);
+      // Wide tiles (issue #11 hypothesis: 512-byte pieces of B per 16-row strip use DRAM poorly; 1 / 2 KB pieces
+      // read more of each DRAM page per request): swapped, WN = 2 (128 columns, 1 KB per strip row) or 4 (256
+      // columns, 2 KB); 16 KB of B per stage as cfg 2 (cfg 10, 11; 13 with 6 stages) or 8 KB as the 2-strip default
+      // (12, 6 stages). n must divide by the tile width; otherwise the default below.
+      case 10:
+        if (L.n % 128 == 0 && optin >= Tile<1, 2, 4, 4, GROUPED>::kSmemBytes)
+          return launch_wide<2, 4, 4, GROUPED>(L);
+        break;
+      case 11:
+        if (L.n % 256 == 0 && optin >= Tile<1, 4, 4, 4, GROUPED>::kSmemBytes)
+          return launch_wide<4, 4, 4, GROUPED>(L);
+        break;
+      case 12:
+        if (L.n % 128 == 0 && optin >= Tile<1, 2, 2, 6, GROUPED>::kSmemBytes)
+          return launch_wide<2, 2, 6, GROUPED>(L);
+        break;
+      case 13:
+        if (L.n % 256 == 0 && optin >= Tile<1, 4, 4, 6, GROUPED>::kSmemBytes)
+          return launch_wide<4, 4, 6, GROUPED>(L);
+        break;
       // m = 9..16: the two-batch-block swapped kernel at 4 and 3 strips; at 2 strips (n / 64 > 2 SMs) it measured
       // 5-10 % slower than the unswapped kernel (cfg 1 vs cfg 7, kernel/README.md), so that one stays there.
-      default:
-        if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
-        if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
-        return launch_small<2, 4, GROUPED>(L, true, true);
+      default: break;
     }
+    // Very wide layers at m <= 8 (n / 256 >= SMs, so 256-column tiles still give every SM a block without a split):
+    // 256-column tiles, 4 strips (2 KB of B per strip row instead of 512 B; 96 KB, 2 blocks per SM). Measured on the
+    // H200 (kernel/NOTES.md, issue #11): 8192 x 57344 at m = 1 119 -> 100 us, DRAM throughput 43 -> 51 %; narrower
+    // layers lose with it (fewer tiles need split chains) and m = 16 did not gain.
+    if (L.m <= 8 && L.n % 256 == 0 && L.n / 256 >= L.sms && optin >= Tile<1, 4, 4, 4, GROUPED>::kSmemBytes)
+      return launch_wide<4, 4, 4, GROUPED>(L);
+    if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
+    if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
+    return launch_small<2, 4, GROUPED>(L, true, true);
   }
   if (L.m <= 32) return launch_config<K, 2, 1, 2, 4, GROUPED>(L);
   if (L.n % 128 == 0) return launch_config<K, 4, 2, 2, 4, GROUPED>(L);

@@ -310,12 +310,19 @@ def test_two_batch_block_forced_split_k(torch, m, split_k):
     _run_case(torch, m, 4096, 256, 128, False, seed=split_k * 31 + m, split_k=split_k)
 
 
-@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8"])
+@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8", "10", "11", "12", "13"])
 @pytest.mark.parametrize("m,group", [(4, 128), (13, 128), (16, -1)])
 def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
     """Every MARLIN_CONVERT_SMALL_CFG kernel (benchmark switch) gives the right result."""
     monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
     _run_case(torch, m, 2048, 512, group, False, seed=int(cfg) * 100 + m)
+
+
+@pytest.mark.parametrize("m,group,act_order", [(1, 128, False), (8, -1, False), (5, 32, True)])
+def test_wide_tiles_on_very_wide_layers(torch, m, group, act_order):
+    """m <= 8 with n / 256 >= SMs takes the 256-column-tile kernel by default (dispatch_fp16_int4): right there."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _run_case(torch, m, 512, 256 * sms, group, act_order, seed=700 + m)
 
 
 # ------------------------------------------------------------------------------------------------ other kinds
