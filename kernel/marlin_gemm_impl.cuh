@@ -467,18 +467,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       const bool ok = grow < m && gcol < k;
       cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((size_t)grow * k + gcol) / 8, ok);
     }
-    // B: kStageStrips strips x WN pieces of kPieceInt4 int4. 4-bit: copied as they lie (lane l's int4 is l).
-    // 8-bit: lane l's two int4 are 2l and 2l + 1 in global memory; they are stored at l and 32 + l, so that each of
-    // the lane's two 16-byte shared loads reads 32 consecutive int4 (no bank conflicts).
+    // B: kStageStrips strips x WN pieces of kPieceInt4 int4, copied as they lie (lane l's int4 is l for 4-bit, 2l and
+    // 2l + 1 for 8-bit): consecutive threads copy consecutive 16 bytes into consecutive shared memory. (An earlier
+    // 8-bit version stored int4 2l, 2l + 1 at l and 32 + l for conflict-free reads; ncu showed that this scatter
+    // split every cp.async into one-sector L2 requests, each sector requested twice: L2 86.7 % busy, 60 % hits,
+    // kernel/NOTES.md. The reads in strips() avoid the bank conflicts instead.)
 #pragma unroll
     for (int j = 0; j < STRIPS * BITS / 4; ++j) {
       const int i = tid + j * kThreads;
       const int strip = i / (WN * T::kPieceInt4);
       const int w = i % (WN * T::kPieceInt4);
       const int gstrip = strip0 + strip;
-      const int pw = i % T::kPieceInt4;
-      const int at = BITS == 8 ? i - pw + (pw & 1) * 32 + (pw >> 1) : i;
-      cp_async16(sB + at, B + (size_t)gstrip * b_row_int4 + (size_t)ntile * WN * T::kPieceInt4 + w,
+      cp_async16(sB + i, B + (size_t)gstrip * b_row_int4 + (size_t)ntile * WN * T::kPieceInt4 + w,
                  gstrip < k_strips);
     }
     // Scales and zero points (grouped): the distinct rows k0 / g .. (last k of the stage) / g, kTN values each.
@@ -555,13 +555,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       if (strip0 + strip < k_strips) {     // warp-uniform
         // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
         uint32_t bw[4 * kWords];
+        const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
+        int4 bq[kWords];
+        if constexpr (kWords == 1) {
+          bq[0] = piece[lane];
+        } else {
+          // 8-bit: the lane's 32 bytes are int4 2l, 2l + 1. A 16-byte shared load is served 8 lanes at a time; lanes
+          // 4..7 of every 8 read their second int4 first, so the 8 addresses of each phase (16-byte units 0 2 4 6 9 11
+          // 13 15, then 1 3 5 7 8 10 12 14, modulo 8) fall in 8 distinct groups of 4 banks: no conflict.
+          const int swap = (lane >> 2) & 1;
+          const int4 first = piece[2 * lane + swap];
+          const int4 second = piece[2 * lane + (swap ^ 1)];
+          bq[0] = swap ? second : first;
+          bq[1] = swap ? first : second;
+        }
 #pragma unroll
         for (int h = 0; h < kWords; ++h) {
-          const int4 bq = sB[(strip * WN + wn) * T::kPieceInt4 + h * 32 + lane];
-          bw[4 * h] = (uint32_t)bq.x;
-          bw[4 * h + 1] = (uint32_t)bq.y;
-          bw[4 * h + 2] = (uint32_t)bq.z;
-          bw[4 * h + 3] = (uint32_t)bq.w;
+          bw[4 * h] = (uint32_t)bq[h].x;
+          bw[4 * h + 1] = (uint32_t)bq[h].y;
+          bw[4 * h + 2] = (uint32_t)bq[h].z;
+          bw[4 * h + 3] = (uint32_t)bq[h].w;
         }
         // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
         // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
