@@ -463,6 +463,9 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     where = checkpoint.location[qweight.name].path.name
     if len(qweight.shape) not in (2, 3):
         raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}, expected 2-D or 3-D")
+    if 0 in qweight.shape:
+        raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}: an empty layer "
+                         "(no experts, rows or columns)")
     if not settings.quantized:
         raise InputError(f"layer '{prefix}': {settings.origin} says this module is not quantized, "
                          f"but '{qweight.name}' is stored")

@@ -408,6 +408,13 @@ def test_a_model_dtype_that_is_not_a_string_is_refused(capsys, tmp_path, src, va
     _convert_fails(capsys, tmp_path, src, "config.json", "'torch_dtype' must be a JSON string")
 
 
+@pytest.mark.parametrize("shape", [(0, 128), (32, 0), (0, 32, 128)])
+def test_an_empty_qweight_is_refused(capsys, tmp_path, src, shape):
+    """K = 0, N = 0 or no experts: an internal error (exit 3) before."""
+    _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.qweight": np.zeros(shape, np.int32)}))
+    _convert_fails(capsys, tmp_path, src, f"'{LAYER}.qweight' has shape {list(shape)}: an empty layer")
+
+
 @pytest.mark.parametrize("suffix", ["B", "s"])
 def test_a_source_tensor_named_like_a_marlin_output_is_refused(capsys, tmp_path, src, suffix):
     """``P.B`` beside ``P.qweight``: both would be written as ``P.B`` (a broken shard, before: an internal check)."""
