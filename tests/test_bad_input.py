@@ -386,10 +386,11 @@ def test_config_with_a_repeated_key(capsys, tmp_path, src):
 
 
 @pytest.mark.parametrize("name", ["config.json", "quantize_config.json"])
-def test_nan_in_a_config_is_refused(capsys, tmp_path, src, name):
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_or_infinity_in_a_config_is_refused(capsys, tmp_path, src, name, constant):
     text = (src / name).read_text()
-    (src / name).write_text(text.replace("{", '{"damp_percent": NaN, ', 1))  # Python's json would read it
-    _convert_fails(capsys, tmp_path, src, name, "NaN is not a JSON value")
+    (src / name).write_text(text.replace("{", f'{{"damp_percent": {constant}, ', 1))  # Python's json reads it
+    _convert_fails(capsys, tmp_path, src, name, f"{constant} is not a JSON value")
 
 
 @pytest.mark.parametrize("name", ["config.json", "quantize_config.json", "model.safetensors.index.json"])
