@@ -20,8 +20,9 @@ from pathlib import Path
 from . import layout, strict_json
 from .convert import GPTQ_MODULES_KEY
 from .errors import InputError
+from .experts import split_expert_key
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
-from .manifest import MANIFEST_FILE
+from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SafetensorsFile, read_header
 from .spec import QuantSpec
@@ -92,6 +93,12 @@ def _layer_view(entry: dict) -> tuple[MarlinLayer | None, list[str]]:
     for key in ("outputs", "shards", "shapes"):
         if set(entry[key]) != expected:
             problems.append(f"manifest '{key}' lists {sorted(entry[key])}, this layer has {sorted(expected)}")
+    # the names tie the entry to its tensors: an engine loads layer NAME from NAME.B, NAME.s, ...
+    names = layer_outputs_names(entry["name"], spec.act_order, zero_points=not spec.sym)
+    for kind in sorted(expected & set(entry["outputs"])):
+        if entry["outputs"][kind] != names[kind]:
+            problems.append(f"manifest output {kind} is '{entry['outputs'][kind]}', layer '{entry['name']}' writes "
+                            f"'{names[kind]}'")
     lead = [spec.num_experts] if spec.num_experts else []
     for kind in sorted(expected & set(entry["shapes"])):
         if entry["shapes"][kind] != lead + list(layer.shape(kind)):
@@ -120,8 +127,18 @@ def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
         wanted = [[e, e + 1] for e in range(experts)]
     if [s["slices"] for s in sources] != wanted:
         problems.append(f"manifest sources cover slices {[s['slices'] for s in sources]}, expected {wanted}")
-    for source in sources:
+    base, _, projection = entry["name"].rpartition(".")
+    for position, source in enumerate(sources):
         where = f"source '{source['name']}'"
+        # one source: the layer itself; one per expert (--stack-experts): '<base>.<e>.<projection>'
+        if len(sources) == 1 and source["name"] != entry["name"]:
+            problems.append(f"{where}: expected the source of layer '{entry['name']}' to be '{entry['name']}'")
+        elif len(sources) > 1 and split_expert_key(source["name"]) != (base, position, projection):
+            problems.append(f"{where}: expected expert {position} of layer '{entry['name']}', "
+                            f"'{base}.{position}.{projection}'")
+        for kind, tensor in source["tensors"].items():
+            if tensor != f"{source['name']}.{kind}":
+                problems.append(f"{where}: its {kind} is named '{tensor}', not '{source['name']}.{kind}'")
         kinds = set(source["tensors"])
         needed = {"qweight", "scales", "qzeros"} | ({"g_idx"} if source["g_idx"] != "absent" else set())
         if kinds != needed or set(source["digests"]) != kinds:
@@ -144,6 +161,9 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
     out_dir = Path(out_dir)
     problems: list[str] = []
     shard_names = manifest["shards"]
+    if len(set(shard_names)) != len(shard_names):
+        problems.append(f"manifest lists shard(s) {sorted({n for n in shard_names if shard_names.count(n) > 1})} "
+                        "more than once")
     for name in set(shard_names) | {e["shard"] for e in manifest["passthrough"]}:
         if not _safe_relative(name) or "/" in name:
             raise InputError(f"{out_dir / MANIFEST_FILE}: shard name {name!r} is not a file name in the directory")
@@ -232,6 +252,8 @@ def _format_problems(manifest: dict) -> list[str]:
 
 
 def _read_config(path: Path) -> tuple[dict | None, str | None]:
+    if not path.is_file():  # a FIFO would block
+        return None, f"{path.name}: not a regular file"
     try:
         data = strict_json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
@@ -313,7 +335,8 @@ def _file_checks(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFi
     """The files to hash: those the manifest lists and that exist with the recorded size. Files present but not
     listed, listed but missing, or of another size are problems. Passthrough and kept tensors become ranges."""
     problems = []
-    present = {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file() or p.is_symlink()}
+    # every entry but directories (FIFOs, sockets and links to directories too); links are not followed
+    present = {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_symlink() or not p.is_dir()}
     present.discard(MANIFEST_FILE)
     listed = manifest["files"]
     for name in sorted(present - set(listed)):
@@ -323,7 +346,7 @@ def _file_checks(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFi
         path = out_dir / name
         if name not in present:
             problems.append(f"file {name} listed in the manifest is missing")
-        elif path.is_symlink() or not path.is_file():
+        elif not path.is_file():  # a link to a regular file is fine: the Hugging Face cache stores files so
             problems.append(f"file {name} is not a regular file")
         elif path.stat().st_size != record["bytes"]:
             problems.append(f"file {name} has {path.stat().st_size} bytes, the manifest says {record['bytes']}")

@@ -300,7 +300,22 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
                 jobs.append(Job("zp", declared["zp"], layer=output))
             # symmetric qzeros and a trivial g_idx carry nothing Marlin needs: the manifest says how to rebuild them
         shards.append(ShardPlan(shard.path.name, jobs))
+    _check_output_names(shards)
     return ConversionPlan(checkpoint, layers, outputs, shards, notes)
+
+
+def _check_output_names(shards: list[ShardPlan]) -> None:
+    """Every output tensor name once: a source tensor named like a Marlin output (``P.B`` beside ``P.qweight``)
+    would otherwise be written twice under one name."""
+    made_by: dict[str, Job] = {}
+    for shard in shards:
+        for job in shard.jobs:
+            other = made_by.setdefault(job.output.name, job)
+            if other is not job:
+                what = [f"the source tensor in {j.source_path}" if j.kind == "copy"
+                        else f"the Marlin '{j.kind}' of layer '{j.layer.prefix}'" for j in (other, job)]
+                raise InputError(f"output tensor '{job.output.name}' would be written twice: as {what[0]} and as "
+                                 f"{what[1]}", hint="rename or remove the colliding tensor in IN_DIR")
 
 
 # --------------------------------------------------------------------------------------------------- jobs

@@ -176,6 +176,8 @@ class QuantConfig:
 
 
 def _read_json(path: Path) -> dict:
+    if path.is_symlink() and not path.exists():
+        raise InputError(f"{path}: broken link (to {os.readlink(path)})", hint="restore its target, or remove the link")
     if not path.is_file():  # a FIFO or a device would block or never end
         raise InputError(f"{path}: not a regular file")
     try:
@@ -215,8 +217,9 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
     """Merge and type-check the GPTQ settings. Returns ``(config, config_json, quantize_config_json)`` (the raw
     dicts or None). Raises :class:`InputError` naming the file and key of a missing or ill-typed value."""
     config_path, quantize_path = in_dir / CONFIG_FILE, in_dir / QUANTIZE_CONFIG_FILE
-    config_json = _read_json(config_path) if config_path.exists() else None
-    quantize_json = _read_json(quantize_path) if quantize_path.exists() else None
+    # lexists: a broken link is an error, not an absent file
+    config_json = _read_json(config_path) if os.path.lexists(config_path) else None
+    quantize_json = _read_json(quantize_path) if os.path.lexists(quantize_path) else None
     merged: dict = {}
     origin: dict[str, str] = {}
     sources: list[str] = []
@@ -256,6 +259,9 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
     )
     if "lm_head" in merged:
         value("lm_head", bool, False)
+    for key in ("torch_dtype", "dtype"):  # recorded as the manifest's model_dtype: a string or null
+        if config_json is not None and config_json.get(key) is not None:
+            _typed(config_json[key], str, key, str(config_path))
     return config, config_json, quantize_json
 
 
@@ -300,7 +306,7 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
     config, config_json, quantize_json = load_quant_config(in_dir)
     index_path = in_dir / INDEX_FILE
     index_json = None
-    if index_path.exists():
+    if os.path.lexists(index_path):
         index_json = _read_json(index_path)
         weight_map = _check_index(index_path, index_json)
         shard_names = list(dict.fromkeys(weight_map.values()))
@@ -457,6 +463,9 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     where = checkpoint.location[qweight.name].path.name
     if len(qweight.shape) not in (2, 3):
         raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}, expected 2-D or 3-D")
+    if 0 in qweight.shape:
+        raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}: an empty layer "
+                         "(no experts, rows or columns)")
     if not settings.quantized:
         raise InputError(f"layer '{prefix}': {settings.origin} says this module is not quantized, "
                          f"but '{qweight.name}' is stored")

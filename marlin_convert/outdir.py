@@ -151,6 +151,8 @@ class PartialDir:
         try:
             if overwrite and out_dir.is_symlink():
                 raise OutputError(f"OUT_DIR {out_dir} became a symbolic link while converting; left as it is")
+            if overwrite and out_dir.exists() and not out_dir.is_dir():  # --overwrite replaces a directory only
+                raise OutputError(f"OUT_DIR {out_dir} became a file while converting; left as it is")
             if overwrite and out_dir.exists():
                 if not _exchange(self.path, out_dir):
                     aside = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"

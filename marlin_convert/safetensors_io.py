@@ -95,6 +95,8 @@ def read_header(path: Path) -> SafetensorsFile:
     """
     path = Path(path)
     try:
+        if not path.is_file():  # a FIFO would block, a device never end
+            raise InputError(f"{path}: not a regular file")
         size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(8)

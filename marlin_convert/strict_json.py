@@ -1,7 +1,9 @@
-"""JSON as the reference safetensors library reads it: duplicate keys are an error, not "the last one wins".
+"""JSON as the reference safetensors library reads it (serde_json, strict RFC 8259): duplicate keys are an error,
+not "the last one wins"; ``NaN`` / ``Infinity`` (not JSON) and escaped lone surrogates (``"\\ud800"``, no
+character) are errors, not values Python would accept and later write back.
 
-Used for every JSON file the converter reads (safetensors headers, the index, the configs), so a file cannot
-say two things at once. Nesting too deep for the parser is an error too, never a crash.
+Used for every JSON file the converter reads (safetensors headers, the index, the configs, the manifest), so a
+file cannot say two things at once. Nesting too deep for the parser is an error too, never a crash.
 """
 
 from __future__ import annotations
@@ -18,12 +20,36 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return result
 
 
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def _check_strings(value: object) -> None:
+    """Every string (key or value) must be text: a lone surrogate escape decodes to something UTF-8 cannot hold."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"string {item!r} holds a lone surrogate escape, not a character") from None
+
+
 def loads(text: str | bytes) -> object:
     """Parse ``text`` (bytes must be UTF-8). Raises ValueError (a UnicodeDecodeError is one) for malformed JSON,
-    a key repeated within one object, or nesting deeper than the parser can follow."""
+    a key repeated within one object, NaN or Infinity, a lone surrogate escape, or nesting deeper than the parser
+    can follow."""
     if isinstance(text, bytes):
         text = text.decode("utf-8")
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_not_json)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+    _check_strings(data)
+    return data

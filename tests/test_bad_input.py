@@ -292,6 +292,10 @@ HEADER_CASES = {
     "metadata value not a string": (lambda h: h.update(__metadata__={"format": 1}), "'__metadata__' must map"),
     "header a list": (lambda h: "[]", "not an object"),
     "nested too deeply": (lambda h: "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    # serde_json (the reference library's parser) rejects both; Python's json would accept them
+    "NaN in an offset": (lambda h: json.dumps(h).replace("[0, ", "[NaN, ", 1), "NaN is not a JSON value"),
+    "lone surrogate in a name": (lambda h: json.dumps(h)[:-1] + ', "\\ud800": {"dtype": "F16", "shape": [0], '
+                                 '"data_offsets": [0, 0]}}', "lone surrogate"),
 }
 
 
@@ -379,6 +383,46 @@ def test_deeply_nested_config(capsys, tmp_path, src):
 def test_config_with_a_repeated_key(capsys, tmp_path, src):
     (src / "quantize_config.json").write_text('{"bits": 4, "group_size": 64, "bits": 8}')
     _convert_fails(capsys, tmp_path, src, "quantize_config.json", "duplicate key 'bits'")
+
+
+@pytest.mark.parametrize("name", ["config.json", "quantize_config.json"])
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_or_infinity_in_a_config_is_refused(capsys, tmp_path, src, name, constant):
+    text = (src / name).read_text()
+    (src / name).write_text(text.replace("{", f'{{"damp_percent": {constant}, ', 1))  # Python's json reads it
+    _convert_fails(capsys, tmp_path, src, name, f"{constant} is not a JSON value")
+
+
+@pytest.mark.parametrize("name", ["config.json", "quantize_config.json", "model.safetensors.index.json"])
+def test_a_broken_link_as_config_or_index_is_named_not_ignored(capsys, tmp_path, sharded, name):
+    (sharded / name).unlink()
+    (sharded / name).symlink_to(tmp_path / "gone.json")
+    _convert_fails(capsys, tmp_path, sharded, name, "broken link")
+
+
+@pytest.mark.parametrize("value", [["float16"], 16, {"x": 1}])
+def test_a_model_dtype_that_is_not_a_string_is_refused(capsys, tmp_path, src, value):
+    """Recorded as the manifest's model_dtype, it made an output that its own verify refused."""
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = value
+    (src / "config.json").write_text(json.dumps(config))
+    _convert_fails(capsys, tmp_path, src, "config.json", "'torch_dtype' must be a JSON string")
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (32, 0), (0, 32, 128)])
+def test_an_empty_qweight_is_refused(capsys, tmp_path, src, shape):
+    """K = 0, N = 0 or no experts: an internal error (exit 3) before."""
+    _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.qweight": np.zeros(shape, np.int32)}))
+    _convert_fails(capsys, tmp_path, src, f"'{LAYER}.qweight' has shape {list(shape)}: an empty layer")
+
+
+@pytest.mark.parametrize("suffix", ["B", "s"])
+def test_a_source_tensor_named_like_a_marlin_output_is_refused(capsys, tmp_path, src, suffix):
+    """``P.B`` beside ``P.qweight``: both would be written as ``P.B`` (a broken shard, before: an internal check)."""
+    _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.{suffix}": np.zeros(4, np.float16)}))
+    line = _convert_fails(capsys, tmp_path, src, f"'{LAYER}.{suffix}' would be written twice", "model.safetensors",
+                          f"layer '{LAYER}'")
+    assert "partial" not in line
 
 
 # ------------------------------------------------------------------- what OUT_DIR gets from IN_DIR (issue #8)

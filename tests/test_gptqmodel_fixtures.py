@@ -116,3 +116,13 @@ def test_kinds_are_recorded_per_layer(converted, case, bits, sym, zero_format, a
         assert ("zp" in entry["outputs"]) == (not sym)
         if act_order is not None:
             assert entry["act_order"] is act_order
+
+
+@pytest.mark.parametrize("case", ["k1000_g128", "k1000_desc_act"])
+def test_intermediate_1000_converts_fully_with_skip_incompatible_too(tmp_path, case):
+    """#7 item 2: K = 1000, g = 128 (seven groups of 128, then 104 rows) is converted, never kept, with the flag."""
+    report = convert(FIXTURES / case, tmp_path / "out", workers=1, skip_incompatible=True)
+    manifest = load_manifest(tmp_path / "out")
+    assert report.skipped == [] and manifest["kept"] == [] and manifest["checkpoint_format"] == "marlin"
+    down = next(e for e in manifest["layers"] if e["name"].endswith("down_proj"))
+    assert (down["in_features"], down["group_size"], down["num_groups"]) == (1000, 128, 8)

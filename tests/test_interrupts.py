@@ -183,6 +183,20 @@ def test_a_directory_created_at_out_dir_during_the_run_is_never_deleted(tmp_path
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
+def test_a_file_created_at_out_dir_during_an_overwrite_run_is_left_alone(tmp_path, src):
+    """--overwrite replaces a directory; the atomic exchange would swap a file in and leave it hidden beside."""
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    process = _start("convert", [str(src), str(out), "--overwrite"], markers)
+    _wait_for(lambda: any(markers.iterdir()), "the run to start")
+    out.write_text("made by someone else")
+    _open_gate(markers)
+    rc, err = _finish(process)
+    assert rc == 2 and "became a file while converting" in _error_line(err), err
+    assert out.read_text() == "made by someone else"
+    assert _leftovers(tmp_path) == []
+
+
 def test_out_dir_that_is_a_symlink_is_refused(tmp_path, src, capsys):
     target = tmp_path / "target"
     target.mkdir()

@@ -6,7 +6,9 @@ All on the CPU (``--skip-kernel`` / ``gpus=None``); the kernel half is in ``test
 from __future__ import annotations
 
 import json
+import os
 import random
+import threading
 import shutil
 
 import numpy as np
@@ -269,3 +271,74 @@ def test_a_partial_checkpoint_must_say_so(partial):
     _edit_manifest(partial, lambda m: m.update(checkpoint_format="marlin"))
     _fails(partial, "checkpoint_format is 'marlin' with 1 layer(s) kept", "quantize_config.json: checkpoint_format is "
                                                                          "\"marlin-partial\", expected \"marlin\"")
+
+
+# ------------------------------------------------------------------------ found in the audit of issues #7 / #8
+
+
+def _layer_index(manifest, suffix: str) -> int:
+    return next(i for i, entry in enumerate(manifest["layers"]) if entry["name"].endswith(suffix))
+
+
+def test_swapped_layer_names_fail_both_layers(out):
+    """Same shapes, every digest intact: only the names tie an entry to its tensors (an engine loads layer q_proj
+    from what the manifest says q_proj is)."""
+    def change(manifest):
+        q, o = _layer_index(manifest, "q_proj"), _layer_index(manifest, "o_proj")
+        layers = manifest["layers"]
+        layers[q]["name"], layers[o]["name"] = layers[o]["name"], layers[q]["name"]
+
+    _edit_manifest(out, change)
+    text = _fails(out, "manifest output B is", "q_proj.B")
+    report = verify(out, gpus=None, workers=1)
+    assert sorted(r.name.rsplit(".", 1)[1] for r in report.failures) == ["o_proj", "q_proj"], text
+
+
+def test_a_renamed_source_tensor_fails_the_layer(out):
+    def change(manifest):
+        manifest["layers"][0]["sources"][0]["tensors"]["qweight"] = "elsewhere.qweight"
+
+    _edit_manifest(out, change)
+    _fails(out, "its qweight is named 'elsewhere.qweight'")
+
+
+def test_a_shard_listed_twice_fails(out):
+    _edit_manifest(out, lambda m: m["shards"].append(m["shards"][0]))
+    _fails(out, "more than once")
+
+
+@pytest.mark.parametrize("victim", ["config.json", "quantize_config.json", "model.safetensors.index.json", "shard"])
+def test_a_fifo_in_place_of_a_file_fails_without_blocking(out, victim):
+    """Reading a FIFO blocks until someone writes to it: verify used to hang here."""
+    path = next(out.glob("*.safetensors")) if victim == "shard" else out / victim
+    path.unlink()
+    os.mkfifo(path)
+    unblock = threading.Timer(10, _open_for_writing, [path])  # a regression fails the test instead of hanging it
+    unblock.start()
+    try:
+        _fails(out, f"{path.name}", "not a regular file")
+    finally:
+        unblock.cancel()
+
+
+def _open_for_writing(path) -> None:
+    """Let a reader blocked on FIFO ``path`` go on (it then reads nothing)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # succeeds only while a reader waits
+    except OSError:
+        pass
+
+
+def test_a_fifo_added_to_the_directory_is_not_listed(out):
+    os.mkfifo(out / "pipe")
+    _fails(out, "file pipe is not listed in the manifest")
+
+
+def test_files_linked_into_a_blob_store_verify(out, tmp_path):
+    """The Hugging Face cache stores every file of a snapshot as a link to ../../blobs/<hash>."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for path in list(out.iterdir()):
+        path.rename(blobs / path.name)
+        path.symlink_to(blobs / path.name)
+    assert verify(out, gpus=None, workers=1).ok
