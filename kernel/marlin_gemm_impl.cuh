@@ -458,14 +458,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // reaches the same (never written) C row, and strips past k are skipped in the compute.
     // The 16-byte chunk ch of row r is stored at chunk (ch ^ (r & 7)): ldmatrix then reads 8 rows of one
     // logical chunk from 8 different 16-byte bank groups (row stride kStageK * 2 bytes is a multiple of 128).
-#pragma unroll
-    for (int i = tid; i < T::kRows * T::kAChunks; i += kThreads) {
+    auto copy_a = [&](int i) {
       const int r = i / T::kAChunks;
       const int ch = i % T::kAChunks;
       const int grow = row0 + r;
       const int gcol = k0 + ch * 8;
       const bool ok = grow < m && gcol < k;
       cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((size_t)grow * k + gcol) / 8, ok);
+    };
+    if constexpr (SWAP == 1) {
+      // m <= 8 (one batch block): only the rows < m are visited. At m = 1 that is 1 / 16 of the tile, and the
+      // predicated-off copies of the others cost as many instructions as real ones (H200, m = 1: 8192 x 8192
+      // 22.4 -> 19.5 us, kernel/NOTES.md). a_chunks is computed here: kept live across the main loop it made one
+      // kernel spill. The other kernels keep the plain predicated loop (with the early exit, m = 16 ran up to 12 %
+      // slower).
+      const int a_chunks = min(m - row0, T::kRows) * T::kAChunks;
+#pragma unroll
+      for (int i = tid; i < T::kRows * T::kAChunks; i += kThreads) {
+        if (i >= a_chunks) break;
+        copy_a(i);
+      }
+    } else {
+#pragma unroll
+      for (int i = tid; i < T::kRows * T::kAChunks; i += kThreads) copy_a(i);
     }
     // B: kStageStrips strips x WN pieces of kPieceInt4 int4, copied as they lie (lane l's int4 is l for 4-bit, 2l and
     // 2l + 1 for 8-bit): consecutive threads copy consecutive 16 bytes into consecutive shared memory. (An earlier

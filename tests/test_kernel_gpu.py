@@ -325,6 +325,20 @@ def test_wide_tiles_on_very_wide_layers(torch, m, group, act_order):
     _run_case(torch, m, 512, 256 * sms, group, act_order, seed=700 + m)
 
 
+@pytest.mark.parametrize("m,group", [(1, 128), (12, -1)])
+def test_split_in_two_when_tiles_exceed_the_sms(torch, m, group):
+    """SMs < n / 64 <= 1.5 SMs: the 2-strip kernel with a split of 2 (dispatch_fp16_int4)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _run_case(torch, m, 1024, 64 * (sms + sms // 4), group, False, seed=800 + m)
+
+
+@pytest.mark.parametrize("m,k,group,act_order", [(12, 1024, 128, False), (2, 16384, 64, True)])
+def test_split_in_two_for_long_k_or_two_batch_blocks(torch, m, k, group, act_order):
+    """SMs / 2 < n / 64 <= SMs with k >= 16384 or m > 8: the 3-strip kernel with a split of 2."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _run_case(torch, m, k, 64 * (sms // 2 + 1), group, act_order, seed=900 + m)
+
+
 # ------------------------------------------------------------------------------------------------ other kinds
 # bf16 activations, 8-bit weights, zero points (every combination but fp16 x 4-bit symmetric, tested above). Each
 # kind has its own kernels: for m <= 16 the one-wave 4-strip schedule (n / 64 <= SMs; swapped, one batch block for
