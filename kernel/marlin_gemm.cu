@@ -108,17 +108,20 @@ int dispatch_fp16_int4(const Launch& L) {
       return launch_wide<4, 4, 4, GROUPED>(L);
     // More resident blocks through a split over k, where the 4-strip / 3-strip kernels would leave one or two
     // blocks per SM with nothing to overlap (their warps stall on instruction latency, not on memory: ncu showed
-    // 0.45 issued instructions per scheduler at one block per SM, kernel/NOTES.md). Measured (H200, `--cfgs` with
-    // `--split-k`): n / 64 in (SMs, 2 SMs]: the 2-strip kernel (3 blocks per SM) with a split of 2, 8192 x 10240 m = 1
-    // 32.0 -> 27.3 us, m = 16 42.3 -> 37.8 (only while both halves fit: 2 n / 64 <= 3 SMs); n / 64 in (SMs / 2, SMs] (no room to split the 4-strip kernel): the
-    // 3-strip kernel (2 blocks per SM) with a split of 2 for long k or m > 8, 28672 x 8192 m = 16 91.6 -> 73.9 us,
-    // m = 1 59.4 -> 57.6, 8192 x 8192 m = 16 27.9 -> 26.0 (m = 1 there: 19.5 -> 20.7, so not for short k at m <= 8).
+    // 0.45 issued instructions per scheduler at one block per SM, kernel/NOTES.md). Measured on the H200 (`--cfgs`
+    // with `--split-k`):
+    //   SMs < n / 64 <= 1.5 SMs (both halves resident): the 2-strip kernel (3 blocks per SM) split in two,
+    //     8192 x 10240 m = 1 32.0 -> 27.3 us, m = 16 42.3 -> 37.8;
+    //   SMs / 2 < n / 64 <= SMs (the 4-strip kernel has no room to split): the 3-strip kernel (2 blocks per SM)
+    //     split in two, for long k or m > 8: 28672 x 8192 m = 16 91.6 -> 73.9 us, m = 1 59.4 -> 57.6,
+    //     8192 x 8192 m = 16 27.9 -> 26.0 (at m = 1 there 19.5 -> 20.7, hence not for short k at m <= 8).
     const int tiles = L.n / 64;
     Launch split_two = L;
     split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
     if (two_wave && 2 * tiles <= 3 * L.sms && optin >= Tile<1, 1, 2, 4, GROUPED>::kSmemBytes)
       return launch_small<2, 4, GROUPED>(split_two, true);
-    if (one_wave && 2 * tiles > L.sms && (L.k >= 16384 || L.m > 8)) return launch_small<3, 4, GROUPED>(split_two, true);
+    if (one_wave && 2 * tiles > L.sms && (L.k >= 16384 || L.m > 8))
+      return launch_small<3, 4, GROUPED>(split_two, true);
     if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
     if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
     return launch_small<2, 4, GROUPED>(L, true, true);
