@@ -76,7 +76,7 @@ class Linear:
     bits: int = 4
     group_size: int | None = 128  # None: channel
     symmetric: bool = True
-    g_idx: bool = False  # actorder "group": a shuffled weight_g_idx
+    g_idx: str | None = None  # actorder "group": a "shuffled" or a "trivial" (k // g) weight_g_idx
 
 
 def scheme(bits: int = 4, group_size: int | None = 128, symmetric: bool = True, **extra) -> dict:
@@ -115,8 +115,8 @@ def layer_tensors(linear: Linear, rng: np.random.Generator,
         zeros = rng.integers(0, 1 << bits, size=(n, groups))
         out[f"{linear.name}.weight_zero_point"] = ("I32", pack(zeros, bits, axis=0))
     if linear.g_idx:
-        g_idx = np.minimum(np.arange(k) // group, groups - 1).astype(np.int32)
-        out[f"{linear.name}.weight_g_idx"] = ("I32", rng.permutation(g_idx).astype(np.int32))
+        g_idx = (np.arange(k) // group).astype(np.int32)
+        out[f"{linear.name}.weight_g_idx"] = ("I32", rng.permutation(g_idx) if linear.g_idx == "shuffled" else g_idx)
     return out
 
 
