@@ -181,3 +181,15 @@ def gptq_twin(source: Path, out_dir: Path) -> Path:
                                      "checkpoint_format": "gptq_v2", "lm_head": "lm_head" in prefixes}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def assert_same_tensors(out: Path, twin: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the converted directory ``out`` equals the one of the same name in ``twin``, dtype and bytes,
+    and neither has one the other lacks. Returns ``out``'s tensors."""
+    from decode_output import all_tensors
+
+    tensors, twin_tensors = all_tensors(Path(out)), all_tensors(Path(twin))
+    assert sorted(tensors) == sorted(twin_tensors)
+    for name, array in tensors.items():
+        assert array.dtype == twin_tensors[name].dtype and array.tobytes() == twin_tensors[name].tobytes(), name
+    return tensors

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ct_checkpoint import (Linear, config_group, gptq_twin, pack, quantization_config, read_all, scheme,
-                           write_compressed_tensors, write_tensors)
+from ct_checkpoint import (Linear, assert_same_tensors, config_group, gptq_twin, pack, quantization_config, read_all,
+                           scheme, write_compressed_tensors, write_tensors)
 from decode_output import all_tensors
 
 from marlin_convert.cli.app import main
@@ -33,10 +33,7 @@ def _assert_same_as_twin_and_verified(src: Path, tmp_path: Path) -> dict:
     """Convert ``src`` and its GPTQ twin; every output tensor equal; verify with the source passes. The manifest."""
     convert(src, tmp_path / "out", workers=1)
     convert(gptq_twin(src, tmp_path / "gptq"), tmp_path / "twin", workers=1)
-    tensors, twin = all_tensors(tmp_path / "out"), all_tensors(tmp_path / "twin")
-    assert sorted(tensors) == sorted(twin)
-    for name, array in tensors.items():
-        assert array.dtype == twin[name].dtype and array.tobytes() == twin[name].tobytes(), name
+    assert_same_tensors(tmp_path / "out", tmp_path / "twin")
     report = verify(tmp_path / "out", gpus=None, workers=1, source_dir=src)
     assert report.ok, (report.problems, [r.integrity_problems for r in report.failures])
     return load_manifest(tmp_path / "out")

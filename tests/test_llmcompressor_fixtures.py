@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ct_checkpoint import gptq_twin
+from ct_checkpoint import assert_same_tensors, gptq_twin
 from decode_output import all_tensors, decode_layer, dequantize
 
 from marlin_convert.cli.app import main
@@ -45,10 +45,6 @@ def converted(tmp_path_factory):
     return out
 
 
-def test_every_fixture_is_covered():
-    assert sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) == sorted(CASES)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_converts_with_no_flags_into_the_same_marlin_checkpoint_as_its_gptq_twin(converted, case):
     out, twin = converted[case]
@@ -56,10 +52,7 @@ def test_converts_with_no_flags_into_the_same_marlin_checkpoint_as_its_gptq_twin
     assert manifest["checkpoint_format"] == "marlin" and manifest["kept"] == []
     assert manifest["source"]["format"] == "compressed-tensors"
     # every tensor of the output, Marlin or passed through, equals the twin's bit for bit, with the same dtype
-    tensors, twin_tensors = all_tensors(out), all_tensors(twin)
-    assert sorted(tensors) == sorted(twin_tensors)
-    for name, array in tensors.items():
-        assert array.dtype == twin_tensors[name].dtype and array.tobytes() == twin_tensors[name].tobytes(), name
+    tensors = assert_same_tensors(out, twin)
     assert not any(name.endswith(("weight_shape", "weight_packed", "weight_scale")) for name in tensors)
     # the layer records agree but for where they came from
     for entry, twin_entry in zip(manifest["layers"], twin_manifest["layers"], strict=True):
@@ -154,9 +147,7 @@ def test_stacked_experts_equal_the_gptq_twins_and_verify(converted, tmp_path):
     out, twin = tmp_path / "stacked", tmp_path / "twin-stacked"
     convert(FIXTURES / "qwen3_moe", out, workers=2, stack_experts=True)
     convert(converted["qwen3_moe"][1].parent / "qwen3_moe-gptq", twin, workers=1, stack_experts=True)
-    tensors, twin_tensors = all_tensors(out), all_tensors(twin)
-    assert sorted(tensors) == sorted(twin_tensors)
-    assert all(tensors[name].tobytes() == twin_tensors[name].tobytes() for name in tensors)
+    tensors = assert_same_tensors(out, twin)
     layers = {entry["name"]: entry for entry in load_manifest(out)["layers"]}
     stacked = layers["model.layers.0.mlp.experts.down_proj"]
     assert stacked["num_experts"] == 4 and len(stacked["sources"]) == 4
