@@ -193,9 +193,11 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
         top = max(group.expert_indices) + 1
         for projection, gaps in group.missing().items():
             shown = ", ".join(str(e) for e in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
+            present = by_prefix[next(iter(next(iter(group.members.values())).values()))]
+            weight = present.roles["qweight"].rsplit(".", 1)[-1]  # qweight, or compressed-tensors' weight_packed
             raise InputError(
                 f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
-                f"(no {group.base}.<e>.{projection}.qweight)"
+                f"(no {group.base}.<e>.{projection}.{weight})"
             )
         for projection, per_expert in group.members.items():
             sizes = {by_prefix[p].spec.num_groups for p in per_expert.values()}

@@ -296,3 +296,11 @@ def test_pack_matches_format_md_section_9():
     assert pack(codes, 4, axis=1).view(np.uint32).tolist() == [[0x76543210, 0xFEDCBA98]]
     assert pack(np.arange(1, 6).reshape(1, 5), 8, axis=1).view(np.uint32).tolist() == [[0x04030201, 0x00000005]]
     assert pack(np.ones((1, 10)), 3, axis=1).view(np.uint32).tolist() == [[int("001" * 10, 2)]]
+
+
+def test_a_missing_expert_is_named_with_the_compressed_tensors_key(tmp_path):
+    experts = [Linear(f"model.layers.0.mlp.experts.{e}.down_proj", 128, 128) for e in (0, 2)]
+    src = _single(tmp_path, experts, scheme())
+    with pytest.raises(InputError, match=r"expert\(s\) 1 of 0..2 missing for 'down_proj' "
+                                         r"\(no model.layers.0.mlp.experts.<e>.down_proj.weight_packed\)"):
+        build_plan(src)
