@@ -165,3 +165,39 @@ def test_inspect_shows_the_source_format_and_each_layers_config_group(tmp_path, 
     assert plan["quantization_defaults"]["ignore"] == ["lm_head"]
     layer = plan["layers"][0]
     assert layer["settings_from"].startswith("config group 'group_0' in ") and layer["zero_format"] == "v2"
+
+
+@pytest.mark.parametrize("case", ["w4a16_asym", "w8a16", "w4a16_channel", "w4a16_fp16"])
+def test_what_verify_stages_for_the_gpu_gives_compressed_tensors_own_dequantization(converted, case):
+    """On the CPU, what the kernel check uploads: each slice's rebuilt GPTQ tensors give, through the GPU
+    reference's own code, compressed-tensors' dequantization; the stored tensors rebuilt for the digests lie after
+    everything uploaded."""
+    torch = pytest.importorskip("torch")
+    from marlin_convert.audit import audit
+    from marlin_convert.gpu_check import UPLOADED, reference_weight
+    from marlin_convert.rebuild import Stage, TensorReader, rebuild_slice, stage_bytes
+
+    out, _ = converted[case]
+    manifest = load_manifest(out)
+    checked = audit(out, manifest)
+    reference = all_tensors(FIXTURES / case, "reference_dequant.safetensors")
+    compared = 0
+    for entry, layer in zip(manifest["layers"], checked.layers, strict=True):
+        stage = Stage(bytearray(stage_bytes(layer)))
+        (source,) = entry["sources"]
+        assert rebuild_slice(layer, source, None, TensorReader(out, checked.headers), stage).complete
+        end = max(offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
+                  for name, (offset, dtype, shape) in stage.placed.items() if name in UPLOADED)
+        assert min(stage.placed[kind][0] for kind in source["tensors"]) >= end
+
+        def tensor(name):
+            array = torch.from_numpy(stage.view(name).copy())
+            return array.view(torch.bfloat16) if name == "scales" and entry["scale_dtype"] == "bfloat16" else array
+
+        weight = reference_weight(tensor("qweight"), tensor("scales"), tensor("qzeros"), tensor("g_idx"),
+                                  entry["bits"], source["zero_format"]).float().numpy()
+        if f"{entry['name']}.weight" in reference:
+            rows = reference[f"{entry['name']}.rows"]
+            assert np.array_equal(weight[rows], reference[f"{entry['name']}.weight"]), entry["name"]
+            compared += 1
+    assert compared == 2
