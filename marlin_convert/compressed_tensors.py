@@ -193,8 +193,8 @@ def _weights(value, where: str) -> WeightScheme | None:
     elif actorder is not None and typed(actorder, str, "actorder", where) not in ACTORDERS:
         raise InputError(f"{where}: 'actorder' is {json.dumps(actorder)}; expected null, "
                          + ", ".join(json.dumps(a) for a in ACTORDERS))
-    return WeightScheme(bits, _present(value, "type", str, where, "int"), _present(value, "symmetric", bool, where, True),
-                        strategy, group_size, actorder)
+    return WeightScheme(bits, _present(value, "type", str, where, "int"),
+                        _present(value, "symmetric", bool, where, True), strategy, group_size, actorder)
 
 
 def _activations(group: dict, where: str) -> str | None:

@@ -1,7 +1,8 @@
 """The conversion pipeline: GPTQ (or compressed-tensors) directory in, Marlin directory out, one tensor at a time.
 
 1. :func:`build_plan` opens the checkpoint, plans and checks every layer (:mod:`marlin_convert.sources`: GPTQ or
-   compressed-tensors, both read as GPTQ) and declares every output tensor of every output shard (name, dtype, shape, and the job that produces it).
+   compressed-tensors, both read as GPTQ) and declares every output tensor of every output shard (name, dtype,
+   shape, and the job that produces it).
    ``inspect`` / ``--dry-run`` stop here; nothing has been written.
 2. :func:`convert` checks OUT_DIR and the other files to copy (:mod:`marlin_convert.outfiles`) and writes into
    a locked temporary sibling of OUT_DIR (:mod:`marlin_convert.outdir`): each shard's header first, then the
@@ -17,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
-import re
 import time
 from collections import Counter
 from contextlib import closing
@@ -162,7 +163,7 @@ class ConversionPlan:
 
     @property
     def checkpoint_format(self) -> str:
-        """"marlin" when every quantized layer is converted, "marlin-partial" when some stay in GPTQ form."""
+        """"marlin" when every quantized layer is converted, "marlin-partial" when some stay in their source form."""
         return "marlin-partial" if self.refused else "marlin"
 
 
@@ -217,7 +218,7 @@ def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
             kinds = {replace(m.spec, act_order=False, zero_format="v2") for m in members}
             if any(not m.convertible for m in members) or len(kinds) != 1 or members[0].spec.num_experts:
                 notes.append(f"{group.base}.*.{projection}: not stacked (experts differ in shape or settings, or "
-                             "some stay in GPTQ form); written per expert")
+                             "some stay in their source form); written per expert")
                 continue
             stacked.append(OutputLayer(f"{group.base}.{projection}", members[0], members))
             taken.update(m.prefix for m in members)
@@ -242,7 +243,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
         more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
         raise UnsupportedLayerError(
             f"{len(refused)} of {len(layers)} quantized layers cannot be converted: {listed}{more}",
-            hint="--skip-incompatible keeps such layers in GPTQ form and lists them in the manifest",
+            hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
         )
     notes = plan_notes(checkpoint, layers)
     outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
@@ -547,8 +548,8 @@ def _produced_names(plan: ConversionPlan) -> set[str]:
 
 
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
-    """The manifest's ``passthrough``: every tensor copied unchanged that is not part of a layer kept in GPTQ form
-    (those are in ``kept``), where it is, and the digest of its bytes."""
+    """The manifest's ``passthrough``: every tensor copied unchanged that is not part of a layer kept in its source
+    form (those are in ``kept``), where it is, and the digest of its bytes."""
     kept = {name for layer in plan.refused for name in layer.kept_names.values()}
     return [{"name": job.output.name, "shard": out_shard[job.output.name], "dtype": job.output.dtype,
              "shape": list(job.output.shape), "sha256": digests[job.output.name]}

@@ -15,8 +15,8 @@ import json
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -198,7 +198,7 @@ def _format_label(merged: dict, origin: dict[str, str]) -> str:
         if key in merged:
             labels[key] = typed(merged[key], str, key, origin[key]).lower()
     if "is_marlin_format" in merged and typed(merged["is_marlin_format"], bool, "is_marlin_format",
-                                               origin["is_marlin_format"]):
+                                              origin["is_marlin_format"]):
         labels["is_marlin_format"] = "marlin"
     if any(label in MARLIN_LABELS for label in labels.values()):
         raise InputError(f"{origin[next(iter(labels))]}: already in Marlin format "

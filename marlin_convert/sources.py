@@ -15,11 +15,11 @@ from . import compressed_tensors, gptq
 from .errors import InputError
 from .gptq import Checkpoint, LayerPlan
 
-SOURCE_FORMATS = ("gptq", compressed_tensors.QUANT_METHOD)
 #: how reports name the form a layer kept unconverted stays in
 FORM_NAMES = {"gptq": "GPTQ", compressed_tensors.QUANT_METHOD: "compressed-tensors"}
 #: key of the output configs listing the modules a partly converted checkpoint keeps in their source form
-KEPT_MODULES_KEYS = {"gptq": "modules_in_gptq_form", compressed_tensors.QUANT_METHOD: "modules_in_compressed_tensors_form"}
+KEPT_MODULES_KEYS = {"gptq": "modules_in_gptq_form",
+                     compressed_tensors.QUANT_METHOD: "modules_in_compressed_tensors_form"}
 #: keys of the config of a checkpoint converted from compressed-tensors: the source format and its config as read
 SOURCE_FORMAT_KEY = "source_format"
 SOURCE_CONFIG_KEY = "source_quantization_config"
