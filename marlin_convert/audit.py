@@ -18,15 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import layout, strict_json
-from .convert import GPTQ_MODULES_KEY
 from .errors import InputError
 from .experts import split_expert_key
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SafetensorsFile, read_header
+from .sources import KEPT_MODULES_KEYS, SOURCE_FORMAT_KEY
 from .spec import QuantSpec
-
 
 
 @dataclass(frozen=True)
@@ -116,6 +115,15 @@ def _layer_view(entry: dict) -> tuple[MarlinLayer | None, list[str]]:
     return (None if problems else layer), problems
 
 
+def _needed_source_kinds(spec: QuantSpec, source: dict) -> set[str]:
+    """The source tensors a source layer of this kind has (and the manifest must record, each with its digest)."""
+    g_idx = source["g_idx"] != "absent"
+    if spec.source_format == "compressed-tensors":
+        return ({"weight_packed", "weight_scale", "weight_shape"} | ({"weight_zero_point"} if not spec.sym else set())
+                | ({"weight_g_idx"} if g_idx else set()))
+    return {"qweight", "scales", "qzeros"} | ({"g_idx"} if g_idx else set())
+
+
 def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
     sources, experts = entry["sources"], spec.num_experts
     problems = []
@@ -140,7 +148,7 @@ def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
             if tensor != f"{source['name']}.{kind}":
                 problems.append(f"{where}: its {kind} is named '{tensor}', not '{source['name']}.{kind}'")
         kinds = set(source["tensors"])
-        needed = {"qweight", "scales", "qzeros"} | ({"g_idx"} if source["g_idx"] != "absent" else set())
+        needed = _needed_source_kinds(spec, source)
         if kinds != needed or set(source["digests"]) != kinds:
             problems.append(f"{where}: tensors {sorted(kinds)} / digests {sorted(source['digests'])}, expected "
                             f"{sorted(needed)}")
@@ -153,6 +161,13 @@ def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
                                 f"{source['zero_format']} value {stored}")
         elif source["zero_stored"] is not None:
             problems.append(f"{where}: zero_stored {source['zero_stored']} on an asymmetric layer (expected null)")
+        if spec.source_format == "compressed-tensors":
+            if source["zero_format"] != "v2":
+                problems.append(f"{where}: zero_format {source['zero_format']} (compressed-tensors stores the zero "
+                                "point itself: v2)")
+            if source["weight_shape"] != [spec.out_features, spec.in_features]:
+                problems.append(f"{where}: weight_shape {source['weight_shape']} is not [N, K] = "
+                                f"{[spec.out_features, spec.in_features]}")
     return problems
 
 
@@ -244,11 +259,18 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
 
 
 def _format_problems(manifest: dict) -> list[str]:
+    problems = []
     partial = bool(manifest["kept"])
     label = manifest["checkpoint_format"]
     if (label == "marlin-partial") != partial:
-        return [f"manifest checkpoint_format is {label!r} with {len(manifest['kept'])} layer(s) kept in GPTQ form"]
-    return []
+        problems.append(f"manifest checkpoint_format is {label!r} with {len(manifest['kept'])} layer(s) kept in "
+                        "their source form")
+    source_format = manifest["source"]["format"]
+    for entry in manifest["layers"]:
+        if entry["source_format"] != source_format:
+            problems.append(f"layer '{entry['name']}': source_format {entry['source_format']!r}, the manifest's "
+                            f"source is {source_format!r}")
+    return problems
 
 
 def _read_config(path: Path) -> tuple[dict | None, str | None]:
@@ -263,8 +285,10 @@ def _read_config(path: Path) -> tuple[dict | None, str | None]:
 
 def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
     """config.json's quantization_config (when the file exists) and quantize_config.json (always written) must say
-    what the manifest says: format, Marlin or not, the modules kept in GPTQ form."""
+    what the manifest says: format, Marlin or not, the source format, the modules kept in their source form."""
     label = manifest["checkpoint_format"]
+    source_format = manifest["source"]["format"]
+    kept_key = KEPT_MODULES_KEYS[source_format]
     kept = sorted(entry["name"] for entry in manifest["kept"])
     problems, sections = [], []
     for name, required in ((CONFIG_FILE, False), (QUANTIZE_CONFIG_FILE, True)):
@@ -296,11 +320,14 @@ def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
                                 f"(manifest: {label})")
         if "format" in section and section["format"] != label:
             problems.append(f"{name}: format is {json.dumps(section['format'])}, expected {json.dumps(label)}")
-        listed = section.get(GPTQ_MODULES_KEY)
+        if section.get(SOURCE_FORMAT_KEY, "gptq") != source_format:
+            problems.append(f"{name}: {SOURCE_FORMAT_KEY} is {json.dumps(section.get(SOURCE_FORMAT_KEY))}, the "
+                            f"manifest's source is {json.dumps(source_format)}")
+        listed = section.get(kept_key)
         if (sorted(listed) if isinstance(listed, list) and all(isinstance(m, str) for m in listed) else listed) != \
                 (kept or None):
-            problems.append(f"{name}: {GPTQ_MODULES_KEY} is {json.dumps(listed)[:80]}, the manifest keeps "
-                            f"{len(kept)} layer(s) in GPTQ form")
+            problems.append(f"{name}: {kept_key} is {json.dumps(listed)[:80]}, the manifest keeps "
+                            f"{len(kept)} layer(s) in their source form")
     return problems
 
 

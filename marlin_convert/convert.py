@@ -1,7 +1,8 @@
-"""The conversion pipeline: GPTQ directory in, Marlin directory out, one tensor at a time.
+"""The conversion pipeline: GPTQ (or compressed-tensors) directory in, Marlin directory out, one tensor at a time.
 
-1. :func:`build_plan` opens the checkpoint, plans and checks every layer (:mod:`marlin_convert.gptq`) and
-   declares every output tensor of every output shard (name, dtype, shape, and the job that produces it).
+1. :func:`build_plan` opens the checkpoint, plans and checks every layer (:mod:`marlin_convert.sources`: GPTQ or
+   compressed-tensors, both read as GPTQ) and declares every output tensor of every output shard (name, dtype,
+   shape, and the job that produces it).
    ``inspect`` / ``--dry-run`` stop here; nothing has been written.
 2. :func:`convert` checks OUT_DIR and the other files to copy (:mod:`marlin_convert.outfiles`) and writes into
    a locked temporary sibling of OUT_DIR (:mod:`marlin_convert.outdir`): each shard's header first, then the
@@ -17,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import time
+from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,13 +31,16 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, layout
+from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, open_checkpoint, plan_layers
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan
 from .experts import ExpertGroup, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
+from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, open_checkpoint, plan_layers,
+                      plan_notes)
 from .spec import QuantSpec
 from .workers import run_parallel
 
@@ -157,7 +163,7 @@ class ConversionPlan:
 
     @property
     def checkpoint_format(self) -> str:
-        """"marlin" when every quantized layer is converted, "marlin-partial" when some stay in GPTQ form."""
+        """"marlin" when every quantized layer is converted, "marlin-partial" when some stay in their source form."""
         return "marlin-partial" if self.refused else "marlin"
 
 
@@ -181,34 +187,6 @@ def marlin_outputs(layer: OutputLayer) -> dict[str, PlannedTensor]:
     return out
 
 
-def _zero_format_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
-    """Say how each layer's zero format was decided where the config did not settle it alone."""
-    config = checkpoint.config
-    label = config.zero_format_label
-    notes = []
-    symmetric = [layer for layer in layers if layer.zero_stored is not None]
-    for fmt in sorted({layer.spec.zero_format for layer in symmetric}):
-        chosen = [layer for layer in symmetric if layer.spec.zero_format == fmt]
-        stored = sorted({layer.zero_stored for layer in chosen})
-        if fmt != label:
-            notes.append(f"checkpoint_format says {config.checkpoint_format} ({label} zeros) but qzeros of "
-                         f"{len(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} value: "
-                         f"treated as {fmt}")
-        else:
-            notes.append(f"zero format {label} for {len(chosen)} symmetric layer(s) (qzeros hold "
-                         f"{'/'.join(map(str, stored))}), as labelled")
-    asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
-    if asymmetric:
-        notes.append(f"{len(asymmetric)} asymmetric layer(s): zero points read as {label} (from checkpoint_format "
-                     f"{config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
-    unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]
-    if unstated:
-        asymmetric = sum(not layer.spec.sym for layer in unstated)
-        notes.append(f"no 'sym' in the config for {len(unstated)} layer(s): decided from the stored zero points "
-                     f"({len(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
-    return notes
-
-
 def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan]) -> None:
     """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1, all with the
     same number of scale groups."""
@@ -216,9 +194,11 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
         top = max(group.expert_indices) + 1
         for projection, gaps in group.missing().items():
             shown = ", ".join(str(e) for e in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
+            present = by_prefix[next(iter(next(iter(group.members.values())).values()))]
+            weight = present.roles["qweight"].rsplit(".", 1)[-1]  # qweight, or compressed-tensors' weight_packed
             raise InputError(
                 f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
-                f"(no {group.base}.<e>.{projection}.qweight)"
+                f"(no {group.base}.<e>.{projection}.{weight})"
             )
         for projection, per_expert in group.members.items():
             sizes = {by_prefix[p].spec.num_groups for p in per_expert.values()}
@@ -238,7 +218,7 @@ def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
             kinds = {replace(m.spec, act_order=False, zero_format="v2") for m in members}
             if any(not m.convertible for m in members) or len(kinds) != 1 or members[0].spec.num_experts:
                 notes.append(f"{group.base}.*.{projection}: not stacked (experts differ in shape or settings, or "
-                             "some stay in GPTQ form); written per expert")
+                             "some stay in their source form); written per expert")
                 continue
             stacked.append(OutputLayer(f"{group.base}.{projection}", members[0], members))
             taken.update(m.prefix for m in members)
@@ -263,19 +243,19 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
         more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
         raise UnsupportedLayerError(
             f"{len(refused)} of {len(layers)} quantized layers cannot be converted: {listed}{more}",
-            hint="--skip-incompatible keeps such layers in GPTQ form and lists them in the manifest",
+            hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
         )
-    notes = _zero_format_notes(checkpoint, layers)
+    notes = plan_notes(checkpoint, layers)
     outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 
-    # Each source tensor of a converted layer is consumed by one output layer. The Marlin tensors go to the
-    # shards holding the first source's qweight (B, and perm/g_idx when it has no g_idx), scales (s), qzeros (zp)
-    # and g_idx.
+    # Each source tensor of a converted layer is consumed by one output layer (none is copied). The Marlin
+    # tensors go to the shards holding the first source's qweight (B, and perm/g_idx when it has no g_idx),
+    # scales (s), qzeros (zp) and g_idx: the stored tensors of those roles (LayerPlan.roles).
     role: dict[str, tuple[str, OutputLayer, bool]] = {}
     for output in outputs:
         for position, member in enumerate(output.sources):
-            for kind, name in member.source_names.items():
+            for kind, name in member.roles.items():
                 role[name] = (kind, output, position == 0)
 
     shards = []
@@ -298,7 +278,8 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
                 jobs.append(Job("s", declared["s"], layer=output))
             if kind == "qzeros" and "zp" in declared:
                 jobs.append(Job("zp", declared["zp"], layer=output))
-            # symmetric qzeros and a trivial g_idx carry nothing Marlin needs: the manifest says how to rebuild them
+            # symmetric qzeros, a trivial g_idx and compressed-tensors' weight_shape carry nothing Marlin needs: the
+            # manifest says how to rebuild them
         shards.append(ShardPlan(shard.path.name, jobs))
     _check_output_names(shards)
     return ConversionPlan(checkpoint, layers, outputs, shards, notes)
@@ -342,7 +323,7 @@ def _padded_g_idx(checkpoint: Checkpoint, layer: LayerPlan, index: int | None) -
     """int32 [K_pad]: the stored (or trivial) g_idx of one layer or expert slice, padded rows in the last group."""
     spec = layer.spec
     if layer.has_g_idx:
-        g_idx = checkpoint.read(layer.tensor("g_idx"), index)
+        g_idx = layer.read_gptq(checkpoint, "g_idx", index)
     else:
         g_idx = layout.trivial_g_idx(spec.in_features, spec.effective_group_size)
     return layout.pad_g_idx(g_idx, spec.padded_in_features, spec.num_groups)
@@ -365,7 +346,7 @@ def _marlin_weight(checkpoint: Checkpoint, layer: OutputLayer, qweight: np.ndarr
     spec = member.spec
     if spec.padded:
         k_pad, n_pad = spec.padded_shape
-        qzeros = None if spec.sym else checkpoint.read(member.tensor("qzeros"), index)
+        qzeros = None if spec.sym else member.read_gptq(checkpoint, "qzeros", index)
         last_group_zeros = _true_zeros(qzeros, spec)[-1]
         codes = layout.pad_codes(layout.unpack_gptq_qweight(qweight, spec.bits), k_pad, n_pad, last_group_zeros,
                                  spec.bias)
@@ -396,14 +377,15 @@ def _write(result: JobResult, writer: ShardWriter, name: str, array: np.ndarray,
 
 def _stream_slices(job: Job, checkpoint: Checkpoint, writer: ShardWriter, result: JobResult, kind: str,
                    transform: Callable[[np.ndarray, LayerPlan, int | None], np.ndarray]) -> None:
-    """Read source tensor ``kind`` slice by slice (expert by expert), hash it, transform it, write it in place.
+    """Read the source tensor of role ``kind`` slice by slice (expert by expert), hash it as stored, transform it
+    (in GPTQ's orientation), write it in place.
 
     A source tensor is hashed whole: a stacked 3-D tensor across its slices, a per-expert key on its own.
     """
     offset = 0
     digest, digest_name = None, None
     for member, index in job.layer.slices():
-        name = member.tensor(kind)
+        name = member.roles[kind]
         if name != digest_name:
             if digest is not None:
                 result.digests[digest_name] = "sha256:" + digest.hexdigest()
@@ -411,7 +393,8 @@ def _stream_slices(job: Job, checkpoint: Checkpoint, writer: ShardWriter, result
         data = checkpoint.read(name, index)
         digest.update(_bytes(data))
         result.consumed += data.nbytes
-        offset += _write(result, writer, job.output.name, transform(data, member, index), offset)
+        offset += _write(result, writer, job.output.name, transform(member.as_gptq(kind, data), member, index),
+                         offset)
     result.digests[digest_name] = "sha256:" + digest.hexdigest()
 
 
@@ -429,12 +412,11 @@ def run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter) -> JobResult:
         _stream_slices(job, checkpoint, writer, result, "qweight",
                        lambda qweight, member, index: _marlin_weight(checkpoint, layer, qweight, member, index))
     elif job.kind == "s":
-        # the small tensors Marlin drops (g_idx, and symmetric qzeros) are hashed here, so verify can prove them
-        # rebuilt; an asymmetric layer's qzeros are hashed by its zp job
+        # the small tensors Marlin drops (g_idx, symmetric qzeros, weight_shape) are hashed here, so verify can
+        # prove them rebuilt; an asymmetric layer's qzeros are hashed by its zp job
         for member in layer.sources:
-            for kind in ("qzeros", "g_idx"):
-                if kind in member.source_names and (kind == "g_idx" or member.spec.sym):
-                    name = member.tensor(kind)
+            for kind, name in member.roles.items():
+                if kind in ("g_idx", "shape") or (kind == "qzeros" and member.spec.sym):
                     result.digests[name] = "sha256:" + hashlib.sha256(_bytes(checkpoint.read(name))).hexdigest()
         _stream_slices(job, checkpoint, writer, result, "scales", _marlin_scales)
     elif job.kind == "zp":
@@ -513,7 +495,8 @@ class ConversionReport:
     seconds: float
     notes: list[str]
     manifest: str
-    checkpoint_format: str  # "marlin", or "marlin-partial" when layers were kept in GPTQ form
+    checkpoint_format: str  # "marlin", or "marlin-partial" when layers were kept in their source form
+    source_format: str  # "gptq" or "compressed-tensors"
     workers: int
     peak_rss_bytes: int  # sum over this process and its workers of each one's peak RSS (an upper bound)
 
@@ -521,31 +504,50 @@ class ConversionReport:
         return dict(self.__dict__)
 
 
-#: key of the output configs listing the modules a partly converted checkpoint keeps in GPTQ form
-GPTQ_MODULES_KEY = "modules_in_gptq_form"
-
-
 def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:
     """A quantization config as read, with every format key saying the same thing: "marlin" (and
     ``is_marlin_format: true``) when every quantized layer was converted; "marlin-partial" (and
     ``is_marlin_format: false``, so no legacy loader takes it for Marlin) plus the list of modules still in
-    GPTQ form when some were kept. GPTQModel's ``format`` key is rewritten where the source has one."""
+    their source form when some were kept. GPTQModel's ``format`` key is rewritten where the source has one."""
     label = plan.checkpoint_format
     updated = dict(original)
     updated.update(quant_method="gptq", checkpoint_format=label, is_marlin_format=label == "marlin")
     if "format" in original:
         updated["format"] = label
     if plan.refused:
-        updated[GPTQ_MODULES_KEY] = [layer.prefix for layer in plan.refused]
+        updated[KEPT_MODULES_KEYS[plan.checkpoint.source_format]] = [layer.prefix for layer in plan.refused]
     return updated
+
+
+def _gptq_settings(plan: ConversionPlan) -> dict:
+    """The GPTQ-style settings of a checkpoint converted from compressed-tensors, which has none of its own:
+    ``bits``, ``group_size`` (-1 = channelwise), ``sym`` and ``desc_act`` shared by most converted layers, a
+    GPTQModel-style ``dynamic`` rule (``+:^<name>$``) for each layer that differs, ``lm_head`` (quantized or
+    not), then ``source_format`` "compressed-tensors" and ``source_quantization_config``, the config as read."""
+    settings = {output.prefix: {"bits": output.spec.bits, "group_size": output.spec.group_size,
+                                "sym": output.spec.sym, "desc_act": output.act_order} for output in plan.outputs}
+    counts = Counter(tuple(values.items()) for values in settings.values())
+    common = dict(counts.most_common(1)[0][0]) if counts else {}
+    dynamic = {f"+:^{re.escape(prefix)}$": {key: value for key, value in values.items() if value != common[key]}
+               for prefix, values in settings.items() if values != common}
+    config = {"quant_method": "gptq", **common,
+              "lm_head": any(prefix.rsplit(".", 1)[-1] == "lm_head" for prefix in settings)}
+    if dynamic:
+        config["dynamic"] = dynamic
+    config[SOURCE_FORMAT_KEY] = plan.checkpoint.source_format
+    config[SOURCE_CONFIG_KEY] = plan.checkpoint.config.as_read
+    return config
 
 
 def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
     """config.json (``quantization_config``) and quantize_config.json, each with the values it was read with
-    (the other file's where it had none), and the format keys of :func:`_marlin_quant_config`."""
+    (the other file's where it had none), and the format keys of :func:`_marlin_quant_config`. A checkpoint
+    converted from compressed-tensors gets the GPTQ-style settings of :func:`_gptq_settings` in both."""
     checkpoint = plan.checkpoint
     section = (checkpoint.config_json or {}).get("quantization_config")
     own = section if section is not None else checkpoint.quantize_json
+    if checkpoint.source_format == QUANT_METHOD:
+        own = _gptq_settings(plan)
     if checkpoint.config_json is not None:
         config_json = dict(checkpoint.config_json)
         config_json["quantization_config"] = _marlin_quant_config(own, plan)
@@ -561,9 +563,9 @@ def _produced_names(plan: ConversionPlan) -> set[str]:
 
 
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
-    """The manifest's ``passthrough``: every tensor copied unchanged that is not part of a layer kept in GPTQ form
-    (those are in ``kept``), where it is, and the digest of its bytes."""
-    kept = {name for layer in plan.refused for name in layer.source_names.values()}
+    """The manifest's ``passthrough``: every tensor copied unchanged that is not part of a layer kept in its source
+    form (those are in ``kept``), where it is, and the digest of its bytes."""
+    kept = {name for layer in plan.refused for name in layer.kept_names.values()}
     return [{"name": job.output.name, "shard": out_shard[job.output.name], "dtype": job.output.dtype,
              "shape": list(job.output.shape), "sha256": digests[job.output.name]}
             for shard in plan.shards for job in shard.jobs if job.kind == "copy" and job.output.name not in kept]
@@ -578,6 +580,7 @@ def _source_entry(member: LayerPlan, first: int | None, stop: int | None, digest
         "zero_format": member.spec.zero_format,
         "zero_stored": member.zero_stored,
         "digests": {kind: digests[name] for kind, name in member.source_names.items()},
+        **member.source_extras(),
     }
 
 
@@ -618,8 +621,8 @@ def _layer_entry(layer: OutputLayer, digests: dict[str, str], out_shard: dict[st
 
 
 def _kept_entry(layer: LayerPlan, digests: dict[str, str], out_shard: dict[str, str]) -> dict:
-    """The manifest's record of a layer left in GPTQ form: its tensors, where they are, and their digests."""
-    names = layer.source_names
+    """The manifest's record of a layer left in its source form: its tensors, where they are, and their digests."""
+    names = layer.kept_names
     return {
         "name": layer.prefix,
         "reason": layer.reason,
@@ -631,6 +634,8 @@ def _kept_entry(layer: LayerPlan, digests: dict[str, str], out_shard: dict[str, 
 
 def _quantization_defaults(plan: ConversionPlan) -> dict:
     """The config's global settings exactly as read (null where absent): defaults, not any layer's truth."""
+    if plan.checkpoint.source_format == QUANT_METHOD:
+        return plan.checkpoint.config.defaults()
     read = plan.checkpoint.config.as_read
     keys = ("bits", "group_size", "desc_act", "sym", "checkpoint_format", "dynamic")
     defaults = {key: read.get(key) for key in keys}
@@ -747,7 +752,7 @@ def convert(
             "version": MANIFEST_VERSION,
             "tool": f"marlin-convert {__version__}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {"path": str(in_dir.resolve()), "bytes": plan.bytes_in, "format": "gptq",
+            "source": {"path": str(in_dir.resolve()), "bytes": plan.bytes_in, "format": checkpoint.source_format,
                        "quantization_config": checkpoint.config.sources},
             "checkpoint_format": plan.checkpoint_format,
             "model_dtype": checkpoint.model_dtype,
@@ -786,6 +791,7 @@ def convert(
         notes=notes,
         manifest=str(out_dir / MANIFEST_FILE),
         checkpoint_format=plan.checkpoint_format,
+        source_format=checkpoint.source_format,
         workers=workers,
         peak_rss_bytes=sum(peak_rss.values()),
     )

@@ -16,6 +16,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -63,12 +64,12 @@ def _json_kind(value) -> str:
     return "null" if value is None else ("a list" if isinstance(value, list) else "an object")
 
 
-def _typed(value, kind: type, key: str, where: str):
+def typed(value, kind: type, key: str, where: str):
     """``value`` if it is a JSON ``kind`` (bool is not an int; 4.0 is not an int), else InputError naming both."""
     ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if not ok:
         wanted = {bool: "a JSON boolean (true or false)", int: "a JSON integer", str: "a JSON string",
-                  dict: "a JSON object"}[kind]
+                  dict: "a JSON object", list: "a JSON list"}[kind]
         raise InputError(f"{where}: '{key}' must be {wanted}, found {_json_kind(value)} {json.dumps(value)}")
     return value
 
@@ -101,18 +102,18 @@ class DynamicRule:
 def _parse_dynamic(value, where: str) -> tuple[DynamicRule, ...]:
     if value is None:
         return ()
-    _typed(value, dict, "dynamic", where)
+    typed(value, dict, "dynamic", where)
     rules = []
     for key, body in value.items():
         rule_where = f"{where}: dynamic rule {json.dumps(key)}"
-        _typed(body, dict, "value", rule_where)
+        typed(body, dict, "value", rule_where)
         excluded = key.startswith("-:")
         regex = key[2:] if key.startswith(("-:", "+:")) else key
         try:
             pattern = re.compile(regex)
         except re.error as exc:
             raise InputError(f"{rule_where}: not a valid regular expression: {exc}") from exc
-        overrides = {name: _typed(body[name], kind, name, rule_where) for name, kind in RULE_KEYS.items()
+        overrides = {name: typed(body[name], kind, name, rule_where) for name, kind in RULE_KEYS.items()
                      if name in body}
         if "bits" in overrides:
             _check_bits(overrides["bits"], "bits", rule_where)
@@ -158,6 +159,7 @@ class QuantConfig:
     dynamic: tuple[DynamicRule, ...]
     sources: list[str]
     as_read: dict
+    source_format: ClassVar[str] = "gptq"
 
     @property
     def zero_format_label(self) -> str:
@@ -175,7 +177,7 @@ class QuantConfig:
         return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     if path.is_symlink() and not path.exists():
         raise InputError(f"{path}: broken link (to {os.readlink(path)})", hint="restore its target, or remove the link")
     if not path.is_file():  # a FIFO or a device would block or never end
@@ -196,9 +198,9 @@ def _format_label(merged: dict, origin: dict[str, str]) -> str:
     labels = {}
     for key in ("checkpoint_format", "format"):
         if key in merged:
-            labels[key] = _typed(merged[key], str, key, origin[key]).lower()
-    if "is_marlin_format" in merged and _typed(merged["is_marlin_format"], bool, "is_marlin_format",
-                                               origin["is_marlin_format"]):
+            labels[key] = typed(merged[key], str, key, origin[key]).lower()
+    if "is_marlin_format" in merged and typed(merged["is_marlin_format"], bool, "is_marlin_format",
+                                              origin["is_marlin_format"]):
         labels["is_marlin_format"] = "marlin"
     if any(label in MARLIN_LABELS for label in labels.values()):
         raise InputError(f"{origin[next(iter(labels))]}: already in Marlin format "
@@ -218,13 +220,13 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
     dicts or None). Raises :class:`InputError` naming the file and key of a missing or ill-typed value."""
     config_path, quantize_path = in_dir / CONFIG_FILE, in_dir / QUANTIZE_CONFIG_FILE
     # lexists: a broken link is an error, not an absent file
-    config_json = _read_json(config_path) if os.path.lexists(config_path) else None
-    quantize_json = _read_json(quantize_path) if os.path.lexists(quantize_path) else None
+    config_json = read_json(config_path) if os.path.lexists(config_path) else None
+    quantize_json = read_json(quantize_path) if os.path.lexists(quantize_path) else None
     merged: dict = {}
     origin: dict[str, str] = {}
     sources: list[str] = []
     if config_json is not None and "quantization_config" in config_json:
-        section = _typed(config_json["quantization_config"], dict, "quantization_config", str(config_path))
+        section = typed(config_json["quantization_config"], dict, "quantization_config", str(config_path))
         merged.update(section)
         origin.update(dict.fromkeys(section, f"{config_path} (quantization_config)"))
         sources.append(f"{CONFIG_FILE}:quantization_config")
@@ -240,12 +242,13 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         )
     method = merged.get("quant_method", "gptq")
     if not isinstance(method, str) or method.lower() != "gptq":
-        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}")
+        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}",
+                         hint="marlin-convert reads GPTQ and compressed-tensors pack-quantized checkpoints")
     if "bits" not in merged:
         raise InputError(f"{in_dir}: quantization config ({', '.join(sources)}) has no 'bits'")
 
     def value(key: str, kind: type, default):
-        return _typed(merged[key], kind, key, origin[key]) if key in merged else default
+        return typed(merged[key], kind, key, origin[key]) if key in merged else default
 
     config = QuantConfig(
         bits=_check_bits(value("bits", int, None), "bits", origin["bits"]),
@@ -261,7 +264,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         value("lm_head", bool, False)
     for key in ("torch_dtype", "dtype"):  # recorded as the manifest's model_dtype: a string or null
         if config_json is not None and config_json.get(key) is not None:
-            _typed(config_json[key], str, key, str(config_path))
+            typed(config_json[key], str, key, str(config_path))
     return config, config_json, quantize_json
 
 
@@ -270,7 +273,11 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
 
 @dataclass
 class Checkpoint:
-    """An opened GPTQ directory: configs, shard headers, and where every tensor lives."""
+    """An opened source directory: configs, shard headers, and where every tensor lives.
+
+    ``config`` is a :class:`QuantConfig` for GPTQ, a
+    :class:`~marlin_convert.compressed_tensors.CompressedTensorsConfig` for compressed-tensors; its
+    ``source_format`` says which."""
 
     path: Path
     config: QuantConfig
@@ -288,6 +295,10 @@ class Checkpoint:
         return read_tensor(self.location[name], name, index)
 
     @property
+    def source_format(self) -> str:
+        return self.config.source_format
+
+    @property
     def total_bytes(self) -> int:
         return sum(s.path.stat().st_size for s in self.shards)
 
@@ -299,15 +310,21 @@ class Checkpoint:
 
 
 def open_checkpoint(in_dir: Path) -> Checkpoint:
-    """Open ``in_dir``: configs, the index (if sharded), every shard's header. Raises :class:`InputError`."""
+    """Open the GPTQ checkpoint ``in_dir``: configs, the index (if sharded), every shard's header. Raises
+    :class:`InputError`."""
     in_dir = Path(in_dir)
     if not in_dir.is_dir():
         raise InputError(f"{in_dir}: not a directory")
-    config, config_json, quantize_json = load_quant_config(in_dir)
+    return open_shards(in_dir, *load_quant_config(in_dir))
+
+
+def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: dict | None) -> Checkpoint:
+    """The :class:`Checkpoint` of ``in_dir`` with its config already read: the index (if sharded) and every shard's
+    header, each tensor found in exactly one shard. Raises :class:`InputError`."""
     index_path = in_dir / INDEX_FILE
     index_json = None
     if os.path.lexists(index_path):
-        index_json = _read_json(index_path)
+        index_json = read_json(index_path)
         weight_map = _check_index(index_path, index_json)
         shard_names = list(dict.fromkeys(weight_map.values()))
     elif os.path.lexists(in_dir / SINGLE_FILE):
@@ -378,6 +395,11 @@ class LayerPlan:
     ``spec`` describes it (shapes per expert); ``settings`` says what the config said and which ``dynamic`` rule
     applied. ``zero_stored`` is the constant stored qzeros value of a symmetric layer (None when asymmetric).
     ``convertible`` is False with ``reason`` set when the layer stays in GPTQ form (or stops the run).
+
+    The converter reads a layer's tensors by *role*, the GPTQ tensor each one is (``qweight``, ``scales``,
+    ``qzeros``, ``g_idx``): :attr:`roles` names the stored tensor of each role and :meth:`as_gptq` turns what is
+    stored into GPTQ's orientation. For GPTQ both are the identity; another source format overrides them
+    (:class:`~marlin_convert.compressed_tensors.CompressedTensorsLayer`).
     """
 
     prefix: str
@@ -393,10 +415,33 @@ class LayerPlan:
 
     @property
     def source_names(self) -> dict[str, str]:
+        """The source tensors the manifest records for this layer (kind -> tensor name), each with its digest."""
         names = {"qweight": self.tensor("qweight"), "scales": self.tensor("scales"), "qzeros": self.tensor("qzeros")}
         if self.has_g_idx:
             names["g_idx"] = self.tensor("g_idx")
         return names
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """role -> stored tensor name, for every stored tensor a conversion consumes (none of them is copied)."""
+        return self.source_names
+
+    @property
+    def kept_names(self) -> dict[str, str]:
+        """The tensors that stay, unchanged, when the layer is kept in its source form."""
+        return self.source_names
+
+    def as_gptq(self, role: str, stored: np.ndarray) -> np.ndarray:
+        """The stored tensor of ``role`` (or one expert slice of it) in GPTQ's orientation."""
+        return stored
+
+    def read_gptq(self, checkpoint: "Checkpoint", role: str, index: int | None = None) -> np.ndarray:
+        """Read the tensor of ``role`` (one expert slice with ``index``), in GPTQ's orientation."""
+        return self.as_gptq(role, checkpoint.read(self.roles[role], index))
+
+    def source_extras(self) -> dict:
+        """Fields the manifest's record of this source layer holds beyond the common ones (none for GPTQ)."""
+        return {}
 
     @property
     def workspace_ints(self) -> int:
@@ -412,9 +457,12 @@ def find_quantized_prefixes(checkpoint: Checkpoint) -> list[str]:
     return [name[: -len(".qweight")] for name in checkpoint.location if name.endswith(".qweight")]
 
 
-def _expect(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None) -> TensorInfo:
+def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None,
+                  needs: str = "a GPTQ linear needs qweight, qzeros and scales") -> TensorInfo:
+    """The header entry of tensor ``name``, which must exist (else ``needs`` says why it should) with one of
+    ``dtypes`` and, unless ``shape`` is None, that shape. Raises :class:`InputError` naming the shard."""
     if name not in checkpoint.location:
-        raise InputError(f"tensor '{name}' is missing (a GPTQ linear needs qweight, qzeros and scales)")
+        raise InputError(f"tensor '{name}' is missing ({needs})")
     info = checkpoint.info(name)
     where = checkpoint.location[name].path.name
     if info.dtype not in dtypes:
@@ -459,7 +507,7 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     has no Marlin form here, or whose config and stored zero points contradict each other.
     """
     settings = checkpoint.config.settings_for(prefix)
-    qweight = _expect(checkpoint, f"{prefix}.qweight", ("I32",), None)
+    qweight = expect_tensor(checkpoint, f"{prefix}.qweight", ("I32",), None)
     where = checkpoint.location[qweight.name].path.name
     if len(qweight.shape) not in (2, 3):
         raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}, expected 2-D or 3-D")
@@ -485,11 +533,12 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     for suffix in ("scales", "qzeros", "g_idx"):
         _check_siblings(checkpoint, prefix, suffix, num_experts, k, settings)
     groups = num_groups(k, settings.group_size)
-    scales = _expect(checkpoint, f"{prefix}.scales", SCALE_DTYPES, (*lead, groups, n))
-    _expect(checkpoint, f"{prefix}.qzeros", ("I32",), (*lead, groups, -(-n * bits // 32)))
+    scales = expect_tensor(checkpoint, f"{prefix}.scales", SCALE_DTYPES, (*lead, groups, n))
+    expect_tensor(checkpoint, f"{prefix}.qzeros", ("I32",), (*lead, groups, -(-n * bits // 32)))
     if has_g_idx:
-        _expect(checkpoint, f"{prefix}.g_idx", ("I32",), (*lead, k))
-    act_order = _check_g_idx(checkpoint, prefix, k, settings.group_size, num_experts) if has_g_idx else False
+        expect_tensor(checkpoint, f"{prefix}.g_idx", ("I32",), (*lead, k))
+    act_order = (check_g_idx(checkpoint, f"{prefix}.g_idx", k, settings.group_size, num_experts) if has_g_idx
+                 else False)
     spec = QuantSpec.create(bits=bits, group_size=settings.group_size, sym=settings.sym is not False,
                             zero_format=checkpoint.config.zero_format_label, act_order=act_order, in_features=k,
                             out_features=n, scale_dtype=DTYPE_NAMES[scales.dtype], num_experts=num_experts)
@@ -505,12 +554,12 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     return plan
 
 
-def _check_g_idx(checkpoint: Checkpoint, prefix: str, k: int, group_size: int, num_experts: int) -> bool:
-    """Read g_idx; raise on values out of range or groups of the wrong size; return True when non-trivial.
+def check_g_idx(checkpoint: Checkpoint, name: str, k: int, group_size: int, num_experts: int) -> bool:
+    """Read the g_idx tensor ``name``; raise on values out of range or groups of the wrong size; return True when
+    non-trivial.
 
     Every group holds g rows, except the last, which holds K - (G - 1) * g (fewer when g does not divide K).
     """
-    name = f"{prefix}.g_idx"
     per_expert = checkpoint.read(name).reshape(-1, k)
     groups = num_groups(k, group_size)
     group = k if groups == 1 else group_size
@@ -536,17 +585,17 @@ def _check_g_idx(checkpoint: Checkpoint, prefix: str, k: int, group_size: int, n
     return non_trivial
 
 
-def _stored_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> np.ndarray | None:
+def stored_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> np.ndarray | None:
     """Every stored qzeros value of the layer (all experts): uint8 ``[E*G, N]``. Refuses the layer (returns None)
     when the unused slots past N in the last word of a row are not 0: the inverse writes 0 there, so such a
     layer could not be rebuilt bit for bit."""
     spec = plan.spec
-    words = checkpoint.read(plan.tensor("qzeros"))
+    words = plan.read_gptq(checkpoint, "qzeros")
     words = words.reshape(-1, words.shape[-1])
     slots = layout.unpack_gptq_qzeros(words, words.shape[-1] * spec.pack_factor, spec.bits)
     if slots[:, spec.out_features:].any():
-        plan.refuse(f"qzeros: the unused slots past N = {spec.out_features} in the last word of a row are not 0, "
-                    "so the conversion could not be proven lossless")
+        plan.refuse(f"{plan.roles['qzeros'].rsplit('.', 1)[-1]}: the unused slots past N = {spec.out_features} in "
+                    "the last word of a row of zero points are not 0, so the conversion could not be proven lossless")
         return None
     return slots[:, : spec.out_features]
 
@@ -561,7 +610,7 @@ def _decide_zeros(checkpoint: Checkpoint, plan: LayerPlan) -> None:
     - ``sym`` not stated: the symmetric value everywhere means symmetric, anything else asymmetric.
     """
     spec, settings = plan.spec, plan.settings
-    stored = _stored_zeros(checkpoint, plan)
+    stored = stored_zeros(checkpoint, plan)
     if stored is None:
         return
     values = np.unique(stored)
@@ -592,3 +641,31 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
     if not prefixes:
         raise InputError(f"{checkpoint.path}: not a GPTQ checkpoint: no tensor named '*.qweight'")
     return [plan_layer(checkpoint, p) for p in prefixes]
+
+
+def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
+    """Say how each layer's zero format was decided where the config did not settle it alone."""
+    config = checkpoint.config
+    label = config.zero_format_label
+    notes = []
+    symmetric = [layer for layer in layers if layer.zero_stored is not None]
+    for fmt in sorted({layer.spec.zero_format for layer in symmetric}):
+        chosen = [layer for layer in symmetric if layer.spec.zero_format == fmt]
+        stored = sorted({layer.zero_stored for layer in chosen})
+        if fmt != label:
+            notes.append(f"checkpoint_format says {config.checkpoint_format} ({label} zeros) but qzeros of "
+                         f"{len(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} value: "
+                         f"treated as {fmt}")
+        else:
+            notes.append(f"zero format {label} for {len(chosen)} symmetric layer(s) (qzeros hold "
+                         f"{'/'.join(map(str, stored))}), as labelled")
+    asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
+    if asymmetric:
+        notes.append(f"{len(asymmetric)} asymmetric layer(s): zero points read as {label} (from checkpoint_format "
+                     f"{config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
+    unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]
+    if unstated:
+        asymmetric = sum(not layer.spec.sym for layer in unstated)
+        notes.append(f"no 'sym' in the config for {len(unstated)} layer(s): decided from the stored zero points "
+                     f"({len(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
+    return notes

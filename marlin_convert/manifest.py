@@ -153,9 +153,11 @@ def _is_digest(value) -> bool:
             and all(c in "0123456789abcdef" for c in value[7:]))
 
 
-#: tensors of a converted layer (CONTRACT C) and of the source layer it came from
+#: tensors of a converted layer (CONTRACT C) and of the source layer it came from, per source format
 MARLIN_KINDS = ("B", "s", "zp", "perm", "g_idx")
-SOURCE_KINDS = ("qweight", "scales", "qzeros", "g_idx")
+SOURCE_KINDS = {"gptq": ("qweight", "scales", "qzeros", "g_idx"),
+                "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx",
+                                       "weight_shape")}
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -186,16 +188,16 @@ def _check_layer(entry, where: str) -> None:
     _get(workspace, "ints", f"{where}.workspace", int, minimum=0)
     if "per_expert" in workspace:
         _get(workspace, "per_expert", f"{where}.workspace", bool)
-    _get(entry, "source_format", where, str, choices=("gptq",))
+    source_format = _get(entry, "source_format", where, str, choices=tuple(SOURCE_KINDS))
     sources = _get(entry, "sources", where, list)
     for i, source in enumerate(sources):
-        _check_source(source, f"{where}.sources[{i}]")
+        _check_source(source, f"{where}.sources[{i}]", source_format)
 
 
-def _check_source(source, where: str) -> None:
+def _check_source(source, where: str, source_format: str) -> None:
     _object(source, where)
     _get(source, "name", where, str)
-    _string_map(source, "tensors", where, SOURCE_KINDS)
+    _string_map(source, "tensors", where, SOURCE_KINDS[source_format])
     slices = _get(source, "slices", where, list, null=True)
     if slices is not None and (len(slices) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
                                                              for v in slices) or not 0 <= slices[0] < slices[1]):
@@ -203,7 +205,11 @@ def _check_source(source, where: str) -> None:
     _get(source, "g_idx", where, str, choices=("act_order", "trivial", "absent"))
     _get(source, "zero_format", where, str, choices=("v1", "v2"))
     _get(source, "zero_stored", where, int, null=True, minimum=0)
-    _digest_map(source, "digests", where, SOURCE_KINDS)
+    _digest_map(source, "digests", where, SOURCE_KINDS[source_format])
+    if source_format == "compressed-tensors":
+        shape = _get(source, "weight_shape", where, list)
+        if len(shape) != 2 or not _is_shape(shape):
+            raise _FieldError(f"'{where}.weight_shape': expected [N, K], got {json.dumps(shape)[:60]}")
 
 
 def _check_kept(entry, where: str) -> None:
@@ -231,6 +237,7 @@ def check_manifest(manifest: dict) -> None:
     Raises ``_FieldError`` naming the first bad field; consistency between fields and with the files is
     :mod:`marlin_convert.verify`'s job (it reports each mismatch by name instead of stopping).
     """
+    _get(_get(manifest, "source", "", dict), "format", "source", str, choices=tuple(SOURCE_KINDS))
     _get(manifest, "checkpoint_format", "", str, choices=("marlin", "marlin-partial"))
     _get(manifest, "model_dtype", "", str, null=True)
     _strings(manifest, "shards", "")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import layout
+from . import compressed_tensors, layout
 from .errors import ManifestError
 from .safetensors_io import TensorInfo
 from .spec import QuantSpec
@@ -106,7 +106,9 @@ def stage_bytes(layer: MarlinLayer) -> int:
              + 2 * scale_bytes  # s, scales
              + 2 * spec.num_groups * (n_pad // spec.pack_factor + 1) * 4  # zp, qzeros
              + 3 * k_pad * 4)  # perm, sorted g_idx, g_idx
-    return total + 12 * ALIGN
+    if spec.source_format == compressed_tensors.QUANT_METHOD:  # the stored tensors too, transposed
+        total += words * 4 + scale_bytes + spec.num_groups * (n_pad // spec.pack_factor + 1) * 4 + k_pad * 4 + 16
+    return total + 17 * ALIGN
 
 
 class TensorReader:
@@ -209,10 +211,12 @@ def rebuild_slice(layer: MarlinLayer, source: dict, expert: int | None, reader: 
                   stage: Stage) -> SliceRebuild:
     """Read one slice's Marlin tensors into ``stage`` and rebuild the source GPTQ tensors there.
 
-    Stage arrays afterwards (the first five feed the kernel, the next four are the source tensors):
+    Stage arrays afterwards (the first five feed the kernel, the next four are the GPTQ tensors):
     ``B``, ``s``, ``zp`` (asymmetric), ``perm`` and ``sorted_g_idx`` (act-order); ``qweight`` int32 [K/p, N],
-    ``scales`` [G, N] (stored dtype bits), ``qzeros`` int32 [G, ceil(N/p)], ``g_idx`` int32 [K].
-    ``source`` is the manifest's record of the source layer (its zero format and stored zero value).
+    ``scales`` [G, N] (stored dtype bits), ``qzeros`` int32 [G, ceil(N/p)], ``g_idx`` int32 [K]. For a
+    compressed-tensors source, also its stored tensors, by their kind (``weight_packed``, ``weight_scale``, ...;
+    :func:`marlin_convert.compressed_tensors.stored_from_gptq`), after the arrays that travel to a GPU.
+    ``source`` is the manifest's record of the source layer (its tensors, zero format and stored zero value).
     """
     spec = layer.spec
     bits, p, groups = spec.bits, spec.pack_factor, spec.num_groups
@@ -272,6 +276,10 @@ def rebuild_slice(layer: MarlinLayer, source: dict, expert: int | None, reader: 
         else:
             stored = true_zero
     qzeros[...] = layout.pack_gptq_qzeros(stored, bits=bits)
+    if spec.source_format == compressed_tensors.QUANT_METHOD:
+        for kind in source["tensors"]:
+            array = compressed_tensors.stored_from_gptq(kind, stage.view, spec)
+            np.copyto(stage.array(kind, array.shape, array.dtype), array)
     return SliceRebuild(True, problems)
 
 

@@ -9,9 +9,10 @@
    * every file is hashed whole against the manifest's ``files`` digest, and while its bytes are in hand, each
      passthrough tensor and each tensor of a layer kept in GPTQ form against its own digest;
    * every converted layer (each expert of a stacked one) is inverted back to GPTQ (:mod:`marlin_convert.rebuild`,
-     C fast path) and the rebuilt ``qweight``, ``scales``, ``qzeros`` and ``g_idx`` hashed against the digests the
-     converter recorded from the source: equal digests prove the conversion lossless. With a source directory,
-     the rebuilt tensors are also compared with the originals byte for byte.
+     C fast path) and the rebuilt ``qweight``, ``scales``, ``qzeros`` and ``g_idx`` (for a compressed-tensors
+     source: its ``weight_packed``, ``weight_scale``, ``weight_zero_point``, ``weight_g_idx`` and ``weight_shape``)
+     hashed against the digests the converter recorded from the source: equal digests prove the conversion
+     lossless. With a source directory, the rebuilt tensors are also compared with the originals byte for byte.
 
 4. **The kernel** (GPU, :mod:`marlin_convert.gpu_check`): each slice's Marlin tensors and rebuilt GPTQ tensors
    travel in one pinned upload; the reference ``W = (q - z) * s`` is built on the GPU in fp32 from the GPTQ
@@ -42,7 +43,7 @@ import numpy as np
 from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
-from .gptq import open_checkpoint
+from .sources import open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .workers import kill_workers, worker_pool
@@ -124,6 +125,7 @@ class VerifyReport:
     gpu_peak_bytes: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     bound: float = RELATIVE_ERROR_BOUND
+    source_format: str = "gptq"  # what the checkpoint was converted from (the manifest's source.format)
 
     @property
     def failures(self) -> list[LayerResult]:
@@ -138,6 +140,7 @@ class VerifyReport:
             "out_dir": self.out_dir,
             "ok": self.ok,
             "manifest_sha256": self.manifest_sha256,
+            "source_format": self.source_format,
             "layers_checked": len(self.results),
             "failures": [r.label for r in self.failures],
             "kept": [{"name": k.name, "reason": k.reason, "ok": k.ok, "problems": k.problems} for k in self.kept],
@@ -566,7 +569,8 @@ def verify(
     peaks[os.getpid()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return VerifyReport(str(out_dir), digest, flat, kept, problems, counts["files"], counts["tensors"], use_kernel,
                         list(batch_sizes or []) if use_kernel else [], act_dtype, time.perf_counter() - start,
-                        stage_seconds, sum(f.size for f in checked.files), sum(peaks.values()), gpu_peaks, notes)
+                        stage_seconds, sum(f.size for f in checked.files), sum(peaks.values()), gpu_peaks, notes,
+                        source_format=manifest["source"]["format"])
 
 
 __all__ = ["VerifyReport", "LayerResult", "KeptResult", "verify", "parse_gpus", "activation_dtype",

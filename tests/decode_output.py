@@ -12,10 +12,11 @@ from marlin_convert import layout
 from marlin_convert.safetensors_io import read_header, read_tensor
 
 
-def all_tensors(directory) -> dict[str, np.ndarray]:
-    """name -> numpy array of raw values (bfloat16 as uint16) over every shard of a directory."""
+def all_tensors(directory, pattern: str = "*.safetensors") -> dict[str, np.ndarray]:
+    """name -> numpy array of raw values (bfloat16 as uint16) over every shard of a directory (``pattern``: which
+    files; ``model*.safetensors`` leaves out a producer's reference file)."""
     out = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in sorted(directory.glob(pattern)):
         header = read_header(path)
         out.update({name: read_tensor(header, name) for name in header.tensors})
     return out
@@ -78,3 +79,15 @@ def assert_decodes_to_source(entry: dict, converted: dict, source: dict) -> None
                 original = source[name][expert] if stacked_source else source[name]
                 assert decoded[kind].dtype.itemsize == original.dtype.itemsize, (name, kind)
                 assert decoded[kind].tobytes() == np.ascontiguousarray(original).tobytes(), (name, kind, expert)
+
+
+def dequantize(entry: dict, decoded: dict[str, np.ndarray]) -> np.ndarray:
+    """float32 [K, N] W = (q - z) * s from one layer's decoded GPTQ tensors (:func:`decode_layer`), z the true zero
+    point (v1 stores z - 1), bfloat16 scales widened exactly."""
+    bits, n = entry["bits"], entry["out_features"]
+    q = layout.unpack_gptq_qweight(decoded["qweight"], bits).astype(np.float32)
+    z = layout.unpack_gptq_qzeros(decoded["qzeros"], n, bits).astype(np.float32) + (entry["zero_format"] == "v1")
+    s = decoded["scales"]
+    s = (s.astype(np.uint32) << 16).view(np.float32) if entry["scale_dtype"] == "bfloat16" else s.astype(np.float32)
+    g = decoded["g_idx"]
+    return (q - z[g]) * s[g]

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from decode_output import all_tensors, assert_decodes_to_source, decode_layer
+from decode_output import all_tensors, assert_decodes_to_source, decode_layer, dequantize
 
-from marlin_convert import layout
 from marlin_convert.convert import convert
 from marlin_convert.manifest import load_manifest
 from marlin_convert.safetensors_io import read_header, read_tensor
@@ -19,25 +18,6 @@ from marlin_convert.safetensors_io import read_header, read_tensor
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gptqmodel"
 CASES = ("asym_v1", "asym_v2", "bf16_model", "desc_act", "dynamic_lm_head", "int8", "int8_asym",
          "k1000_channelwise", "k1000_desc_act", "k1000_g128", "qwen3_moe", "v2_zeros")
-
-
-def _source_tensors(case_dir: Path) -> dict[str, np.ndarray]:
-    out = {}
-    for path in sorted(case_dir.glob("model*.safetensors")):
-        header = read_header(path)
-        out.update({name: read_tensor(header, name) for name in header.tensors})
-    return out
-
-
-def _dequantize(entry: dict, decoded: dict[str, np.ndarray]) -> np.ndarray:
-    """float32 [K, N] W = (q - z) * s from decoded GPTQ tensors, z the true zero point."""
-    bits, n = entry["bits"], entry["out_features"]
-    q = layout.unpack_gptq_qweight(decoded["qweight"], bits).astype(np.float32)
-    z = layout.unpack_gptq_qzeros(decoded["qzeros"], n, bits).astype(np.float32) + (entry["zero_format"] == "v1")
-    s = decoded["scales"]
-    s = (s.astype(np.uint32) << 16).view(np.float32) if entry["scale_dtype"] == "bfloat16" else s.astype(np.float32)
-    g = decoded["g_idx"]
-    return (q - z[g]) * s[g]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +38,7 @@ def test_every_fixture_is_here():
 @pytest.mark.parametrize("case", CASES)
 def test_fixture_converts_fully_and_decodes_to_the_source_and_to_gptqmodels_own_dequantization(converted, case):
     out, manifest = converted[case]
-    source, marlin = _source_tensors(FIXTURES / case), all_tensors(out)
+    source, marlin = all_tensors(FIXTURES / case, "model*.safetensors"), all_tensors(out)
     assert manifest["checkpoint_format"] == "marlin" and manifest["kept"] == [] and manifest["layers"]
     reference_file = read_header(FIXTURES / case / "reference_dequant.safetensors")
     reference = {name: read_tensor(reference_file, name) for name in reference_file.tensors}
@@ -67,7 +47,7 @@ def test_fixture_converts_fully_and_decodes_to_the_source_and_to_gptqmodels_own_
         assert_decodes_to_source(entry, marlin, source)
         if f"{entry['name']}.weight" in reference and not entry["num_experts"]:
             rows = reference[f"{entry['name']}.rows"]
-            weight = _dequantize(entry, decode_layer(entry, marlin))
+            weight = dequantize(entry, decode_layer(entry, marlin))
             assert np.array_equal(weight[rows], reference[f"{entry['name']}.weight"]), entry["name"]
             checked += 1
     assert checked == len([n for n in reference if n.endswith(".weight")])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..experts import group_experts
 from ..gptq import LayerPlan
+from ..sources import FORM_NAMES
 from ._output import Output
 
 #: above this many rows, per-expert layers are shown grouped (they always are) and plain layers summarised
@@ -48,7 +49,7 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
         layer = by_prefix[prefix]
         spec = layer.spec
         experts = str(spec.num_experts) + " (stacked)" if spec.num_experts else "-"
-        action = "convert" if layer.convertible else f"keep GPTQ: {layer.reason}"
+        action = "convert" if layer.convertible else f"keep {FORM_NAMES[spec.source_format]}: {layer.reason}"
         rows.append(([prefix, experts, str(spec.bits), _group_label(spec.group_size), _zeros_label(layer),
                       "yes" if spec.act_order else "no", f"{spec.in_features} x {spec.out_features}",
                       _padded_label(layer), action],
@@ -57,7 +58,8 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
         for projection, members in group.members.items():
             member_layers = [by_prefix[p] for p in members.values()]
             refused = [m for m in member_layers if not m.convertible]
-            action = "convert" if not refused else f"keep GPTQ ({len(refused)}): {refused[0].reason}"
+            action = ("convert" if not refused else
+                      f"keep {FORM_NAMES[refused[0].spec.source_format]} ({len(refused)}): {refused[0].reason}")
             rows.append(([f"{group.base}.*.{projection}", str(len(members)),
                           _joined(str(m.spec.bits) for m in member_layers),
                           _joined(_group_label(m.spec.group_size) for m in member_layers),
@@ -95,6 +97,8 @@ def layer_dict(layer: LayerPlan) -> dict:
         "act_order": spec.act_order,
         "scale_dtype": spec.scale_dtype,
         "dynamic_rule": layer.settings.rule.key if layer.settings.rule else None,
+        "settings_from": layer.settings.origin,
+        "source_format": spec.source_format,
         "convert": layer.convertible,
         "reason": layer.reason,
         "workspace_ints": layer.workspace_ints if padded else None,

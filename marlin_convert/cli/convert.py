@@ -1,9 +1,9 @@
-"""Convert a GPTQ checkpoint into Marlin format.
+"""Convert a GPTQ (or compressed-tensors pack-quantized) checkpoint into Marlin format.
 
 Usage examples:
     marlin-convert ./Llama-2-7B-GPTQ ./Llama-2-7B-Marlin
     marlin-convert convert ./in ./out --overwrite --json report.json
-    marlin-convert ./in ./out --skip-incompatible          # keep unsupported layers in GPTQ form
+    marlin-convert ./in ./out --skip-incompatible          # keep unsupported layers in their source form
     marlin-convert ./in ./out --dry-run                    # only show the plan
     marlin-convert ./Qwen3-30B-A3B-GPTQ ./out --stack-experts   # one [E, ...] tensor per projection
 """
@@ -17,18 +17,19 @@ from typing import Annotated, Optional
 import typer
 
 from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion
+from ..sources import FORM_NAMES
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
 from ._render import add_layer_rows
 from .inspect import plan_output
 
-InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
+InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (must be empty or absent).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists and is not empty.")]
 SkipOpt = Annotated[bool, typer.Option(
     "--skip-incompatible", help="Keep layers with no Marlin form (2/3-bit, other group sizes, configs their tensors "
-    "contradict) in GPTQ form (the output then says checkpoint_format 'marlin-partial') and "
-    "list them, instead of stopping before anything is written.")]
+    "contradict; compressed-tensors: activation quantization, float weights) in their source form (the output then "
+    "says checkpoint_format 'marlin-partial') and list them, instead of stopping before anything is written.")]
 StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
     "and layer: '<base>.experts.<proj>.B' [E, K/16, 2N] and '.s' [E, K/g, N] (+ perm/g_idx [E, K]).")]
@@ -72,11 +73,12 @@ def convert(
     if not quiet:
         add_layer_rows(output, plan.layers)
     rate = report.bytes_in / report.seconds if report.seconds else 0.0
+    form = FORM_NAMES[report.source_format]
     output.lines += [
-        f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in GPTQ form, "
+        f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in {form} form, "
         f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
         f"checkpoint_format: {report.checkpoint_format}"
-        + (" (partly converted: the configs list the modules still in GPTQ form)" if report.skipped else ""),
+        + (f" (partly converted: the configs list the modules still in {form} form)" if report.skipped else ""),
         f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "
         f"{report.seconds:.1f} s ({human_bytes(rate)}/s, {report.workers} worker(s), "
         f"peak RSS {human_bytes(report.peak_rss_bytes)} summed over processes)",

@@ -1,4 +1,4 @@
-"""Show what converting a GPTQ checkpoint would do, without writing anything.
+"""Show what converting a GPTQ (or compressed-tensors) checkpoint would do, without writing anything.
 
 Usage examples:
     marlin-convert inspect ./Llama-2-7B-GPTQ
@@ -14,10 +14,11 @@ from typing import Annotated, Optional
 import typer
 
 from ..convert import ConversionPlan, build_plan
+from ..sources import FORM_NAMES
 from ._output import Output, check_json_path, human_bytes
 from ._render import add_layer_rows, layer_dict
 
-InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ checkpoint directory (safetensors, single file or sharded).")]
+InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the plan as JSON to this file.")]
 JsonStdoutOpt = Annotated[bool, typer.Option("--json-stdout", help="Print the plan as JSON instead of a table.")]
 
@@ -25,12 +26,22 @@ JsonStdoutOpt = Annotated[bool, typer.Option("--json-stdout", help="Print the pl
 def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False) -> Output:
     """The plan for people (a table of layers unless ``quiet``, then summary lines) and as JSON data."""
     config = plan.checkpoint.config
+    source_format = plan.checkpoint.source_format
+    if source_format == "gptq":
+        defaults = {"bits": config.bits, "group_size": config.group_size, "desc_act": config.desc_act,
+                    "sym": config.sym, "checkpoint_format": config.checkpoint_format,
+                    "dynamic": [rule.key for rule in config.dynamic], "sources": config.sources}
+        described = (f"config defaults: {config.bits}-bit, group size {config.group_size}, desc_act {config.desc_act}, "
+                     f"sym {'not stated' if config.sym is None else config.sym}"
+                     + (f", {len(config.dynamic)} dynamic rule(s)" if config.dynamic else ""))
+    else:
+        defaults = {**config.defaults(), "sources": config.sources}
+        described = f"config: {config.describe()}"
     data = {
         "in_dir": str(plan.checkpoint.path),
+        "source_format": source_format,
         "checkpoint_format": plan.checkpoint_format,
-        "quantization_defaults": {"bits": config.bits, "group_size": config.group_size, "desc_act": config.desc_act,
-                                  "sym": config.sym, "checkpoint_format": config.checkpoint_format,
-                                  "dynamic": [rule.key for rule in config.dynamic], "sources": config.sources},
+        "quantization_defaults": defaults,
         "model_dtype": plan.checkpoint.model_dtype,
         "shards": [shard.file_name for shard in plan.shards],
         "layers": [layer_dict(layer) for layer in plan.layers],
@@ -45,13 +56,10 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
     if not quiet:
         add_layer_rows(output, plan.layers)
     output.lines += [
-        f"{len(plan.converted)} layers to convert, {len(plan.refused)} kept in GPTQ form, "
+        f"{len(plan.converted)} layers to convert, {len(plan.refused)} kept in {FORM_NAMES[source_format]} form, "
         f"{data['passthrough_tensors']} tensors passed through, {len(plan.shards)} shard(s)",
         f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
-        f"config defaults: {config.bits}-bit, group size {config.group_size}, desc_act {config.desc_act}, "
-        f"sym {'not stated' if config.sym is None else config.sym}"
-        + (f", {len(config.dynamic)} dynamic rule(s)" if config.dynamic else "")
-        + f" (from {', '.join(config.sources)}); each layer's own settings are in the table",
+        f"{described} (from {', '.join(config.sources)}); each layer's own settings are in the table",
         *(f"note: {note}" for note in plan.notes),
     ]
     return output

@@ -26,6 +26,7 @@ from ..verify import (
     parse_gpus,
     verify as run_verify,
 )
+from ..sources import FORM_NAMES
 from ._output import Output, check_json_path
 from ._progress import item_progress
 
@@ -35,7 +36,7 @@ BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help="Comma-se
 SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
-    "--source", metavar="IN_DIR", help="The original GPTQ directory: also compare rebuilt tensors with it byte for byte.")]
+    "--source", metavar="IN_DIR", help="The original GPTQ or compressed-tensors directory: also compare rebuilt tensors with it byte for byte.")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file.")]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random activations.")]
 QuietOpt = Annotated[bool, typer.Option(
@@ -82,7 +83,7 @@ def verify(
     quiet: QuietOpt = False,
 ) -> None:
     """Check everything: the manifest against the files (every tensor, shape, config and digest), the inverse
-    transform reproducing the source digests (lossless), layers kept in GPTQ form byte for byte, and the Marlin
+    transform reproducing the source digests (lossless), layers kept in their source form byte for byte, and the Marlin
     kernel against an fp32 dequantization reference (mean relative error < 1e-3, no NaN or unwritten output).
     Exits 1 naming what failed."""
     check_json_path(json_file)
@@ -119,15 +120,16 @@ def verify(
         output.add_row(*cells, style=None if result.ok else "red")
     if len(report.results) > MAX_ROWS and not quiet:
         output.lines.append(f"{len(report.results)} layers/experts checked; showing failures only")
+    form = FORM_NAMES[report.source_format]
     for kept in report.kept:
         state = "ok (bytes equal the source's digests)" if kept.ok else "FAIL: " + "; ".join(kept.problems)
-        output.lines.append(f"kept in GPTQ form: {kept.name} ({kept.reason}): {state}")
+        output.lines.append(f"kept in {form} form: {kept.name} ({kept.reason}): {state}")
     for problem in report.problems:
         output.lines.append(f"[red]FAIL: {problem}[/red]")
     output.lines += [f"note: {note}" for note in report.notes]
     passed = len(report.results) - len(report.failures) + sum(k.ok for k in report.kept)
     summary = (f"{passed}/{len(report.results) + len(report.kept)} passed: {len(report.results)} converted, "
-               f"{len(report.kept)} kept in GPTQ form; {report.files_checked} file(s) and {report.tensors_checked} "
+               f"{len(report.kept)} kept in {form} form; {report.files_checked} file(s) and {report.tensors_checked} "
                f"copied tensor(s) hashed against the manifest; {len(report.problems)} other problem(s); "
                f"{report.seconds:.1f} s")
     if report.kernel_checked:
