@@ -4,9 +4,9 @@
 Marlin tile format (see ``kernel/README.md`` and ``shared/FORMAT.md``): fp16 or bf16 activations, 4- or 8-bit weights,
 symmetric (``z = 2^(bits-1)``) or with zero points. The extension (``kernel/binding.cpp`` + ``kernel/marlin_gemm.cu``)
 is compiled on first use with :func:`torch.utils.cpp_extension.load` (the ``kernel/*.cu`` units in parallel, through
-ninja) into a cache folder keyed by a hash of every file
-in ``kernel/``, the GPU architecture, and the torch and CUDA versions, so later runs import it without compiling.
-Cache root: ``$MARLIN_CONVERT_CACHE`` or ``~/.cache/marlin_convert``.
+ninja) into a cache folder keyed by a hash of every file in ``kernel/``, the compiler flags, the GPU architecture, and
+the torch and CUDA versions. Later processes import the finished build directly (a marker file says it is complete),
+without torch's JIT machinery or nvcc. Cache root: ``$MARLIN_CONVERT_CACHE`` or ``~/.cache/marlin_convert``.
 
 This module imports nothing heavy at import time: torch is imported inside the functions, so the converter (which
 never needs torch) can import the package on machines without it.
@@ -28,6 +28,9 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernel"
 #: architectures the build flags support; the JIT compiles only the running GPU's one (set
 #: ``MARLIN_CONVERT_ALL_ARCHS=1`` to build all four into one binary)
 SUPPORTED_ARCHS = ("80", "86", "89", "90")
+#: compiler flags of the build (part of the cache key, with the -gencode flags of the architectures)
+CXX_FLAGS = ["-O3", "-std=c++17"]
+CUDA_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 #: minimum compute capability (mma.sync m16n8k16 with fp32 accumulation, cp.async, ldmatrix)
 MIN_CAPABILITY = (8, 0)
 
@@ -91,9 +94,10 @@ def _find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def check_environment(device_index: int = 0) -> tuple[int, int]:
+def check_environment(device_index: int = 0, build_tools: bool = True) -> tuple[int, int]:
     """Check what the kernel needs, in order, each with its own message: PyTorch with CUDA, a visible GPU, compute
-    capability >= 8.0, nvcc, ninja. Returns the GPU's ``(major, minor)``; raises :class:`KernelUnavailableError`."""
+    capability >= 8.0, and (``build_tools``) nvcc and ninja. Returns the GPU's ``(major, minor)``; raises
+    :class:`KernelUnavailableError`."""
     try:
         import torch
     except ImportError as exc:
@@ -115,6 +119,14 @@ def check_environment(device_index: int = 0) -> tuple[int, int]:
         raise KernelUnavailableError(
             f"GPU {device_index} ({name}) has compute capability {capability[0]}.{capability[1]}; the Marlin kernel "
             f"needs >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ampere or newer)")
+    if build_tools:
+        check_build_tools()
+    return int(capability[0]), int(capability[1])
+
+
+def check_build_tools() -> None:
+    """nvcc and ninja, which building the kernel needs (a cached build loads without them). Raises
+    :class:`KernelUnavailableError`."""
     if _find_nvcc() is None:
         raise KernelUnavailableError("nvcc (CUDA's compiler) was not found; it is needed to build the kernel",
                                      hint="install the CUDA toolkit and put nvcc on PATH, or set CUDA_HOME")
@@ -123,7 +135,6 @@ def check_environment(device_index: int = 0) -> tuple[int, int]:
     if not cpp_extension.is_ninja_available():
         raise KernelUnavailableError("ninja was not found; torch needs it to build the kernel",
                                      hint="pip install ninja")
-    return int(capability[0]), int(capability[1])
 
 
 def unavailable_reason(device_index: int = 0) -> str | None:
@@ -150,12 +161,19 @@ def _build(capability: tuple[int, int], verbose: bool = False):
     flags = gencode_flags(archs)
     if arch not in archs:
         flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-    key_text = "|".join([source_hash(), "sm" + arch, ",".join(archs), torch.__version__, str(torch.version.cuda)])
+    cuda_flags = [*CUDA_FLAGS, *flags]
+    key_text = "|".join([source_hash(), "sm" + arch, ",".join(archs), torch.__version__, str(torch.version.cuda),
+                         " ".join(CXX_FLAGS), " ".join(cuda_flags)])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     if key in _modules:
         return _modules[key]
     name = f"marlin_convert_kernel_{key}"
     build_dir = cache_root() / f"kernel-{key}"
+    built = _import_built(name, build_dir)
+    if built is not None:
+        _modules[key] = built
+        return built
+    check_build_tools()
     build_dir.mkdir(parents=True, exist_ok=True)
     arch_list = ";".join(f"{a[0]}.{a[1:]}" for a in archs)
     try:
@@ -163,8 +181,8 @@ def _build(capability: tuple[int, int], verbose: bool = False):
             module = cpp_extension.load(
                 name=name,
                 sources=[str(KERNEL_DIR / "binding.cpp"), *(str(p) for p in kernel_sources())],
-                extra_cflags=["-O3", "-std=c++17"],
-                extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", *flags],
+                extra_cflags=CXX_FLAGS,
+                extra_cuda_cflags=cuda_flags,
                 extra_include_paths=[str(KERNEL_DIR)],
                 build_directory=str(build_dir),
                 verbose=verbose,
@@ -174,7 +192,35 @@ def _build(capability: tuple[int, int], verbose: bool = False):
         raise KernelUnavailableError(
             f"building the kernel failed (build folder {build_dir}): {text[-2000:]}",
             hint="run with MARLIN_CONVERT_VERBOSE_BUILD=1 for the full compiler output") from exc
+    (build_dir / BUILT_MARKER).write_text(name + "\n")  # written last: the .so beside it is complete
     _modules[key] = module
+    return module
+
+
+#: file written into a build folder once its extension built and loaded (the fast path imports only then)
+BUILT_MARKER = "built"
+
+
+def _import_built(name: str, build_dir: Path):
+    """The extension module of a finished earlier build in ``build_dir`` (its marker names it), imported directly,
+    or None. Skips torch's JIT machinery (ninja file, ninja run: about a second per process), which an unchanged
+    build does not need: the cache key already covers the sources, flags' inputs, GPU architecture and torch."""
+    import importlib.util
+
+    marker, library = build_dir / BUILT_MARKER, build_dir / f"{name}.so"
+    try:
+        if marker.read_text().strip() != name or not library.is_file():
+            return None
+    except OSError:
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    try:  # an extension is loaded (dlopen) by module_from_spec and initialised by exec_module
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:  # a damaged file, or a torch upgraded in place: rebuild through the JIT path
+        return None
     return module
 
 
@@ -183,7 +229,7 @@ def load_kernel(device_index: int = 0, verbose: bool | None = None):
     module = _by_device.get(device_index)
     if module is not None:
         return module
-    capability = check_environment(device_index)
+    capability = check_environment(device_index, build_tools=False)  # nvcc / ninja only if it must be built
     if verbose is None:
         verbose = os.environ.get("MARLIN_CONVERT_VERBOSE_BUILD") == "1"
     with _lock:

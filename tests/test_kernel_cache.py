@@ -1,0 +1,45 @@
+"""The kernel's build cache: a finished build is imported directly, anything else goes back to the JIT build.
+
+Runs without a GPU: the project's own C extension (``marlin_convert/_repack``) stands in for a built kernel.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from marlin_convert import kernel, layout
+
+
+def _built_extension() -> Path:
+    if layout._repack is None:
+        pytest.skip("the C extension is not built here (numpy fallback): nothing to stand in for a kernel build")
+    return Path(layout._repack.__file__)
+
+
+def test_a_finished_build_is_imported_directly(tmp_path):
+    shutil.copy(_built_extension(), tmp_path / "_repack.so")
+    (tmp_path / kernel.BUILT_MARKER).write_text("_repack\n")
+    module = kernel._import_built("_repack", tmp_path)
+    assert module is not None and hasattr(module, "gptq_to_marlin")
+
+
+@pytest.mark.parametrize("marker", [None, "another_build\n", ""])
+def test_without_the_marker_of_this_build_the_jit_path_runs(tmp_path, marker):
+    shutil.copy(_built_extension(), tmp_path / "_repack.so")
+    if marker is not None:
+        (tmp_path / kernel.BUILT_MARKER).write_text(marker)
+    assert kernel._import_built("_repack", tmp_path) is None
+
+
+def test_a_marker_without_its_library_or_an_unloadable_one_is_no_build(tmp_path):
+    (tmp_path / kernel.BUILT_MARKER).write_text("_repack\n")
+    assert kernel._import_built("_repack", tmp_path) is None  # no library
+    (tmp_path / "_repack.so").write_bytes(b"not an ELF file")
+    assert kernel._import_built("_repack", tmp_path) is None  # ImportError: rebuild
+
+
+def test_missing_build_folder_is_no_build(tmp_path):
+    assert kernel._import_built("marlin_convert_kernel_x", tmp_path / "absent") is None
