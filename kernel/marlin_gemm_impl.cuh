@@ -915,8 +915,24 @@ int dispatch_kind(const Launch& L) {
   constexpr int kBits = K::kBits;
   if (L.m <= 16) {
     const int optin = smem_optin();
-    if (optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && L.n / 64 <= L.sms)
-      return launch_small_kind<K, 4, GROUPED, true>(L);
+    const int tiles = L.n / 64;
+    const bool one_wave = optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && tiles <= L.sms;
+    if constexpr (kBits == 4) {
+      // The splits over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md),
+      // with the kernels this kind has: SMs / 2 < n / 64 <= SMs with long k or m > 8: 3 strips split in two;
+      // symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two.
+      Launch split_two = L;
+      split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
+      if (one_wave && 2 * tiles > L.sms && (L.k >= 16384 || L.m > 8) &&
+          optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes)
+        return launch_small_kind<K, 3, GROUPED, true>(split_two);
+      if constexpr (!kZp) {
+        if (L.m <= 8 && tiles > L.sms && 2 * tiles <= 3 * L.sms &&
+            optin >= Tile<1, 1, 2, 4, GROUPED, 4, kZp>::kSmemBytes)
+          return launch_small_kind<K, 2, GROUPED, false>(split_two);
+      }
+    }
+    if (one_wave) return launch_small_kind<K, 4, GROUPED, true>(L);
     if constexpr (kBits == 4) {
       if (optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes && (kZp || L.n / 64 <= 2 * L.sms))
         return launch_small_kind<K, 3, GROUPED, true>(L);

@@ -360,6 +360,8 @@ KIND_SHAPES = [  # (m, k, n, group, act_order)
     (9, 256, 17408, -1, False),    # ... unswapped, channelwise
     (4, 256, 10240, 128, False),   # 4-bit, SMs < n / 64 <= 2 SMs: 3 strips
     (14, 256, 10240, -1, False),   # ... two batch blocks
+    (3, 2048, 10240, 128, False),  # 4-bit symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two
+    (12, 1024, 4288, 64, False),   # 4-bit, SMs / 2 < n / 64 <= SMs (132 SMs), m > 8: 3 strips split in two
     (2, 1024, 512, 64, True),      # act-order, m <= 8
     (37, 1024, 320, 32, True),     # m > 16, act-order, n % 128 != 0
     (70, 512, 384, 128, False),    # m > 16, grouped, two row chunks
