@@ -601,12 +601,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
           if constexpr (ZP) zero_row(slot, srow, zw);
         }
-        // A fragments: ldmatrix row = (lane % 8) + 8 * ((lane / 8) % 2), logical chunk 2 * strip + lane / 16.
+        // A fragments. Unswapped (the mma A operand): matrix q = lane / 8 is rows 8 (q % 2) .., chunk q / 2, so
+        // a = {(rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)}. Swapped (the mma B
+        // operand, one pair per batch block): matrix q is rows 8 (q / 2) .., chunk q % 2, so each batch block's pair
+        // is two consecutive registers, {a0, a1} and {a2, a3} (with the other order the compiler copied the pair
+        // into fresh registers for every mma: 8 moves per strip, kernel/NOTES.md).
         uint32_t a[MB][4];
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
-          const int r = mb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          const int ch = 2 * strip + (lane >> 4);
+          const int q = lane >> 3;
+          const int r = mb * 16 + (lane & 7) + (SWAP != 0 ? (q >> 1) : (q & 1)) * 8;
+          const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
           ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
         }
         const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
@@ -627,11 +632,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           if constexpr (SWAP != 0) {
             // C^T = W^T A^T: the tile's 4 fragments are exactly the mma A fragment of W^T (rows = 16 columns n,
             // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
-            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 2 (A rows 0-7, k 0-7 / 8-15); with
-            // SWAP == 2 the second batch block (A rows 8-15) is matrices 1 and 3, accumulated in d[0][4 + j].
+            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 1 (A rows 0-7, k 0-7 / 8-15, above); with
+            // SWAP == 2 the second batch block (A rows 8-15) is matrices 2 and 3, accumulated in d[0][4 + j].
             const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
-            Ops::mma(d[0][j], wa, a[0][0], a[0][2]);
-            if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][1], a[0][3]);
+            Ops::mma(d[0][j], wa, a[0][0], a[0][1]);
+            if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][2], a[0][3]);
           } else {
 #pragma unroll
             for (int mb = 0; mb < MB; ++mb) {
