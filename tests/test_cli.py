@@ -264,3 +264,21 @@ def test_generator_help_cites_nothing_outside_the_repository():
     text = subprocess.run([sys.executable, str(REPO / "scripts" / "make_gptq_checkpoint.py"), "--help"],
                           capture_output=True, text=True, check=True).stdout
     assert "shared/" not in text and "write_checkpoint" in text
+
+
+def test_verify_table_names_each_expert_and_piped_output_is_not_wrapped(tmp_path, capsys):
+    from make_gptq_checkpoint import qwen3_moe
+
+    # '[expert 1]' looks like rich markup: it must be printed, not swallowed as a style tag
+    spec = qwen3_moe(num_layers=1, num_experts=2, hidden=128, expert_intermediate=128, stacked=True, vocab=64)
+    src = write_checkpoint(tmp_path / "in [x]", spec)
+    out = tmp_path / "out [y]"
+    assert main([str(src), str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"Converted {src} -> {out}" in text  # brackets in paths survive too
+    assert main(["verify", str(out), "--skip-kernel"]) == 0
+    lines = capsys.readouterr().out.splitlines()  # captured: not a terminal
+    for expert in range(2):
+        assert any(f"model.layers.0.mlp.experts.down_proj[expert {expert}]" in line for line in lines), lines
+    summary = next(line for line in lines if " passed: " in line)
+    assert summary.rstrip().endswith("kernel not run (--skip-kernel)")  # one line, however long

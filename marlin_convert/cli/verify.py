@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.text import Text
 
 from ..errors import InputError, VerificationFailed
 from ..manifest import load_manifest
@@ -125,7 +126,7 @@ def verify(
         state = "ok (bytes equal the source's digests)" if kept.ok else "FAIL: " + "; ".join(kept.problems)
         output.lines.append(f"kept in {form} form: {kept.name} ({kept.reason}): {state}")
     for problem in report.problems:
-        output.lines.append(f"[red]FAIL: {problem}[/red]")
+        output.lines.append(Text(f"FAIL: {problem}", style="red"))
     output.lines += [f"note: {note}" for note in report.notes]
     passed = len(report.results) - len(report.failures) + sum(k.ok for k in report.kept)
     summary = (f"{passed}/{len(report.results) + len(report.kept)} passed: {len(report.results)} converted, "
