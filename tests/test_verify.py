@@ -237,6 +237,18 @@ def test_an_expected_manifest_digest_shows_tampering(out, capsys):
     assert "manifest SHA-256" in capsys.readouterr().out
 
 
+def test_a_manifest_digest_is_matched_in_any_form_and_a_malformed_one_is_refused_up_front(out, capsys):
+    hex_digits = manifest_digest(out).removeprefix("sha256:")
+    for given in (hex_digits, "sha256:" + hex_digits, hex_digits.upper()):
+        assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", given]) == 0, given
+    capsys.readouterr()
+    for given in ("abc", "sha256:" + hex_digits[:-1], hex_digits[:-1] + "g", "sha1:" + hex_digits):
+        assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", given]) == 2, given
+        captured = capsys.readouterr()
+        assert captured.out == ""  # refused before any work
+        assert f"Error: --manifest-sha256 {given!r}: expected a SHA-256 digest" in captured.err
+
+
 @pytest.fixture
 def partial(tmp_path):
     """One layer converted, one kept in GPTQ form (group size 48 has no Marlin form)."""

@@ -63,6 +63,17 @@ def _parse_batches(spec: str) -> list[int]:
     return sizes
 
 
+def _parse_digest(digest: str | None) -> str | None:
+    """``--manifest-sha256``: 64 hex digits, with or without the ``sha256:`` prefix verify prints, any case."""
+    if digest is None:
+        return None
+    hex_digits = digest.strip().lower().removeprefix("sha256:")
+    if len(hex_digits) != 64 or any(c not in "0123456789abcdef" for c in hex_digits):
+        raise InputError(f"--manifest-sha256 {digest!r}: expected a SHA-256 digest, 64 hex digits (optionally "
+                         "prefixed 'sha256:')", hint="copy the 'manifest sha256:...' line an earlier verify printed")
+    return "sha256:" + hex_digits
+
+
 def _kind(result: LayerResult) -> str:
     group = "ch" if result.group_size == -1 else f"g{result.group_size}"
     extras = [("sym" if result.sym else "asym")] + (["act"] if result.act_order else []) + (
@@ -89,6 +100,7 @@ def verify(
     Exits 1 naming what failed."""
     check_json_path(json_file)
     batches = _parse_batches(batch)
+    manifest_sha256 = _parse_digest(manifest_sha256)
     gpus = None if skip_kernel else parse_gpus(gpu)
     if workers < 1:
         raise InputError(f"--workers {workers}: expected at least 1")
