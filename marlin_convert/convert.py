@@ -225,6 +225,16 @@ def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
     return stacked, taken
 
 
+def refusal_error(refused: list[LayerPlan], total: int) -> UnsupportedLayerError:
+    """The error that stops a conversion (without ``--skip-incompatible``) at layers with no Marlin form."""
+    listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
+    more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+    return UnsupportedLayerError(
+        f"{len(refused)} of {total} quantized layers cannot be converted: {listed}{more}",
+        hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
+    )
+
+
 def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False) -> ConversionPlan:
     """Open and check ``in_dir`` and declare every output tensor. Writes nothing.
 
@@ -239,12 +249,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     _check_expert_sets(groups, by_prefix)
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
-        listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
-        more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
-        raise UnsupportedLayerError(
-            f"{len(refused)} of {len(layers)} quantized layers cannot be converted: {listed}{more}",
-            hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
-        )
+        raise refusal_error(refused, len(layers))
     notes = plan_notes(checkpoint, layers)
     outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]

@@ -142,6 +142,25 @@ def test_inspect_and_dry_run_write_nothing(tmp_path, src, capsys):
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(before + ["plan.json"])
 
 
+def test_dry_run_fails_where_the_conversion_would(tmp_path, src, capsys):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main([str(src), str(tmp_path / "full"), "--dry-run", "-q"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "full"), "--dry-run", "-q", "--overwrite"]) == 0
+    assert main([str(src), str(src / "out"), "--dry-run", "-q"]) == 2
+    assert "inside (or equal to) IN_DIR" in capsys.readouterr().err
+    # group size 8 has no Marlin form: the plan is shown, and the exit code says the conversion would stop
+    odd = write_checkpoint(tmp_path / "g8", tiny_llama(num_layers=1, group_size=8))
+    assert main([str(odd), str(tmp_path / "o"), "--dry-run", "--json", str(tmp_path / "plan.json")]) == 2
+    captured = capsys.readouterr()
+    assert "kept in GPTQ form" in captured.out and "cannot be converted" in captured.err
+    assert "--skip-incompatible" in captured.err and (tmp_path / "plan.json").exists()
+    assert main([str(odd), str(tmp_path / "o"), "--dry-run", "-q", "--skip-incompatible"]) == 0
+    assert main([str(odd), str(tmp_path / "o"), "-q"]) == 2  # what the dry run predicted
+    assert not (tmp_path / "o").exists()
+
+
 def test_inspect_groups_experts(tmp_path, capsys):
     linears = [LinearSpec(f"model.layers.0.mlp.experts.{e}.{p}", 128, 64) for e in range(16)
                for p in ("gate_proj", "up_proj", "down_proj")]
