@@ -35,7 +35,7 @@ from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan
 from .experts import ExpertGroup, group_experts
-from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
+from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, manifest_digest, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
@@ -500,6 +500,7 @@ class ConversionReport:
     seconds: float
     notes: list[str]
     manifest: str
+    manifest_sha256: str  # "sha256:..." of the manifest as written: what verify prints and --manifest-sha256 takes
     checkpoint_format: str  # "marlin", or "marlin-partial" when layers were kept in their source form
     source_format: str  # "gptq" or "compressed-tensors"
     workers: int
@@ -771,6 +772,7 @@ def convert(
         manifest["passthrough"] = _passthrough_entries(plan, digests, out_shard)
         manifest["files"] = files
         write_manifest(tmp, manifest)
+        digest = manifest_digest(tmp)
         partial.finalize(overwrite)
     except BaseException as exc:
         for writer in writers:
@@ -795,6 +797,7 @@ def convert(
         seconds=time.perf_counter() - start,
         notes=notes,
         manifest=str(out_dir / MANIFEST_FILE),
+        manifest_sha256=digest,
         checkpoint_format=plan.checkpoint_format,
         source_format=checkpoint.source_format,
         workers=workers,

@@ -58,6 +58,16 @@ def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")
 
 
+def test_convert_reports_the_manifest_digest_that_verify_checks(tmp_path, src, capsys):
+    report_path = tmp_path / "report.json"
+    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0
+    digest = json.loads(report_path.read_text())["manifest_sha256"]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest)
+    assert f"manifest {digest}" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", "--manifest-sha256", digest]) == 0
+    assert f"manifest {digest}" in capsys.readouterr().out
+
+
 def test_quiet_prints_the_summary_without_the_table(tmp_path, src, capsys):
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
     text = capsys.readouterr().out

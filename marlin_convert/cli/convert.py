@@ -91,6 +91,8 @@ def convert(
         f"peak RSS {human_bytes(report.peak_rss_bytes)} summed over processes)",
         *(f"note: {note}" for note in report.notes),
         f"manifest: {report.manifest}",
+        f"manifest {report.manifest_sha256} (keep it apart from the checkpoint: 'verify --manifest-sha256' "
+        "checks it)",
     ]
     output.render()
     output.write_json(json_file)
