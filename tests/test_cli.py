@@ -311,3 +311,19 @@ def test_verify_table_names_each_expert_and_piped_output_is_not_wrapped(tmp_path
         assert any(f"model.layers.0.mlp.experts.down_proj[expert {expert}]" in line for line in lines), lines
     summary = next(line for line in lines if " passed: " in line)
     assert summary.rstrip().endswith("kernel not run (--skip-kernel)")  # one line, however long
+
+
+def test_a_missing_directory_is_named_as_missing_and_a_file_problem_alone_names_no_layers(tmp_path, src, capsys):
+    for args in ([str(tmp_path / "nothere"), str(tmp_path / "out")], ["inspect", str(tmp_path / "nothere")]):
+        assert main(args) == 2
+        assert f"Error: {tmp_path / 'nothere'}: does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["inspect", str(tmp_path / "file")]) == 2
+    assert f"Error: {tmp_path / 'file'}: not a directory" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    (out / "extra.txt").write_text("x")
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Error: 1 problem(s) with the files (listed above)"), err

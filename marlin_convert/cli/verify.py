@@ -161,7 +161,7 @@ def verify(
     if not report.ok:
         names = ", ".join(r.label for r in report.failures[:5])
         more = f" and {len(report.failures) - 5} more" if len(report.failures) > 5 else ""
-        parts = [f"{len(report.failures)} layer(s) failed verification" + (f": {names}{more}" if names else "")]
+        parts = [f"{len(report.failures)} layer(s) failed verification: {names}{more}"] if report.failures else []
         if report.problems:
             parts.append(f"{len(report.problems)} problem(s) with the files (listed above)")
         if not all(k.ok for k in report.kept):
