@@ -35,7 +35,7 @@ from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan
 from .experts import ExpertGroup, group_experts
-from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, write_manifest
+from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, manifest_digest, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
@@ -225,6 +225,16 @@ def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
     return stacked, taken
 
 
+def refusal_error(refused: list[LayerPlan], total: int) -> UnsupportedLayerError:
+    """The error that stops a conversion (without ``--skip-incompatible``) at layers with no Marlin form."""
+    listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
+    more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+    return UnsupportedLayerError(
+        f"{len(refused)} of {total} quantized layers cannot be converted: {listed}{more}",
+        hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
+    )
+
+
 def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False) -> ConversionPlan:
     """Open and check ``in_dir`` and declare every output tensor. Writes nothing.
 
@@ -239,12 +249,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     _check_expert_sets(groups, by_prefix)
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
-        listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
-        more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
-        raise UnsupportedLayerError(
-            f"{len(refused)} of {len(layers)} quantized layers cannot be converted: {listed}{more}",
-            hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
-        )
+        raise refusal_error(refused, len(layers))
     notes = plan_notes(checkpoint, layers)
     outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
@@ -495,6 +500,7 @@ class ConversionReport:
     seconds: float
     notes: list[str]
     manifest: str
+    manifest_sha256: str  # "sha256:..." of the manifest as written: what verify prints and --manifest-sha256 takes
     checkpoint_format: str  # "marlin", or "marlin-partial" when layers were kept in their source form
     source_format: str  # "gptq" or "compressed-tensors"
     workers: int
@@ -766,6 +772,7 @@ def convert(
         manifest["passthrough"] = _passthrough_entries(plan, digests, out_shard)
         manifest["files"] = files
         write_manifest(tmp, manifest)
+        digest = manifest_digest(tmp)
         partial.finalize(overwrite)
     except BaseException as exc:
         for writer in writers:
@@ -790,6 +797,7 @@ def convert(
         seconds=time.perf_counter() - start,
         notes=notes,
         manifest=str(out_dir / MANIFEST_FILE),
+        manifest_sha256=digest,
         checkpoint_format=plan.checkpoint_format,
         source_format=checkpoint.source_format,
         workers=workers,

@@ -314,7 +314,7 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
     :class:`InputError`."""
     in_dir = Path(in_dir)
     if not in_dir.is_dir():
-        raise InputError(f"{in_dir}: not a directory")
+        raise InputError(f"{in_dir}: {'not a directory' if in_dir.exists() else 'does not exist'}")
     return open_shards(in_dir, *load_quant_config(in_dir))
 
 

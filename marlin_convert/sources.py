@@ -33,7 +33,7 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
     """Open ``in_dir`` as compressed-tensors when its config.json says so, else as GPTQ. Raises :class:`InputError`."""
     in_dir = Path(in_dir)
     if not in_dir.is_dir():
-        raise InputError(f"{in_dir}: not a directory")
+        raise InputError(f"{in_dir}: {'not a directory' if in_dir.exists() else 'does not exist'}")
     if compressed_tensors.detect(in_dir):
         return compressed_tensors.open_checkpoint(in_dir)
     return gptq.open_checkpoint(in_dir)

@@ -43,7 +43,7 @@ import numpy as np
 from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
-from .sources import open_checkpoint
+from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .workers import kill_workers, worker_pool
@@ -393,6 +393,31 @@ def _results_skeleton(manifest: dict, checked: Audit) -> list[list[LayerResult]]
     return per_entry
 
 
+def _open_source(source_dir: Path, manifest: dict):
+    """Open ``--source`` and check that it holds every source tensor the manifest names, in the source format
+    the checkpoint was converted from, with the experts a stacked source had. Raises :class:`InputError`
+    (a wrong ``--source`` is a bad argument, not a failed layer)."""
+    source = open_checkpoint(source_dir)
+    expected = manifest["source"]["format"]
+    hint = f"give the directory the checkpoint was converted from (the manifest names {manifest['source']['path']})"
+    if source.source_format != expected:
+        raise InputError(f"--source {source_dir}: a {FORM_NAMES.get(source.source_format, source.source_format)} "
+                         f"checkpoint, but this one was converted from {FORM_NAMES.get(expected, expected)}",
+                         hint=hint)
+    for entry in manifest["layers"]:
+        stacked = len(entry["sources"]) == 1 and entry["sources"][0]["slices"] is not None
+        for src in entry["sources"]:
+            for name in src["tensors"].values():
+                if name not in source.location:
+                    raise InputError(f"--source {source_dir}: no tensor '{name}' (a source tensor of layer "
+                                     f"'{entry['name']}')", hint=hint)
+                shape = source.info(name).shape
+                if stacked and (len(shape) < 2 or shape[0] < src["slices"][1]):
+                    raise InputError(f"--source {source_dir}: tensor '{name}' has shape {list(shape)}, not the "
+                                     f"{src['slices'][1]} stacked experts of layer '{entry['name']}'", hint=hint)
+    return source
+
+
 def verify(
     out_dir: Path,
     *,
@@ -420,7 +445,7 @@ def verify(
     problems = list(checked.problems)
     if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
         problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
-    source = open_checkpoint(Path(source_dir)) if source_dir is not None else None
+    source = _open_source(Path(source_dir), manifest) if source_dir is not None else None
     use_kernel = bool(gpus) and bool(batch_sizes)
     act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
     per_entry = _results_skeleton(manifest, checked)

@@ -58,6 +58,16 @@ def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")
 
 
+def test_convert_reports_the_manifest_digest_that_verify_checks(tmp_path, src, capsys):
+    report_path = tmp_path / "report.json"
+    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0
+    digest = json.loads(report_path.read_text())["manifest_sha256"]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest)
+    assert f"manifest {digest}" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", "--manifest-sha256", digest]) == 0
+    assert f"manifest {digest}" in capsys.readouterr().out
+
+
 def test_quiet_prints_the_summary_without_the_table(tmp_path, src, capsys):
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
     text = capsys.readouterr().out
@@ -140,6 +150,25 @@ def test_inspect_and_dry_run_write_nothing(tmp_path, src, capsys):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["converted"] == 7 and plan["layers"][0]["convert"] is True
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(before + ["plan.json"])
+
+
+def test_dry_run_fails_where_the_conversion_would(tmp_path, src, capsys):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main([str(src), str(tmp_path / "full"), "--dry-run", "-q"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "full"), "--dry-run", "-q", "--overwrite"]) == 0
+    assert main([str(src), str(src / "out"), "--dry-run", "-q"]) == 2
+    assert "inside (or equal to) IN_DIR" in capsys.readouterr().err
+    # group size 8 has no Marlin form: the plan is shown, and the exit code says the conversion would stop
+    odd = write_checkpoint(tmp_path / "g8", tiny_llama(num_layers=1, group_size=8))
+    assert main([str(odd), str(tmp_path / "o"), "--dry-run", "--json", str(tmp_path / "plan.json")]) == 2
+    captured = capsys.readouterr()
+    assert "kept in GPTQ form" in captured.out and "cannot be converted" in captured.err
+    assert "--skip-incompatible" in captured.err and (tmp_path / "plan.json").exists()
+    assert main([str(odd), str(tmp_path / "o"), "--dry-run", "-q", "--skip-incompatible"]) == 0
+    assert main([str(odd), str(tmp_path / "o"), "-q"]) == 2  # what the dry run predicted
+    assert not (tmp_path / "o").exists()
 
 
 def test_inspect_groups_experts(tmp_path, capsys):
@@ -264,3 +293,37 @@ def test_generator_help_cites_nothing_outside_the_repository():
     text = subprocess.run([sys.executable, str(REPO / "scripts" / "make_gptq_checkpoint.py"), "--help"],
                           capture_output=True, text=True, check=True).stdout
     assert "shared/" not in text and "write_checkpoint" in text
+
+
+def test_verify_table_names_each_expert_and_piped_output_is_not_wrapped(tmp_path, capsys):
+    from make_gptq_checkpoint import qwen3_moe
+
+    # '[expert 1]' looks like rich markup: it must be printed, not swallowed as a style tag
+    spec = qwen3_moe(num_layers=1, num_experts=2, hidden=128, expert_intermediate=128, stacked=True, vocab=64)
+    src = write_checkpoint(tmp_path / "in [x]", spec)
+    out = tmp_path / "out [y]"
+    assert main([str(src), str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"Converted {src} -> {out}" in text  # brackets in paths survive too
+    assert main(["verify", str(out), "--skip-kernel"]) == 0
+    lines = capsys.readouterr().out.splitlines()  # captured: not a terminal
+    for expert in range(2):
+        assert any(f"model.layers.0.mlp.experts.down_proj[expert {expert}]" in line for line in lines), lines
+    summary = next(line for line in lines if " passed: " in line)
+    assert summary.rstrip().endswith("kernel not run (--skip-kernel)")  # one line, however long
+
+
+def test_a_missing_directory_is_named_as_missing_and_a_file_problem_alone_names_no_layers(tmp_path, src, capsys):
+    for args in ([str(tmp_path / "nothere"), str(tmp_path / "out")], ["inspect", str(tmp_path / "nothere")]):
+        assert main(args) == 2
+        assert f"Error: {tmp_path / 'nothere'}: does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["inspect", str(tmp_path / "file")]) == 2
+    assert f"Error: {tmp_path / 'file'}: not a directory" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    (out / "extra.txt").write_text("x")
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Error: 1 problem(s) with the files (listed above)"), err

@@ -237,6 +237,18 @@ def test_an_expected_manifest_digest_shows_tampering(out, capsys):
     assert "manifest SHA-256" in capsys.readouterr().out
 
 
+def test_a_manifest_digest_is_matched_in_any_form_and_a_malformed_one_is_refused_up_front(out, capsys):
+    hex_digits = manifest_digest(out).removeprefix("sha256:")
+    for given in (hex_digits, "sha256:" + hex_digits, hex_digits.upper()):
+        assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", given]) == 0, given
+    capsys.readouterr()
+    for given in ("abc", "sha256:" + hex_digits[:-1], hex_digits[:-1] + "g", "sha1:" + hex_digits):
+        assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", given]) == 2, given
+        captured = capsys.readouterr()
+        assert captured.out == ""  # refused before any work
+        assert f"Error: --manifest-sha256 {given!r}: expected a SHA-256 digest" in captured.err
+
+
 @pytest.fixture
 def partial(tmp_path):
     """One layer converted, one kept in GPTQ form (group size 48 has no Marlin form)."""
@@ -342,3 +354,41 @@ def test_files_linked_into_a_blob_store_verify(out, tmp_path):
         path.rename(blobs / path.name)
         path.symlink_to(blobs / path.name)
     assert verify(out, gpus=None, workers=1).ok
+
+
+def test_a_source_that_is_not_the_converted_checkpoint_is_a_bad_argument(tmp_path, converted, out, capsys):
+    from make_gptq_checkpoint import qwen3_moe
+
+    source = converted.parent / "in"
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--source", str(source)]) == 0
+    capsys.readouterr()
+    # another model: the manifest's source tensors are not there (was: an internal error, KeyError)
+    other = write_checkpoint(tmp_path / "other", qwen3_moe(num_layers=1, num_experts=2, hidden=128,
+                                                          expert_intermediate=128, vocab=64))
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--source", str(other)]) == 2
+    captured = capsys.readouterr()
+    assert "internal error" not in captured.err and captured.out == ""
+    assert f"Error: --source {other}: no tensor 'model.layers.0." in captured.err
+    assert f"Hint: give the directory the checkpoint was converted from (the manifest names {source})" in captured.err
+    # a stacked checkpoint's source must hold its experts stacked, not per expert
+    stacked = write_checkpoint(tmp_path / "stacked", qwen3_moe(num_layers=1, num_experts=2, hidden=128,
+                                                               expert_intermediate=128, vocab=64, stacked=True))
+    convert(stacked, tmp_path / "stacked-out", workers=1)
+    flat = tmp_path / "flat"
+    shutil.copytree(stacked, flat)
+    name = "model.layers.0.mlp.experts.down_proj.g_idx"
+    (flat / "model.safetensors").write_bytes(_with_shape(stacked / "model.safetensors", name, [256]))
+    assert main(["verify", str(tmp_path / "stacked-out"), "--skip-kernel", "-q", "--source", str(flat)]) == 2
+    assert f"tensor '{name}' has shape [256], not the 2 stacked experts" in capsys.readouterr().err
+
+
+def _with_shape(path, name, shape):
+    """The file's bytes with one tensor's header shape changed (same byte count)."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header[name]["shape"] = shape
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (size - len(text))
+    assert len(text) == size
+    return data[:8] + text + data[8 + size:]

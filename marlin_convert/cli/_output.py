@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import OutputError
 
@@ -33,7 +34,7 @@ class Output:
     data: dict
     columns: list[str] = field(default_factory=list)
     rows: list[list[str]] = field(default_factory=list)
-    lines: list[str] = field(default_factory=list)
+    lines: list[str | Text] = field(default_factory=list)  # plain strings (never markup), or styled Text
     as_json: bool = False
     row_styles: list[str | None] = field(default_factory=list)
 
@@ -42,21 +43,29 @@ class Output:
         self.row_styles.append(style)
 
     def render(self, console: Console | None = None) -> None:
+        """Print for people. Names, paths and reasons are printed as they are: nothing in them is read as rich
+        markup (a label such as ``P[expert 3]`` stays visible). Where stdout is not a terminal (a pipe, a log
+        file) nothing is wrapped at 80 columns: the table takes the width it needs and every line stays one
+        line, so that logs can be searched."""
         console = console or Console()
         if self.as_json:
             print(json.dumps(self.data, indent=2, default=str))
             return
+        wrap = console.is_terminal
+        if self.title:
+            console.print(Text(self.title, style="bold"), soft_wrap=not wrap)
         if self.rows:
-            table = Table(title=self.title, title_justify="left")
+            table = Table()
             for column in self.columns:
                 table.add_column(column, overflow="fold")
             for row, style in zip(self.rows, self.row_styles):
-                table.add_row(*row, style=style)
+                table.add_row(*(Text(cell) for cell in row), style=style)
+            if not wrap:
+                wanted = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+                console = Console(width=max(console.width, wanted))
             console.print(table)
-        elif self.title:
-            console.print(f"[bold]{self.title}[/bold]")
         for line in self.lines:
-            console.print(line, highlight=False)
+            console.print(line, markup=False, highlight=False, soft_wrap=not wrap)
 
     def write_json(self, path: Path | None) -> None:
         if path is not None:

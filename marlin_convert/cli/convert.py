@@ -10,13 +10,15 @@ Usage examples:
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion
+from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, refusal_error
+from ..outdir import check_out_dir
 from ..sources import FORM_NAMES
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
@@ -33,7 +35,9 @@ SkipOpt = Annotated[bool, typer.Option(
 StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
     "and layer: '<base>.experts.<proj>.B' [E, K/16, 2N] and '.s' [E, K/g, N] (+ perm/g_idx [E, K]).")]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan (like 'inspect') and write nothing.")]
+DryRunOpt = Annotated[bool, typer.Option(
+    "--dry-run", help="Show the plan (like 'inspect') and write nothing; exits 2 where the same command without "
+    "--dry-run would stop before writing (OUT_DIR not usable, layers with no Marlin form).")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file.")]
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", min=1, metavar="N", help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
@@ -59,11 +63,14 @@ def convert(
     """
     started = time.perf_counter()
     check_json_path(json_file)
+    check_out_dir(in_dir, Path(os.path.abspath(out_dir)), overwrite)  # before the plan, which reads every header
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:
         output = plan_output(plan, quiet=quiet)
         output.render()
         output.write_json(json_file)
+        if plan.refused and not skip_incompatible:  # the plan shows them; the conversion itself would stop
+            raise refusal_error(plan.refused, len(plan.layers))
         return
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
@@ -84,6 +91,8 @@ def convert(
         f"peak RSS {human_bytes(report.peak_rss_bytes)} summed over processes)",
         *(f"note: {note}" for note in report.notes),
         f"manifest: {report.manifest}",
+        f"manifest {report.manifest_sha256} (keep it apart from the checkpoint: 'verify --manifest-sha256' "
+        "checks it)",
     ]
     output.render()
     output.write_json(json_file)

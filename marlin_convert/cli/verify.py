@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.text import Text
 
 from ..errors import InputError, VerificationFailed
 from ..manifest import load_manifest
@@ -62,6 +63,17 @@ def _parse_batches(spec: str) -> list[int]:
     return sizes
 
 
+def _parse_digest(digest: str | None) -> str | None:
+    """``--manifest-sha256``: 64 hex digits, with or without the ``sha256:`` prefix verify prints, any case."""
+    if digest is None:
+        return None
+    hex_digits = digest.strip().lower().removeprefix("sha256:")
+    if len(hex_digits) != 64 or any(c not in "0123456789abcdef" for c in hex_digits):
+        raise InputError(f"--manifest-sha256 {digest!r}: expected a SHA-256 digest, 64 hex digits (optionally "
+                         "prefixed 'sha256:')", hint="copy the 'manifest sha256:...' line an earlier verify printed")
+    return "sha256:" + hex_digits
+
+
 def _kind(result: LayerResult) -> str:
     group = "ch" if result.group_size == -1 else f"g{result.group_size}"
     extras = [("sym" if result.sym else "asym")] + (["act"] if result.act_order else []) + (
@@ -88,6 +100,7 @@ def verify(
     Exits 1 naming what failed."""
     check_json_path(json_file)
     batches = _parse_batches(batch)
+    manifest_sha256 = _parse_digest(manifest_sha256)
     gpus = None if skip_kernel else parse_gpus(gpu)
     if workers < 1:
         raise InputError(f"--workers {workers}: expected at least 1")
@@ -125,7 +138,7 @@ def verify(
         state = "ok (bytes equal the source's digests)" if kept.ok else "FAIL: " + "; ".join(kept.problems)
         output.lines.append(f"kept in {form} form: {kept.name} ({kept.reason}): {state}")
     for problem in report.problems:
-        output.lines.append(f"[red]FAIL: {problem}[/red]")
+        output.lines.append(Text(f"FAIL: {problem}", style="red"))
     output.lines += [f"note: {note}" for note in report.notes]
     passed = len(report.results) - len(report.failures) + sum(k.ok for k in report.kept)
     summary = (f"{passed}/{len(report.results) + len(report.kept)} passed: {len(report.results)} converted, "
@@ -148,7 +161,7 @@ def verify(
     if not report.ok:
         names = ", ".join(r.label for r in report.failures[:5])
         more = f" and {len(report.failures) - 5} more" if len(report.failures) > 5 else ""
-        parts = [f"{len(report.failures)} layer(s) failed verification" + (f": {names}{more}" if names else "")]
+        parts = [f"{len(report.failures)} layer(s) failed verification: {names}{more}"] if report.failures else []
         if report.problems:
             parts.append(f"{len(report.problems)} problem(s) with the files (listed above)")
         if not all(k.ok for k in report.kept):
