@@ -1,4 +1,4 @@
-"""marlin-convert: convert GPTQ safetensors checkpoints to the Marlin FP16xINT4 tile format, offline, and
+"""marlin-convert: convert 4- and 8-bit GPTQ (and compressed-tensors) safetensors checkpoints to the Marlin tile format, offline, and
 prove every layer right.
 
 The library never prints: it returns results and raises :class:`marlin_convert.errors.MarlinConvertError`

@@ -29,8 +29,9 @@ from .verify import verify
 
 app = typer.Typer(
     name="marlin-convert",
-    help="Convert GPTQ safetensors checkpoints to the Marlin FP16xINT4 format offline, and verify every layer "
-    "on the GPU. 'marlin-convert IN_DIR OUT_DIR' is short for 'marlin-convert convert IN_DIR OUT_DIR'.",
+    help="Convert 4- and 8-bit GPTQ (or compressed-tensors) safetensors checkpoints to the Marlin format offline, "
+    "and verify every layer on the GPU. 'marlin-convert IN_DIR OUT_DIR' is short for "
+    "'marlin-convert convert IN_DIR OUT_DIR'.",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,

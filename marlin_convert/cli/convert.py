@@ -34,7 +34,8 @@ SkipOpt = Annotated[bool, typer.Option(
     "says checkpoint_format 'marlin-partial') and list them, instead of stopping before anything is written.")]
 StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
-    "and layer: '<base>.experts.<proj>.B' [E, K/16, 2N] and '.s' [E, K/g, N] (+ perm/g_idx [E, K]).")]
+    "and layer: '<base>.experts.<proj>.B' [E, K_pad/16, N_pad*bits/2] and '.s' [E, groups, N_pad] (+ zp, "
+    "perm/g_idx [E, K_pad]; README, Output format).")]
 DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run", help="Show the plan (like 'inspect') and write nothing; exits 2 where the same command without "
     "--dry-run would stop before writing (OUT_DIR not usable, layers with no Marlin form).")]
