@@ -914,6 +914,9 @@ int launch_small_kind(const Launch& L) {
 //   8-bit, larger n: 2 strips, 2 blocks per SM (104 KB);
 //   m > 16, and m <= 16 where the shared memory is too small for the above (sm_86 / sm_89: ~100 KB): MB = 2, 1 strip
 //   (52 / 68 KB).
+// Benchmark-only configuration switch (MARLIN_CONVERT_SMALL_CFG; marlin_gemm.cu): -1 when unset.
+int small_cfg();
+
 template <class K, bool GROUPED>
 int dispatch_kind(const Launch& L) {
   constexpr bool kZp = K::kZp;
@@ -935,6 +938,21 @@ int dispatch_kind(const Launch& L) {
         if (L.m <= 8 && tiles > L.sms && 2 * tiles <= 3 * L.sms &&
             optin >= Tile<1, 1, 2, 4, GROUPED, 4, kZp>::kSmemBytes)
           return launch_small_kind<K, 2, GROUPED, false>(split_two);
+      }
+    }
+    if constexpr (kBits == 8) {
+      // Benchmark only (MARLIN_CONVERT_SMALL_CFG, `bench_kernel.py --cfgs`): 20 = the 2-strip kernel, 21 = the
+      // MB = 2 one-strip kernel, 22 = the 4-strip kernel, whatever n; the split as launch_config picks it (or
+      // --split-k).
+      switch (small_cfg()) {
+        case 20:
+          if (optin >= Tile<1, 1, 2, 4, GROUPED, 8, kZp>::kSmemBytes) return launch_small_kind<K, 2, GROUPED, true>(L);
+          break;
+        case 21: return launch_config<K, 2, 1, 1, 4, GROUPED>(L);
+        case 22:
+          if (optin >= Tile<1, 1, 4, 4, GROUPED, 8, kZp>::kSmemBytes) return launch_small_kind<K, 4, GROUPED, true>(L);
+          break;
+        default: break;
       }
     }
     if (one_wave) return launch_small_kind<K, 4, GROUPED, true>(L);

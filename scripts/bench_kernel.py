@@ -17,7 +17,9 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
            its speed-up is over torch's bf16 matmul)
     copy   bytes = 2 * size (read + write) of a 2 GiB device-to-device copy, median of 30 event-timed copies, measured
            in the same run: the ceiling for "% copy".
-    --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG, see kernel/marlin_gemm.cu)
+    --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG: fp16 x 4-bit symmetric in
+           kernel/marlin_gemm.cu, 8-bit kinds 20-22 in dispatch_kind, kernel/marlin_gemm_impl.cuh; a value a kind does
+           not know gives its default)
            against the same torch time and prints a geomean per configuration.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
                     c = torch.empty(m, n, dtype=dtype, device="cuda")
                     t_torch = torch_us[dtype_name, m]
                     act = m * k * 2 + m * n * 2
-                    for cfg in (cfgs if kind == "fp16-int4" else [None]):
+                    for cfg in (cfgs if kind != TINYGEMM else [None]):
                         if cfg is not None:
                             os.environ["MARLIN_CONVERT_SMALL_CFG"] = str(cfg)
                         if kind == TINYGEMM:

@@ -318,6 +318,15 @@ def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
     _run_case(torch, m, 2048, 512, group, False, seed=int(cfg) * 100 + m)
 
 
+@pytest.mark.parametrize("cfg", ["20", "21", "22"])
+@pytest.mark.parametrize("dtype,asym", [("float16", False), ("bfloat16", True)])
+@pytest.mark.parametrize("m,group", [(3, 128), (16, -1)])
+def test_8bit_benchmark_configs(torch, monkeypatch, cfg, dtype, asym, m, group):
+    """Every 8-bit MARLIN_CONVERT_SMALL_CFG kernel (benchmark switch, dispatch_kind) gives the right result."""
+    monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
+    _run_case(torch, m, 2048, 512, group, False, seed=int(cfg) * 100 + m, bits=8, asym=asym, dtype=dtype)
+
+
 @pytest.mark.parametrize("m,group,act_order", [(1, 128, False), (8, -1, False), (5, 32, True)])
 def test_wide_tiles_on_very_wide_layers(torch, m, group, act_order):
     """m <= 8 with n / 256 >= SMs takes the 256-column-tile kernel by default (dispatch_fp16_int4): right there."""
