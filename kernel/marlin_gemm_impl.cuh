@@ -194,9 +194,9 @@ struct Dequant;
 template <>
 struct Dequant<half, 4> {
   static constexpr int kWords = 1;  // B words per lane per tile (and zero-point words per lane)
-  struct Zero {
-    uint32_t sub;  // (1024 + z0, 1024 + z1)
-    uint32_t add;  // (-(64 + z0), -(64 + z1))
+  struct Zero {  // each value in both halves, for n8-block 2j (0) and 2j + 1 (1)
+    uint32_t sub0, sub1;  // 1024 + z
+    uint32_t add0, add1;  // -(64 + z)
   };
   // Magic numbers, fp16 = sign | 5-bit exponent (bias 15) | 10-bit mantissa:
   //   0x6400 = 2^10 = 1024.0: its mantissa ulp is 1, so 0x6400 | x (x < 1024) is exactly 1024 + x.
@@ -209,8 +209,10 @@ struct Dequant<half, 4> {
   //   (exponent 24 = 15 + 9 -> 512, mantissa 0x380 -> 1.875).
   // All steps are exact in fp16 (|values| < 2048 and integral), so q - z is exact.
   static __device__ __forceinline__ Zero zero(const uint32_t (&zw)[1], int j) {
-    const uint32_t sub = lop3<kAndOr>(zw[0] >> (4 * j), 0x000f000fu, 0x64006400u);
-    return {sub, as_u32(__hsub2(as_h2(0x63806380u), as_h2(sub)))};
+    const half2 sub = as_h2(lop3<kAndOr>(zw[0] >> (4 * j), 0x000f000fu, 0x64006400u));
+    const half2 add = __hsub2(as_h2(0x63806380u), sub);
+    return {as_u32(__low2half2(sub)), as_u32(__high2half2(sub)), as_u32(__low2half2(add)),
+            as_u32(__high2half2(add))};
   }
   template <bool ZP>
   static __device__ __forceinline__ void run(const uint32_t* w, const Zero& zero, uint32_t (&frag)[4]) {
@@ -232,11 +234,10 @@ struct Dequant<half, 4> {
       frag[2] = as_u32(__hsub2(as_h2(lo1), sub));           // b0, n8-block 1
       frag[3] = as_u32(__hfma2(as_h2(hi1), mul, add));      // b1, n8-block 1
     } else {
-      const half2 sub = as_h2(zero.sub), add = as_h2(zero.add);
-      frag[0] = as_u32(__hsub2(as_h2(lo0), __low2half2(sub)));
-      frag[1] = as_u32(__hfma2(as_h2(hi0), mul, __low2half2(add)));
-      frag[2] = as_u32(__hsub2(as_h2(lo1), __high2half2(sub)));
-      frag[3] = as_u32(__hfma2(as_h2(hi1), mul, __high2half2(add)));
+      frag[0] = as_u32(__hsub2(as_h2(lo0), as_h2(zero.sub0)));
+      frag[1] = as_u32(__hfma2(as_h2(hi0), mul, as_h2(zero.add0)));
+      frag[2] = as_u32(__hsub2(as_h2(lo1), as_h2(zero.sub1)));
+      frag[3] = as_u32(__hfma2(as_h2(hi1), mul, as_h2(zero.add1)));
     }
   }
 };
@@ -245,7 +246,7 @@ template <>
 struct Dequant<half, 8> {
   static constexpr int kWords = 2;
   struct Zero {
-    uint32_t sub;  // (1024 + z0, 1024 + z1)
+    uint32_t z0, z1;  // 1024 + z in both halves, for n8-blocks 2j and 2j + 1
   };
   // __byte_perm(x, y, sel): byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes {y:x} (x = bytes 0..3).
   // With y = 0x64646464, selector 0x4240 gives bytes (x0, 0x64, x2, 0x64) = two fp16 0x64xx = 1024 + x0, 1024 + x2
@@ -254,12 +255,13 @@ struct Dequant<half, 8> {
   //   symmetric z = 128: 1024 + 128 = 1152 = 0x6480 (exponent 25 -> 1024, mantissa 0x080 -> 1.125).
   //   zero points: the same byte_perm on the zero-point word gives (1024 + z0, 1024 + z1) directly.
   static __device__ __forceinline__ Zero zero(const uint32_t (&zw)[2], int j) {
-    return {__byte_perm(zw[j >> 1], 0x64646464u, (j & 1) ? 0x4341u : 0x4240u)};
+    const half2 sub = as_h2(__byte_perm(zw[j >> 1], 0x64646464u, (j & 1) ? 0x4341u : 0x4240u));
+    return {as_u32(__low2half2(sub)), as_u32(__high2half2(sub))};
   }
   template <bool ZP>
   static __device__ __forceinline__ void run(const uint32_t* w, const Zero& zero, uint32_t (&frag)[4]) {
-    const half2 z0 = ZP ? __low2half2(as_h2(zero.sub)) : as_h2(0x64806480u);
-    const half2 z1 = ZP ? __high2half2(as_h2(zero.sub)) : as_h2(0x64806480u);
+    const half2 z0 = as_h2(ZP ? zero.z0 : 0x64806480u);
+    const half2 z1 = as_h2(ZP ? zero.z1 : 0x64806480u);
     frag[0] = as_u32(__hsub2(as_h2(__byte_perm(w[0], 0x64646464u, 0x4240u)), z0));  // rows r, r+1, n8-block 0
     frag[1] = as_u32(__hsub2(as_h2(__byte_perm(w[0], 0x64646464u, 0x4341u)), z0));  // rows r+8, r+9
     frag[2] = as_u32(__hsub2(as_h2(__byte_perm(w[1], 0x64646464u, 0x4240u)), z1));  // n8-block 1
@@ -271,7 +273,7 @@ template <>
 struct Dequant<__nv_bfloat16, 4> {
   static constexpr int kWords = 1;
   struct Zero {
-    uint32_t sub;  // (128 + z0, 128 + z1)
+    uint32_t z0, z1;  // 128 + z in both halves, for n8-blocks 2j and 2j + 1
   };
   // bf16 = sign | 8-bit exponent (bias 127) | 7-bit mantissa:
   //   0x4300 = 2^7 = 128.0 (exponent 134 = 127 + 7): its mantissa ulp is 1, so 0x4300 | x (x < 128) is exactly
@@ -280,13 +282,14 @@ struct Dequant<__nv_bfloat16, 4> {
   //   Minus (128 + z) -> q - z exactly; symmetric z = 8: 136 = 0x4308 (mantissa 8 / 128 -> 1.0625).
   //   zero points: 0x4300 | z = 128 + z, the same trick on the zero-point word.
   static __device__ __forceinline__ Zero zero(const uint32_t (&zw)[1], int j) {
-    return {lop3<kAndOr>(zw[0] >> (4 * j), 0x000f000fu, 0x43004300u)};
+    const __nv_bfloat162 sub = as_b2(lop3<kAndOr>(zw[0] >> (4 * j), 0x000f000fu, 0x43004300u));
+    return {as_u32(__low2bfloat162(sub)), as_u32(__high2bfloat162(sub))};
   }
   template <bool ZP>
   static __device__ __forceinline__ void run(const uint32_t* w, const Zero& zero, uint32_t (&frag)[4]) {
     const uint32_t q = w[0];
-    const __nv_bfloat162 z0 = ZP ? __low2bfloat162(as_b2(zero.sub)) : as_b2(0x43084308u);
-    const __nv_bfloat162 z1 = ZP ? __high2bfloat162(as_b2(zero.sub)) : as_b2(0x43084308u);
+    const __nv_bfloat162 z0 = as_b2(ZP ? zero.z0 : 0x43084308u);
+    const __nv_bfloat162 z1 = as_b2(ZP ? zero.z1 : 0x43084308u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t v = lop3<kAndOr>(q >> (4 * i), 0x000f000fu, 0x43004300u);
@@ -564,6 +567,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     for (int i = 0; i < kWords; ++i) zw[i] = zconst[i];
     if constexpr (ZP && GROUPED && kOneGroup)
       zero_row(slot, group_of((strip0 + wk * STRIPS) * 16) - group_of(st * T::kStageK), zw);
+    // Zero points that hold for every strip here (channelwise, or the warp's strips in one group): the four tiles'
+    // Zero values once, not once per strip.
+    constexpr bool kZeroOnce = ZP && (!GROUPED || kOneGroup);
+    typename DQ::Zero zero_once[4] = {};
+    if constexpr (kZeroOnce) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) zero_once[j] = DQ::zero(zw, j);
+    }
 #pragma unroll
     for (int ls = 0; ls < STRIPS; ++ls) {
       const int strip = wk * STRIPS + ls;  // strip inside the stage
@@ -619,7 +630,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
           uint32_t f[4];
           typename DQ::Zero zero{};
-          if constexpr (ZP) zero = DQ::zero(zw, j);
+          if constexpr (kZeroOnce) zero = zero_once[j];
+          else if constexpr (ZP) zero = DQ::zero(zw, j);
           DQ::template run<ZP>(&bw[j * kWords], zero, f);
           if constexpr (kScaleB) {
             const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
