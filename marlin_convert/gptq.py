@@ -452,6 +452,12 @@ class LayerPlan:
         self.reason = reason
 
 
+def count_layers(layers: list[LayerPlan]) -> int:
+    """How many linear layers ``layers`` hold, each expert of a stacked 3-D layer counted as one: the unit of the
+    reports' "layer(s)" (``verify`` checks, and counts, every expert)."""
+    return sum(max(layer.spec.num_experts, 1) for layer in layers)
+
+
 def find_quantized_prefixes(checkpoint: Checkpoint) -> list[str]:
     """Prefixes ``P`` of every ``P.qweight`` in the checkpoint, in file order."""
     return [name[: -len(".qweight")] for name in checkpoint.location if name.endswith(".qweight")]
@@ -654,18 +660,19 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
         stored = sorted({layer.zero_stored for layer in chosen})
         if fmt != label:
             notes.append(f"checkpoint_format says {config.checkpoint_format} ({label} zeros) but qzeros of "
-                         f"{len(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} value: "
-                         f"treated as {fmt}")
+                         f"{count_layers(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} "
+                         f"value: treated as {fmt}")
         else:
-            notes.append(f"zero format {label} for {len(chosen)} symmetric layer(s) (qzeros hold "
+            notes.append(f"zero format {label} for {count_layers(chosen)} symmetric layer(s) (qzeros hold "
                          f"{'/'.join(map(str, stored))}), as labelled")
     asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
     if asymmetric:
-        notes.append(f"{len(asymmetric)} asymmetric layer(s): zero points read as {label} (from checkpoint_format "
-                     f"{config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
+        notes.append(f"{count_layers(asymmetric)} asymmetric layer(s): zero points read as {label} (from "
+                     f"checkpoint_format {config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}"
+                     "); written to zp")
     unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]
     if unstated:
-        asymmetric = sum(not layer.spec.sym for layer in unstated)
-        notes.append(f"no 'sym' in the config for {len(unstated)} layer(s): decided from the stored zero points "
-                     f"({len(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
+        asymmetric = count_layers([layer for layer in unstated if not layer.spec.sym])
+        notes.append(f"no 'sym' in the config for {count_layers(unstated)} layer(s): decided from the stored zero "
+                     f"points ({count_layers(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
     return notes

@@ -22,7 +22,7 @@ from ..outdir import check_out_dir
 from ..sources import FORM_NAMES
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
-from ._render import add_layer_rows
+from ._render import add_layer_rows, counts_line
 from .inspect import plan_output
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
@@ -83,8 +83,8 @@ def convert(
     rate = report.bytes_in / report.seconds if report.seconds else 0.0
     form = FORM_NAMES[report.source_format]
     output.lines += [
-        f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in {form} form, "
-        f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
+        counts_line(report.converted_layers, len(report.layers), len(report.skipped), form,
+                    report.passthrough_tensors, report.kept_tensors, report.shards, done=True),
         f"checkpoint_format: {report.checkpoint_format}"
         + (f" (partly converted: the configs list the modules still in {form} form)" if report.skipped else ""),
         f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "
