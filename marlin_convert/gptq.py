@@ -484,6 +484,10 @@ def num_groups(k: int, group_size: int) -> int:
     return 1 if group_size == -1 or group_size >= k else -(-k // group_size)
 
 
+def _rows(count: int) -> str:
+    return f"{count} row" + ("" if count == 1 else "s")
+
+
 def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_experts: int, k: int,
                     settings: ModuleSettings) -> None:
     """Clearer messages than a bare shape mismatch for the two mistakes seen with experts: a stacked tensor
@@ -501,8 +505,17 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
         rows = shape[-2]
         meaning = ("channelwise" if rows == 1 else f"group size {k // rows}" if k % rows == 0
                    else f"{rows} groups")
-        raise InputError(f"{where}: tensor '{name}' has {rows} rows: that is {meaning} for K = {k}, "
-                         f"but {settings.origin} says group size {settings.group_size} ({expected} rows)")
+        raise InputError(f"{where}: tensor '{name}' has {_rows(rows)}: that is {meaning} for K = {k} (qweight's "
+                         f"{_rows(k * settings.bits // 32)} at {settings.bits} bits), but {settings.origin} says "
+                         f"group size {settings.group_size} ({_rows(expected)})")
+
+
+def _stored_bits_hint(rows: int, g_idx_k: int | None) -> str:
+    """What the stored shapes imply where the config's bits contradict them: the bit width at which qweight's
+    ``rows`` hold the K of g_idx, when there is one."""
+    if g_idx_k and rows * 32 % g_idx_k == 0:
+        return f"; g_idx's K = {g_idx_k} is what {rows} rows hold at {rows * 32 // g_idx_k} bits"
+    return ""
 
 
 def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
@@ -530,12 +543,17 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     rows, n = qweight.shape[-2:]
     k = rows * 32 // bits
     has_g_idx = f"{prefix}.g_idx" in checkpoint.location
-    if has_g_idx:
-        g_idx_shape = checkpoint.info(f"{prefix}.g_idx").shape
-        if len(g_idx_shape) == len(lead) + 1 and g_idx_shape[-1] != k:
-            raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path.name}: tensor '{prefix}.g_idx' has shape "
-                             f"{list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of packed {bits}-bit "
-                             f"values are K = {k} ({settings.origin} says bits = {bits})")
+    g_idx_shape = checkpoint.info(f"{prefix}.g_idx").shape if has_g_idx else None
+    g_idx_k = g_idx_shape[-1] if has_g_idx and len(g_idx_shape) == len(lead) + 1 else None
+    if rows * 32 % bits:
+        raise InputError(f"{where}: tensor '{qweight.name}' has {rows} rows of int32: {rows * 32} bits per column "
+                         f"are not a whole number of {bits}-bit values ({settings.origin} says bits = {bits})"
+                         + _stored_bits_hint(rows, g_idx_k))
+    if g_idx_k is not None and g_idx_k != k:
+        raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path.name}: tensor '{prefix}.g_idx' has shape "
+                         f"{list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of packed {bits}-bit "
+                         f"values are K = {k} ({settings.origin} says bits = {bits})"
+                         + _stored_bits_hint(rows, g_idx_k))
     for suffix in ("scales", "qzeros", "g_idx"):
         _check_siblings(checkpoint, prefix, suffix, num_experts, k, settings)
     groups = num_groups(k, settings.group_size)

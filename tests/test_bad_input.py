@@ -169,6 +169,26 @@ def test_config_group_size_disagrees_with_the_scale_rows(capsys, tmp_path):
                    "config says group size 96 (3 rows)")
 
 
+@pytest.mark.parametrize("bits, g_idx, fragments", [
+    (3, True, ["has 32 rows of int32: 1024 bits per column are not a whole number of 3-bit values",
+               "says bits = 3", "g_idx's K = 256 is what 32 rows hold at 4 bits"]),
+    (3, False, ["has 32 rows of int32: 1024 bits per column are not a whole number of 3-bit values"]),
+    (8, True, ["expected [128]: qweight's 32 rows of packed 8-bit values are K = 128",
+               "g_idx's K = 256 is what 32 rows hold at 4 bits"]),
+    (8, False, ["has 4 rows: that is group size 32 for K = 128 (qweight's 32 rows at 8 bits)",
+                "says group size 64 (2 rows)"]),
+])
+def test_a_dynamic_rule_whose_bits_the_stored_shapes_contradict_stops_even_with_skip_incompatible(
+        capsys, tmp_path, bits, g_idx, fragments):
+    # the layer is stored 4-bit: a rule saying 3 (no Marlin form) or 8 bits is a malformed config, not a layer to keep
+    src = write_checkpoint(tmp_path / "in", _spec(group_size=64, include_g_idx=g_idx,
+                                                  dynamic={"+:.*down_proj": {"bits": bits}}))
+    out = tmp_path / "out"
+    line = _run_failing(capsys, tmp_path, [str(src), str(out), "--skip-incompatible"], f"{LAYER}", *fragments)
+    assert "K = 341" not in line and "K = 170" not in line  # no K the stored rows cannot hold
+    assert not out.exists()
+
+
 def test_g_idx_out_of_range(capsys, tmp_path, src):
     def change(t):
         g_idx = t[f"{LAYER}.g_idx"].copy()

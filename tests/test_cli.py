@@ -377,3 +377,14 @@ def test_the_zero_format_note_counts_each_expert_of_a_stacked_layer(tmp_path, ca
     assert "note: zero format v1 for 8 symmetric layer(s)" in text, text
     assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q"]) == 0
     assert "8/8 passed: 8 converted" in capsys.readouterr().out
+
+
+def test_skip_incompatible_help_says_what_is_kept_and_what_always_stops_the_run(capsys):
+    assert main(["convert", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "configs their tensors contradict" not in text  # those stop the run: see test_bad_input
+    for fragment in ("2/3-bit", "group sizes other than -1, 32, 64, 128 or >= K", "contradict 'sym: true'",
+                     "activation quantization", "float weights",
+                     "A config whose bits or group size the stored tensors' shapes contradict is a malformed "
+                     "checkpoint: it always stops the run"):
+        assert fragment in text, fragment
