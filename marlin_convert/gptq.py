@@ -470,7 +470,7 @@ def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], sh
     if name not in checkpoint.location:
         raise InputError(f"tensor '{name}' is missing ({needs})")
     info = checkpoint.info(name)
-    where = checkpoint.location[name].path.name
+    where = checkpoint.location[name].path
     if info.dtype not in dtypes:
         wanted = " or ".join(DTYPE_NAMES.get(d, d) for d in dtypes)
         raise InputError(f"{where}: tensor '{name}' has dtype {DTYPE_NAMES.get(info.dtype, info.dtype)}, expected {wanted}")
@@ -496,7 +496,7 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
     if name not in checkpoint.location:
         return
     shape = checkpoint.info(name).shape
-    where = checkpoint.location[name].path.name
+    where = checkpoint.location[name].path
     if num_experts and (len(shape) != 3 - (suffix == "g_idx") or shape[0] != num_experts):
         raise InputError(f"{where}: tensor '{name}' has shape {list(shape)}: {shape[0] if shape else 0} experts, "
                          f"but {prefix}.qweight has {num_experts}")
@@ -527,7 +527,7 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     """
     settings = checkpoint.config.settings_for(prefix)
     qweight = expect_tensor(checkpoint, f"{prefix}.qweight", ("I32",), None)
-    where = checkpoint.location[qweight.name].path.name
+    where = checkpoint.location[qweight.name].path
     if len(qweight.shape) not in (2, 3):
         raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}, expected 2-D or 3-D")
     if 0 in qweight.shape:
@@ -550,7 +550,7 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
                          f"are not a whole number of {bits}-bit values ({settings.origin} says bits = {bits})"
                          + _stored_bits_hint(rows, g_idx_k))
     if g_idx_k is not None and g_idx_k != k:
-        raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path.name}: tensor '{prefix}.g_idx' has shape "
+        raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path}: tensor '{prefix}.g_idx' has shape "
                          f"{list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of packed {bits}-bit "
                          f"values are K = {k} ({settings.origin} says bits = {bits})"
                          + _stored_bits_hint(rows, g_idx_k))
@@ -585,11 +585,12 @@ def check_g_idx(checkpoint: Checkpoint, name: str, k: int, group_size: int, num_
     Every group holds g rows, except the last, which holds K - (G - 1) * g (fewer when g does not divide K).
     """
     per_expert = checkpoint.read(name).reshape(-1, k)
+    path = checkpoint.location[name].path
     groups = num_groups(k, group_size)
     group = k if groups == 1 else group_size
     if per_expert.min() < 0 or per_expert.max() >= groups:
         raise InputError(
-            f"tensor '{name}': g_idx values must lie in 0..{groups - 1}, "
+            f"{path}: tensor '{name}': g_idx values must lie in 0..{groups - 1}, "
             f"found {int(per_expert.min())}..{int(per_expert.max())}"
         )
     expected = np.full(groups, group)
@@ -602,7 +603,7 @@ def check_g_idx(checkpoint: Checkpoint, name: str, k: int, group_size: int, num_
             bad = int(np.flatnonzero(counts != expected)[0])
             where = f" (expert {expert})" if num_experts else ""
             raise InputError(
-                f"tensor '{name}'{where}: g_idx is unbalanced: group {bad} has {int(counts[bad])} rows, "
+                f"{path}: tensor '{name}'{where}: g_idx is unbalanced: group {bad} has {int(counts[bad])} rows, "
                 f"expected {int(expected[bad])} (K = {k}, group size {group})"
             )
         non_trivial |= not np.array_equal(row, trivial)

@@ -498,3 +498,33 @@ def test_an_unreadable_extra_file_is_named_before_any_work(capsys, tmp_path, src
     (src / "merges.txt").write_text("a b")
     (src / "merges.txt").chmod(0)
     _convert_fails(capsys, tmp_path, src, str(src / "merges.txt"), "cannot read")
+
+
+def _scale_rows_for_group_96(src):
+    config = json.loads((src / "quantize_config.json").read_text())
+    config["group_size"] = 96  # 3 rows for K = 256; the scales have 4
+    (src / "quantize_config.json").write_text(json.dumps(config))
+
+
+def _g_idx_value(src, value):
+    def change(t):
+        g_idx = t[f"{LAYER}.g_idx"].copy()
+        g_idx[5] = value
+        t[f"{LAYER}.g_idx"] = g_idx
+    _rewrite_tensors(src, change)
+
+
+@pytest.mark.parametrize("case, change", [
+    ("group size", _scale_rows_for_group_96),
+    ("scales shape", lambda src: _rewrite_tensors(
+        src, lambda t: t.update({f"{LAYER}.scales": t[f"{LAYER}.scales"][:, :64].copy()}))),
+    ("qweight dtype", lambda src: _rewrite_tensors(
+        src, lambda t: t.update({f"{LAYER}.qweight": t[f"{LAYER}.qweight"].view(np.float32)}))),
+    ("g_idx range", lambda src: _g_idx_value(src, 4)),
+    ("g_idx balance", lambda src: _g_idx_value(src, 1 - int(read_tensor(read_header(src / "model.safetensors"),
+                                                                         f"{LAYER}.g_idx")[5]) % 2)),
+])
+def test_layer_errors_name_the_shard_by_its_full_path(capsys, tmp_path, src, case, change):
+    change(src)
+    line = _convert_fails(capsys, tmp_path, src, f"{LAYER}.")
+    assert line.startswith(f"Error: {src / 'model.safetensors'}: tensor '{LAYER}."), (case, line)
