@@ -326,7 +326,7 @@ def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: d
     if os.path.lexists(index_path):
         index_json = read_json(index_path)
         weight_map = _check_index(index_path, index_json)
-        shard_names = list(dict.fromkeys(weight_map.values()))
+        shard_names = sorted(set(weight_map.values()))  # by file name (00001 first), not by first tensor
     elif os.path.lexists(in_dir / SINGLE_FILE):
         weight_map, shard_names = None, [SINGLE_FILE]
     else:

@@ -388,3 +388,16 @@ def test_skip_incompatible_help_says_what_is_kept_and_what_always_stops_the_run(
                      "A config whose bits or group size the stored tensors' shapes contradict is a malformed "
                      "checkpoint: it always stops the run"):
         assert fragment in text, fragment
+
+
+def test_inspect_convert_and_the_manifest_list_shards_in_file_name_order(tmp_path, src, capsys):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"].values()))
+    if first == "model-00001-of-00002.safetensors":  # make the index name shard 2 first (lm_head sorts first)
+        index["weight_map"] = dict(sorted(index["weight_map"].items(), key=lambda item: item[1], reverse=True))
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert main(["inspect", str(src), "--json-stdout"]) == 0
+    assert json.loads(capsys.readouterr().out)["shards"] == names
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    assert load_manifest(tmp_path / "out")["shards"] == names
