@@ -345,13 +345,13 @@ def _logical_shape(checkpoint: Checkpoint, prefix: str, stored: dict[str, str]) 
         shape = checkpoint.info(stored["weight"]).shape
         if len(shape) == 2 and min(shape) > 0:
             return shape
-        raise InputError(f"{checkpoint.location[stored['weight']].path.name}: tensor '{stored['weight']}' has shape "
+        raise InputError(f"{checkpoint.location[stored['weight']].path}: tensor '{stored['weight']}' has shape "
                          f"{list(shape)}, expected [N, K]")
     name = stored.get("weight_shape", f"{prefix}.weight_shape")
     expect_tensor(checkpoint, name, ("I64",), (2,), NEEDS)
     n, k = (int(v) for v in checkpoint.read(name))
     if n <= 0 or k <= 0:
-        raise InputError(f"{checkpoint.location[name].path.name}: tensor '{name}' holds [{n}, {k}], expected "
+        raise InputError(f"{checkpoint.location[name].path}: tensor '{name}' holds [{n}, {k}], expected "
                          "positive [N, K]")
     return n, k
 
@@ -360,7 +360,7 @@ def _expect_shape(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], sh
                   meaning: str) -> None:
     info = expect_tensor(checkpoint, name, dtypes, None, NEEDS)
     if info.shape != shape:
-        raise InputError(f"{checkpoint.location[name].path.name}: tensor '{name}' has shape {list(info.shape)}, "
+        raise InputError(f"{checkpoint.location[name].path}: tensor '{name}' has shape {list(info.shape)}, "
                          f"expected {list(shape)} ({meaning})")
 
 
@@ -388,7 +388,7 @@ def plan_layer(checkpoint: Checkpoint, prefix: str, stored: dict[str, str], modu
                          f"is missing ({NEEDS})")
     if packed and len(checkpoint.info(stored["weight_packed"]).shape) != 2:
         shape = list(checkpoint.info(stored["weight_packed"]).shape)
-        raise InputError(f"{checkpoint.location[anchor].path.name}: tensor '{anchor}' has shape {shape}, expected "
+        raise InputError(f"{checkpoint.location[anchor].path}: tensor '{anchor}' has shape {shape}, expected "
                          "[N, K*b/32] (compressed-tensors stores experts one 2-D tensor each)")
     n, k = _logical_shape(checkpoint, prefix, stored)
     scale_name = stored.get("weight_scale", f"{prefix}.weight_scale")

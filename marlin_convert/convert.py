@@ -33,7 +33,7 @@ import numpy as np
 from . import __version__, layout
 from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers
 from .experts import ExpertGroup, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, manifest_digest, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
@@ -158,8 +158,26 @@ class ConversionPlan:
         return sum(job.input_bytes for shard in self.shards for job in shard.jobs)
 
     @property
+    def kept_tensor_names(self) -> set[str]:
+        """The tensors of the layers kept in their source form (copied unchanged, listed in the manifest's ``kept``)."""
+        return {name for layer in self.refused for name in layer.kept_names.values()}
+
+    @property
     def passthrough_tensors(self) -> int:
-        return sum(job.kind == "copy" for shard in self.shards for job in shard.jobs)
+        """Tensors copied unchanged that belong to no quantized layer: the manifest's ``passthrough``."""
+        kept = self.kept_tensor_names
+        return sum(job.kind == "copy" and job.output.name not in kept for shard in self.shards for job in shard.jobs)
+
+    @property
+    def kept_tensors(self) -> int:
+        """Tensors of the layers kept in their source form, copied unchanged (the manifest's ``kept``)."""
+        return len(self.kept_tensor_names)
+
+    @property
+    def converted_layers(self) -> int:
+        """Layers converted, each expert counted as one (as ``verify`` counts them); :attr:`outputs` are fewer
+        where experts are stacked."""
+        return count_layers(self.converted)
 
     @property
     def checkpoint_format(self) -> str:
@@ -491,9 +509,11 @@ class ConversionReport:
 
     in_dir: str
     out_dir: str
-    layers: list[dict]
+    layers: list[dict]  # one per manifest entry: a layer, or a stack of experts
+    converted_layers: int  # layers converted, each expert counted as one (verify's unit)
     skipped: list[dict]
-    passthrough_tensors: int
+    passthrough_tensors: int  # copied unchanged, part of no quantized layer: the manifest's passthrough
+    kept_tensors: int  # tensors of the skipped layers, copied unchanged: the manifest's kept
     shards: int
     bytes_in: int
     bytes_out: int
@@ -571,7 +591,7 @@ def _produced_names(plan: ConversionPlan) -> set[str]:
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
     """The manifest's ``passthrough``: every tensor copied unchanged that is not part of a layer kept in its source
     form (those are in ``kept``), where it is, and the digest of its bytes."""
-    kept = {name for layer in plan.refused for name in layer.kept_names.values()}
+    kept = plan.kept_tensor_names
     return [{"name": job.output.name, "shard": out_shard[job.output.name], "dtype": job.output.dtype,
              "shape": list(job.output.shape), "sha256": digests[job.output.name]}
             for shard in plan.shards for job in shard.jobs if job.kind == "copy" and job.output.name not in kept]
@@ -751,7 +771,6 @@ def convert(
 
         layers = [_layer_entry(layer, digests, out_shard) for layer in plan.outputs]
         kept = [_kept_entry(layer, digests, out_shard) for layer in plan.refused]
-        passthrough = plan.passthrough_tensors
         bytes_out = sum(record["bytes"] for record in files.values())
         manifest = {
             "format": "marlin-convert-manifest",
@@ -789,8 +808,10 @@ def convert(
         out_dir=str(out_dir),
         layers=[{key: entry[key] for key in ("name", "bits", "in_features", "out_features", "group_size", "sym",
                                              "act_order", "num_experts")} for entry in layers],
+        converted_layers=plan.converted_layers,
         skipped=[{"name": k["name"], "reason": k["reason"]} for k in kept],
-        passthrough_tensors=passthrough,
+        passthrough_tensors=plan.passthrough_tensors,
+        kept_tensors=plan.kept_tensors,
         shards=len(plan.shards),
         bytes_in=plan.bytes_in,
         bytes_out=bytes_out,

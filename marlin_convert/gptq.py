@@ -326,7 +326,7 @@ def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: d
     if os.path.lexists(index_path):
         index_json = read_json(index_path)
         weight_map = _check_index(index_path, index_json)
-        shard_names = list(dict.fromkeys(weight_map.values()))
+        shard_names = sorted(set(weight_map.values()))  # by file name (00001 first), not by first tensor
     elif os.path.lexists(in_dir / SINGLE_FILE):
         weight_map, shard_names = None, [SINGLE_FILE]
     else:
@@ -452,6 +452,12 @@ class LayerPlan:
         self.reason = reason
 
 
+def count_layers(layers: list[LayerPlan]) -> int:
+    """How many linear layers ``layers`` hold, each expert of a stacked 3-D layer counted as one: the unit of the
+    reports' "layer(s)" (``verify`` checks, and counts, every expert)."""
+    return sum(max(layer.spec.num_experts, 1) for layer in layers)
+
+
 def find_quantized_prefixes(checkpoint: Checkpoint) -> list[str]:
     """Prefixes ``P`` of every ``P.qweight`` in the checkpoint, in file order."""
     return [name[: -len(".qweight")] for name in checkpoint.location if name.endswith(".qweight")]
@@ -464,7 +470,7 @@ def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], sh
     if name not in checkpoint.location:
         raise InputError(f"tensor '{name}' is missing ({needs})")
     info = checkpoint.info(name)
-    where = checkpoint.location[name].path.name
+    where = checkpoint.location[name].path
     if info.dtype not in dtypes:
         wanted = " or ".join(DTYPE_NAMES.get(d, d) for d in dtypes)
         raise InputError(f"{where}: tensor '{name}' has dtype {DTYPE_NAMES.get(info.dtype, info.dtype)}, expected {wanted}")
@@ -478,6 +484,10 @@ def num_groups(k: int, group_size: int) -> int:
     return 1 if group_size == -1 or group_size >= k else -(-k // group_size)
 
 
+def _rows(count: int) -> str:
+    return f"{count} row" + ("" if count == 1 else "s")
+
+
 def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_experts: int, k: int,
                     settings: ModuleSettings) -> None:
     """Clearer messages than a bare shape mismatch for the two mistakes seen with experts: a stacked tensor
@@ -486,7 +496,7 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
     if name not in checkpoint.location:
         return
     shape = checkpoint.info(name).shape
-    where = checkpoint.location[name].path.name
+    where = checkpoint.location[name].path
     if num_experts and (len(shape) != 3 - (suffix == "g_idx") or shape[0] != num_experts):
         raise InputError(f"{where}: tensor '{name}' has shape {list(shape)}: {shape[0] if shape else 0} experts, "
                          f"but {prefix}.qweight has {num_experts}")
@@ -495,8 +505,17 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
         rows = shape[-2]
         meaning = ("channelwise" if rows == 1 else f"group size {k // rows}" if k % rows == 0
                    else f"{rows} groups")
-        raise InputError(f"{where}: tensor '{name}' has {rows} rows: that is {meaning} for K = {k}, "
-                         f"but {settings.origin} says group size {settings.group_size} ({expected} rows)")
+        raise InputError(f"{where}: tensor '{name}' has {_rows(rows)}: that is {meaning} for K = {k} (qweight's "
+                         f"{_rows(k * settings.bits // 32)} at {settings.bits} bits), but {settings.origin} says "
+                         f"group size {settings.group_size} ({_rows(expected)})")
+
+
+def _stored_bits_hint(rows: int, g_idx_k: int | None) -> str:
+    """What the stored shapes imply where the config's bits contradict them: the bit width at which qweight's
+    ``rows`` hold the K of g_idx, when there is one."""
+    if g_idx_k and rows * 32 % g_idx_k == 0:
+        return f"; g_idx's K = {g_idx_k} is what {rows} rows hold at {rows * 32 // g_idx_k} bits"
+    return ""
 
 
 def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
@@ -508,7 +527,7 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     """
     settings = checkpoint.config.settings_for(prefix)
     qweight = expect_tensor(checkpoint, f"{prefix}.qweight", ("I32",), None)
-    where = checkpoint.location[qweight.name].path.name
+    where = checkpoint.location[qweight.name].path
     if len(qweight.shape) not in (2, 3):
         raise InputError(f"{where}: tensor '{qweight.name}' has shape {list(qweight.shape)}, expected 2-D or 3-D")
     if 0 in qweight.shape:
@@ -524,12 +543,17 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     rows, n = qweight.shape[-2:]
     k = rows * 32 // bits
     has_g_idx = f"{prefix}.g_idx" in checkpoint.location
-    if has_g_idx:
-        g_idx_shape = checkpoint.info(f"{prefix}.g_idx").shape
-        if len(g_idx_shape) == len(lead) + 1 and g_idx_shape[-1] != k:
-            raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path.name}: tensor '{prefix}.g_idx' has shape "
-                             f"{list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of packed {bits}-bit "
-                             f"values are K = {k} ({settings.origin} says bits = {bits})")
+    g_idx_shape = checkpoint.info(f"{prefix}.g_idx").shape if has_g_idx else None
+    g_idx_k = g_idx_shape[-1] if has_g_idx and len(g_idx_shape) == len(lead) + 1 else None
+    if rows * 32 % bits:
+        raise InputError(f"{where}: tensor '{qweight.name}' has {rows} rows of int32: {rows * 32} bits per column "
+                         f"are not a whole number of {bits}-bit values ({settings.origin} says bits = {bits})"
+                         + _stored_bits_hint(rows, g_idx_k))
+    if g_idx_k is not None and g_idx_k != k:
+        raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path}: tensor '{prefix}.g_idx' has shape "
+                         f"{list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of packed {bits}-bit "
+                         f"values are K = {k} ({settings.origin} says bits = {bits})"
+                         + _stored_bits_hint(rows, g_idx_k))
     for suffix in ("scales", "qzeros", "g_idx"):
         _check_siblings(checkpoint, prefix, suffix, num_experts, k, settings)
     groups = num_groups(k, settings.group_size)
@@ -561,11 +585,12 @@ def check_g_idx(checkpoint: Checkpoint, name: str, k: int, group_size: int, num_
     Every group holds g rows, except the last, which holds K - (G - 1) * g (fewer when g does not divide K).
     """
     per_expert = checkpoint.read(name).reshape(-1, k)
+    path = checkpoint.location[name].path
     groups = num_groups(k, group_size)
     group = k if groups == 1 else group_size
     if per_expert.min() < 0 or per_expert.max() >= groups:
         raise InputError(
-            f"tensor '{name}': g_idx values must lie in 0..{groups - 1}, "
+            f"{path}: tensor '{name}': g_idx values must lie in 0..{groups - 1}, "
             f"found {int(per_expert.min())}..{int(per_expert.max())}"
         )
     expected = np.full(groups, group)
@@ -578,7 +603,7 @@ def check_g_idx(checkpoint: Checkpoint, name: str, k: int, group_size: int, num_
             bad = int(np.flatnonzero(counts != expected)[0])
             where = f" (expert {expert})" if num_experts else ""
             raise InputError(
-                f"tensor '{name}'{where}: g_idx is unbalanced: group {bad} has {int(counts[bad])} rows, "
+                f"{path}: tensor '{name}'{where}: g_idx is unbalanced: group {bad} has {int(counts[bad])} rows, "
                 f"expected {int(expected[bad])} (K = {k}, group size {group})"
             )
         non_trivial |= not np.array_equal(row, trivial)
@@ -654,18 +679,19 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
         stored = sorted({layer.zero_stored for layer in chosen})
         if fmt != label:
             notes.append(f"checkpoint_format says {config.checkpoint_format} ({label} zeros) but qzeros of "
-                         f"{len(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} value: "
-                         f"treated as {fmt}")
+                         f"{count_layers(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} "
+                         f"value: treated as {fmt}")
         else:
-            notes.append(f"zero format {label} for {len(chosen)} symmetric layer(s) (qzeros hold "
+            notes.append(f"zero format {label} for {count_layers(chosen)} symmetric layer(s) (qzeros hold "
                          f"{'/'.join(map(str, stored))}), as labelled")
     asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
     if asymmetric:
-        notes.append(f"{len(asymmetric)} asymmetric layer(s): zero points read as {label} (from checkpoint_format "
-                     f"{config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
+        notes.append(f"{count_layers(asymmetric)} asymmetric layer(s): zero points read as {label} (from "
+                     f"checkpoint_format {config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}"
+                     "); written to zp")
     unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]
     if unstated:
-        asymmetric = sum(not layer.spec.sym for layer in unstated)
-        notes.append(f"no 'sym' in the config for {len(unstated)} layer(s): decided from the stored zero points "
-                     f"({len(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
+        asymmetric = count_layers([layer for layer in unstated if not layer.spec.sym])
+        notes.append(f"no 'sym' in the config for {count_layers(unstated)} layer(s): decided from the stored zero "
+                     f"points ({count_layers(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
     return notes

@@ -169,6 +169,26 @@ def test_config_group_size_disagrees_with_the_scale_rows(capsys, tmp_path):
                    "config says group size 96 (3 rows)")
 
 
+@pytest.mark.parametrize("bits, g_idx, fragments", [
+    (3, True, ["has 32 rows of int32: 1024 bits per column are not a whole number of 3-bit values",
+               "says bits = 3", "g_idx's K = 256 is what 32 rows hold at 4 bits"]),
+    (3, False, ["has 32 rows of int32: 1024 bits per column are not a whole number of 3-bit values"]),
+    (8, True, ["expected [128]: qweight's 32 rows of packed 8-bit values are K = 128",
+               "g_idx's K = 256 is what 32 rows hold at 4 bits"]),
+    (8, False, ["has 4 rows: that is group size 32 for K = 128 (qweight's 32 rows at 8 bits)",
+                "says group size 64 (2 rows)"]),
+])
+def test_a_dynamic_rule_whose_bits_the_stored_shapes_contradict_stops_even_with_skip_incompatible(
+        capsys, tmp_path, bits, g_idx, fragments):
+    # the layer is stored 4-bit: a rule saying 3 (no Marlin form) or 8 bits is a malformed config, not a layer to keep
+    src = write_checkpoint(tmp_path / "in", _spec(group_size=64, include_g_idx=g_idx,
+                                                  dynamic={"+:.*down_proj": {"bits": bits}}))
+    out = tmp_path / "out"
+    line = _run_failing(capsys, tmp_path, [str(src), str(out), "--skip-incompatible"], f"{LAYER}", *fragments)
+    assert "K = 341" not in line and "K = 170" not in line  # no K the stored rows cannot hold
+    assert not out.exists()
+
+
 def test_g_idx_out_of_range(capsys, tmp_path, src):
     def change(t):
         g_idx = t[f"{LAYER}.g_idx"].copy()
@@ -478,3 +498,33 @@ def test_an_unreadable_extra_file_is_named_before_any_work(capsys, tmp_path, src
     (src / "merges.txt").write_text("a b")
     (src / "merges.txt").chmod(0)
     _convert_fails(capsys, tmp_path, src, str(src / "merges.txt"), "cannot read")
+
+
+def _scale_rows_for_group_96(src):
+    config = json.loads((src / "quantize_config.json").read_text())
+    config["group_size"] = 96  # 3 rows for K = 256; the scales have 4
+    (src / "quantize_config.json").write_text(json.dumps(config))
+
+
+def _g_idx_value(src, value):
+    def change(t):
+        g_idx = t[f"{LAYER}.g_idx"].copy()
+        g_idx[5] = value
+        t[f"{LAYER}.g_idx"] = g_idx
+    _rewrite_tensors(src, change)
+
+
+@pytest.mark.parametrize("case, change", [
+    ("group size", _scale_rows_for_group_96),
+    ("scales shape", lambda src: _rewrite_tensors(
+        src, lambda t: t.update({f"{LAYER}.scales": t[f"{LAYER}.scales"][:, :64].copy()}))),
+    ("qweight dtype", lambda src: _rewrite_tensors(
+        src, lambda t: t.update({f"{LAYER}.qweight": t[f"{LAYER}.qweight"].view(np.float32)}))),
+    ("g_idx range", lambda src: _g_idx_value(src, 4)),
+    ("g_idx balance", lambda src: _g_idx_value(src, 1 - int(read_tensor(read_header(src / "model.safetensors"),
+                                                                         f"{LAYER}.g_idx")[5]) % 2)),
+])
+def test_layer_errors_name_the_shard_by_its_full_path(capsys, tmp_path, src, case, change):
+    change(src)
+    line = _convert_fails(capsys, tmp_path, src, f"{LAYER}.")
+    assert line.startswith(f"Error: {src / 'model.safetensors'}: tensor '{LAYER}."), (case, line)

@@ -52,7 +52,7 @@ def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     report_path = tmp_path / "report.json"
     assert main([str(src), str(tmp_path / "out"), "--json", str(report_path)]) == 0
     text = capsys.readouterr().out
-    assert "model.layers.0.self_attn.q_proj" in text and "7 Marlin layers written" in text
+    assert "model.layers.0.self_attn.q_proj" in text and "7 layer(s) converted into 7 Marlin manifest entries" in text
     report = json.loads(report_path.read_text())
     assert len(report["layers"]) == 7 and report["skipped"] == []
     assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")
@@ -71,7 +71,7 @@ def test_convert_reports_the_manifest_digest_that_verify_checks(tmp_path, src, c
 def test_quiet_prints_the_summary_without_the_table(tmp_path, src, capsys):
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
     text = capsys.readouterr().out
-    assert "7 Marlin layers written" in text and "manifest:" in text
+    assert "7 layer(s) converted into 7 Marlin manifest entries" in text and "manifest:" in text
     assert "self_attn.q_proj" not in text
 
 
@@ -145,7 +145,7 @@ def test_inspect_and_dry_run_write_nothing(tmp_path, src, capsys):
     assert main(["inspect", str(src), "--json", str(tmp_path / "plan.json")]) == 0
     assert main([str(src), str(tmp_path / "out"), "--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "7 layers to convert" in text and "bytes in" in text
+    assert "7 layer(s) to convert into 7 Marlin manifest entries" in text and "bytes in" in text
     assert not (tmp_path / "out").exists()
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["converted"] == 7 and plan["layers"][0]["convert"] is True
@@ -327,3 +327,77 @@ def test_a_missing_directory_is_named_as_missing_and_a_file_problem_alone_names_
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Error: 1 problem(s) with the files (listed above)"), err
+
+
+def _summary_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if " layer(s) " in line or line.startswith("note: ")]
+
+
+def test_convert_inspect_and_verify_count_layers_and_tensors_in_the_units_of_the_manifest(tmp_path, capsys):
+    from make_gptq_checkpoint import mixtral_like
+
+    # 4 attention layers + 4 experts x 3 projections = 16 layers; --stack-experts writes 4 + 3 = 7 manifest entries.
+    # q_proj (group size 48, no Marlin form) is kept in GPTQ form: its 4 tensors are copied, but are not passthrough
+    spec = mixtral_like(num_layers=1, num_experts=4, hidden=128, intermediate=128, vocab=64, shards=2)
+    spec.linears[0].group_size = 48
+    spec.dynamic = {"+:.*q_proj": {"group_size": 48}}
+    src = write_checkpoint(tmp_path / "in", spec)
+    out = tmp_path / "out"
+    report_path = tmp_path / "report.json"
+    assert main([str(src), str(out), "-q", "--stack-experts", "--skip-incompatible", "--json", str(report_path)]) == 0
+    text = capsys.readouterr().out
+    manifest = load_manifest(out)
+    assert (len(manifest["layers"]), len(manifest["kept"]), len(manifest["passthrough"])) == (6, 1, 6)
+    assert ("15 layer(s) converted (each expert counts as one) into 6 Marlin manifest entries, 1 kept in GPTQ form; "
+            "6 tensor(s) passed through, 4 tensor(s) of kept layers copied unchanged; 2 shard(s)") in text, text
+    assert "note: zero format v1 for 16 symmetric layer(s) (qzeros hold 7), as labelled" in text, text
+    report = json.loads(report_path.read_text())
+    assert (report["converted_layers"], len(report["layers"]), report["passthrough_tensors"],
+            report["kept_tensors"]) == (15, 6, 6, 4)
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
+    assert "16/16 passed: 15 converted, 1 kept in GPTQ form" in capsys.readouterr().out
+    assert main([str(src), str(tmp_path / "dry"), "-q", "--stack-experts", "--skip-incompatible", "--dry-run"]) == 0
+    assert ("15 layer(s) to convert (each expert counts as one) into 6 Marlin manifest entries, 1 kept in GPTQ "
+            "form; 6 tensor(s) to pass through, 4 tensor(s) of kept layers to copy unchanged") in capsys.readouterr().out
+    assert main(["inspect", str(src), "--json-stdout"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["converted_layers"], plan["marlin_entries"], plan["passthrough_tensors"], plan["kept_tensors"]) == (
+        15, 15, 6, 4)
+
+
+def test_the_zero_format_note_counts_each_expert_of_a_stacked_layer(tmp_path, capsys):
+    from make_gptq_checkpoint import qwen3_moe
+
+    # 4 attention layers + 2 stacked [E=2] projections: 8 layers, 6 manifest entries
+    spec = qwen3_moe(num_layers=1, num_experts=2, hidden=128, expert_intermediate=128, stacked=True, vocab=64)
+    src = write_checkpoint(tmp_path / "in", spec)
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "8 layer(s) converted (each expert counts as one) into 6 Marlin manifest entries" in text, text
+    assert "note: zero format v1 for 8 symmetric layer(s)" in text, text
+    assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q"]) == 0
+    assert "8/8 passed: 8 converted" in capsys.readouterr().out
+
+
+def test_skip_incompatible_help_says_what_is_kept_and_what_always_stops_the_run(capsys):
+    assert main(["convert", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "configs their tensors contradict" not in text  # those stop the run: see test_bad_input
+    for fragment in ("2/3-bit", "group sizes other than -1, 32, 64, 128 or >= K", "contradict 'sym: true'",
+                     "activation quantization", "float weights",
+                     "A config whose bits or group size the stored tensors' shapes contradict is a malformed "
+                     "checkpoint: it always stops the run"):
+        assert fragment in text, fragment
+
+
+def test_inspect_convert_and_the_manifest_list_shards_in_file_name_order(tmp_path, src, capsys):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"].values()))
+    if first == "model-00001-of-00002.safetensors":  # make the index name shard 2 first (lm_head sorts first)
+        index["weight_map"] = dict(sorted(index["weight_map"].items(), key=lambda item: item[1], reverse=True))
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert main(["inspect", str(src), "--json-stdout"]) == 0
+    assert json.loads(capsys.readouterr().out)["shards"] == names
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    assert load_manifest(tmp_path / "out")["shards"] == names

@@ -133,7 +133,8 @@ def test_quantized_lm_head_gets_its_own_bits_and_group_size(tmp_path):
 def test_a_rule_the_stored_tensors_contradict_is_named(tmp_path):
     spec = _llama(tmp_path, {}, {"+:.*up_proj": {"group_size": 32}})  # the tensors keep group size 64
     src = write_checkpoint(tmp_path / "in", spec)
-    with pytest.raises(InputError, match=r"up_proj.scales' has 2 rows: that is group size 64 for K = 128, but "
+    with pytest.raises(InputError, match=r"up_proj.scales' has 2 rows: that is group size 64 for K = 128 "
+                                         r"\(qweight's 16 rows at 4 bits\), but "
                                          r"dynamic rule \"\+:\.\*up_proj\" in .* says group size 32 \(4 rows\)"):
         build_plan(src, skip_incompatible=True)
 

@@ -77,6 +77,23 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
         output.add_row(*cells, style=style)
 
 
+def counts_line(layers: int, entries: int, kept: int, form: str, passthrough: int, kept_tensors: int, shards: int,
+                done: bool) -> str:
+    """The summary line of ``convert`` (``done``) and ``inspect``, in the units ``verify`` and the manifest use.
+
+    ``layers`` counts each expert as one layer (as verify does); ``entries`` are the manifest's ``layers`` (one per
+    layer or stack of experts); ``passthrough`` the manifest's ``passthrough`` tensors; ``kept_tensors`` those of the
+    ``kept`` layers, which are copied too but listed apart."""
+    experts = " (each expert counts as one)" if layers != entries else ""
+    entry_word = "entry" if entries == 1 else "entries"
+    line = (f"{layers} layer(s) {'converted' if done else 'to convert'}{experts} into {entries} Marlin manifest "
+            f"{entry_word}, {kept} kept in {form} form; {passthrough} tensor(s) "
+            f"{'passed' if done else 'to pass'} through")
+    if kept_tensors:
+        line += f", {kept_tensors} tensor(s) of kept layers {'copied' if done else 'to copy'} unchanged"
+    return line + f"; {shards} shard(s)"
+
+
 def layer_dict(layer: LayerPlan) -> dict:
     """One layer of the plan for ``--json``: its resolved settings, logical and padded shape, and what happens."""
     spec = layer.spec

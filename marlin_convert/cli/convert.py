@@ -22,16 +22,19 @@ from ..outdir import check_out_dir
 from ..sources import FORM_NAMES
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
-from ._render import add_layer_rows
+from ._render import add_layer_rows, counts_line
 from .inspect import plan_output
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (must be empty or absent).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists and is not empty.")]
 SkipOpt = Annotated[bool, typer.Option(
-    "--skip-incompatible", help="Keep layers with no Marlin form (2/3-bit, other group sizes, configs their tensors "
-    "contradict; compressed-tensors: activation quantization, float weights) in their source form (the output then "
-    "says checkpoint_format 'marlin-partial') and list them, instead of stopping before anything is written.")]
+    "--skip-incompatible", help="Keep the layers Marlin has no form for in their source form and list them (the "
+    "output then says checkpoint_format 'marlin-partial'), instead of stopping before anything is written: bits "
+    "other than 4 and 8 (2/3-bit), group sizes other than -1, 32, 64, 128 or >= K, zero points that contradict "
+    "'sym: true' or that Marlin cannot hold; compressed-tensors also activation quantization, float weights, other "
+    "scale strategies. A config whose bits or group size the stored tensors' shapes contradict is a malformed "
+    "checkpoint: it always stops the run.")]
 StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
     "and layer: '<base>.experts.<proj>.B' [E, K_pad/16, N_pad*bits/2] and '.s' [E, groups, N_pad] (+ zp, "
@@ -83,8 +86,8 @@ def convert(
     rate = report.bytes_in / report.seconds if report.seconds else 0.0
     form = FORM_NAMES[report.source_format]
     output.lines += [
-        f"{len(report.layers)} Marlin layers written, {len(report.skipped)} kept in {form} form, "
-        f"{report.passthrough_tensors} tensors passed through, {report.shards} shard(s)",
+        counts_line(report.converted_layers, len(report.layers), len(report.skipped), form,
+                    report.passthrough_tensors, report.kept_tensors, report.shards, done=True),
         f"checkpoint_format: {report.checkpoint_format}"
         + (f" (partly converted: the configs list the modules still in {form} form)" if report.skipped else ""),
         f"{human_bytes(report.bytes_in)} in, {human_bytes(report.bytes_out)} out, "

@@ -16,7 +16,7 @@ import typer
 from ..convert import ConversionPlan, build_plan
 from ..sources import FORM_NAMES
 from ._output import Output, check_json_path, human_bytes
-from ._render import add_layer_rows, layer_dict
+from ._render import add_layer_rows, counts_line, layer_dict
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the plan as JSON to this file.")]
@@ -46,8 +46,11 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
         "shards": [shard.file_name for shard in plan.shards],
         "layers": [layer_dict(layer) for layer in plan.layers],
         "converted": len(plan.converted),
+        "converted_layers": plan.converted_layers,
+        "marlin_entries": len(plan.outputs),
         "kept_gptq": len(plan.refused),
         "passthrough_tensors": plan.passthrough_tensors,
+        "kept_tensors": plan.kept_tensors,
         "bytes_in": plan.bytes_in,
         "tensor_bytes_out": plan.tensor_bytes_out,
         "notes": plan.notes,
@@ -56,8 +59,8 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
     if not quiet:
         add_layer_rows(output, plan.layers)
     output.lines += [
-        f"{len(plan.converted)} layers to convert, {len(plan.refused)} kept in {FORM_NAMES[source_format]} form, "
-        f"{data['passthrough_tensors']} tensors passed through, {len(plan.shards)} shard(s)",
+        counts_line(plan.converted_layers, len(plan.outputs), len(plan.refused), FORM_NAMES[source_format],
+                    plan.passthrough_tensors, plan.kept_tensors, len(plan.shards), done=False),
         f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
         f"{described} (from {', '.join(config.sources)}); each layer's own settings are in the table",
         *(f"note: {note}" for note in plan.notes),
