@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -401,3 +402,24 @@ def test_inspect_convert_and_the_manifest_list_shards_in_file_name_order(tmp_pat
     assert json.loads(capsys.readouterr().out)["shards"] == names
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
     assert load_manifest(tmp_path / "out")["shards"] == names
+
+
+
+
+@pytest.mark.parametrize("json_stdout", [False, True])
+def test_a_closed_stdout_exits_141_not_1(tmp_path, monkeypatch, json_stdout):
+    """`inspect IN | head -1`: the reader goes away; the exit code must not be verify's 1 ("a layer failed")."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2, hidden=256, intermediate=512, group_size=64))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: every write fails with EPIPE (Python ignores SIGPIPE)
+    closed = os.fdopen(write_end, "w", buffering=1)
+    monkeypatch.setattr("sys.stdout", closed)
+    monkeypatch.setattr("sys.stderr", sys.stderr)  # restored afterwards: click wraps it on EPIPE
+    try:
+        assert main(["inspect", str(src)] + (["--json-stdout"] if json_stdout else [])) == 141
+    finally:
+        monkeypatch.undo()
+        try:
+            closed.close()
+        except OSError:
+            pass

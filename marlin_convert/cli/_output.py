@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,28 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import OutputError
+
+
+class OutputClosed(Exception):
+    """The reader of stdout went away (EPIPE: ``inspect IN | head``). The CLI exits 141, as shells report SIGPIPE,
+    not 1, which ``verify`` uses for a failed layer."""
+
+
+def silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class _Console(Console):
+    """rich's Console, with a closed stdout reported as :class:`OutputClosed` (rich's own answer is exit 1)."""
+
+    def on_broken_pipe(self) -> None:
+        silence_stdout()
+        raise OutputClosed()
 
 
 def human_bytes(n: float) -> str:
@@ -47,7 +70,7 @@ class Output:
         markup (a label such as ``P[expert 3]`` stays visible). Where stdout is not a terminal (a pipe, a log
         file) nothing is wrapped at 80 columns: the table takes the width it needs and every line stays one
         line, so that logs can be searched."""
-        console = console or Console()
+        console = console or _Console()
         if self.as_json:
             print(json.dumps(self.data, indent=2, default=str))
             return
@@ -62,7 +85,7 @@ class Output:
                 table.add_row(*(Text(cell) for cell in row), style=style)
             if not wrap:
                 wanted = console.measure(table, options=console.options.update_width(1 << 16)).maximum
-                console = Console(width=max(console.width, wanted))
+                console = _Console(width=max(console.width, wanted))
             console.print(table)
         for line in self.lines:
             console.print(line, markup=False, highlight=False, soft_wrap=not wrap)

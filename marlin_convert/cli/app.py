@@ -23,6 +23,7 @@ from typer.core import TyperCommand
 
 from .. import __version__
 from ._errors import Interrupted, report_error
+from ._output import OutputClosed
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -95,11 +96,23 @@ def _interrupts_raise() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+#: exit code when the reader of stdout went away (128 + SIGPIPE), as shells report a process killed by SIGPIPE
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     args = with_default_command(list(sys.argv[1:] if argv is None else argv))
     try:
         with _interrupts_raise():
             returned = app(args=args, prog_name="marlin-convert", standalone_mode=False)
+    except OutputClosed:  # rich found stdout closed (EPIPE, e.g. `inspect ... | head`)
+        return EXIT_BROKEN_PIPE
+    except SystemExit as exc:
+        # click's answer to a closed stdout on a plain print: it wraps stdout and stderr and exits 1, which is
+        # verify's "a layer failed". Report it as shells report SIGPIPE instead.
+        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            return EXIT_BROKEN_PIPE
+        raise
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
