@@ -31,8 +31,8 @@ import numpy as np
 from . import strict_json
 from .errors import InputError
 from .gptq import (CONFIG_FILE, MARLIN_BITS, QUANTIZE_CONFIG_FILE, SCALE_DTYPES, SUPPORTED_GROUP_SIZES, Checkpoint,
-                   LayerPlan, ModuleSettings, check_g_idx, expect_tensor, num_groups, open_shards, read_json,
-                   stored_zeros, typed)
+                   LayerPlan, ModuleSettings, check_g_idx, check_model_dtype, expect_tensor, num_groups, open_shards,
+                   read_json, stored_zeros, typed)
 from .safetensors_io import DTYPE_NAMES
 from .spec import QuantSpec
 
@@ -241,6 +241,7 @@ def load_config(in_dir: Path) -> tuple[CompressedTensorsConfig, dict]:
     reader does not read (another checkpoint-level format, sparsity, transforms, uncompressed weights)."""
     path = Path(in_dir) / CONFIG_FILE
     config_json = read_json(path)
+    check_model_dtype(config_json, path)
     where = f"{path} (quantization_config)"
     section = typed(config_json["quantization_config"], dict, "quantization_config", str(path))
     quantize_path = Path(in_dir) / QUANTIZE_CONFIG_FILE

@@ -213,7 +213,9 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
         for projection, gaps in group.missing().items():
             shown = ", ".join(str(e) for e in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
             present = by_prefix[next(iter(next(iter(group.members.values())).values()))]
-            weight = present.roles["qweight"].rsplit(".", 1)[-1]  # qweight, or compressed-tensors' weight_packed
+            # qweight, compressed-tensors' weight_packed, or the stored weight of a layer kept in another form
+            stored = present.roles.get("qweight") or next(iter(present.roles.values()), f"{present.prefix}.weight")
+            weight = stored.rsplit(".", 1)[-1]
             raise InputError(
                 f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
                 f"(no {group.base}.<e>.{projection}.{weight})"
@@ -234,6 +236,8 @@ def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
             members = [by_prefix[per_expert[e]] for e in sorted(per_expert)]
             # one stacked tensor needs one layout: act-order and the stored zero format may differ per expert
             kinds = {replace(m.spec, act_order=False, zero_format="v2") for m in members}
+            if len(members) < 2:  # one expert: nothing to stack (its entry keeps the expert's own name)
+                continue
             if any(not m.convertible for m in members) or len(kinds) != 1 or members[0].spec.num_experts:
                 notes.append(f"{group.base}.*.{projection}: not stacked (experts differ in shape or settings, or "
                              "some stay in their source form); written per expert")

@@ -262,10 +262,16 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
     )
     if "lm_head" in merged:
         value("lm_head", bool, False)
-    for key in ("torch_dtype", "dtype"):  # recorded as the manifest's model_dtype: a string or null
+    check_model_dtype(config_json, config_path)
+    return config, config_json, quantize_json
+
+
+def check_model_dtype(config_json: dict | None, config_path: Path) -> None:
+    """config.json's ``torch_dtype`` / ``dtype`` become the manifest's ``model_dtype``: each must be a JSON string
+    (or absent / null). Raises :class:`InputError` naming the key and the file."""
+    for key in ("torch_dtype", "dtype"):
         if config_json is not None and config_json.get(key) is not None:
             typed(config_json[key], str, key, str(config_path))
-    return config, config_json, quantize_json
 
 
 # ----------------------------------------------------------------------------------------------- the shards

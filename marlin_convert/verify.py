@@ -412,9 +412,10 @@ def _open_source(source_dir: Path, manifest: dict):
                     raise InputError(f"--source {source_dir}: no tensor '{name}' (a source tensor of layer "
                                      f"'{entry['name']}')", hint=hint)
                 shape = source.info(name).shape
-                if stacked and (len(shape) < 2 or shape[0] < src["slices"][1]):
+                experts = entry["num_experts"]
+                if stacked and (len(shape) < 2 or shape[0] != experts):
                     raise InputError(f"--source {source_dir}: tensor '{name}' has shape {list(shape)}, not the "
-                                     f"{src['slices'][1]} stacked experts of layer '{entry['name']}'", hint=hint)
+                                     f"{experts} stacked experts of layer '{entry['name']}'", hint=hint)
     return source
 
 

@@ -410,16 +410,32 @@ def test_inspect_convert_and_the_manifest_list_shards_in_file_name_order(tmp_pat
 def test_a_closed_stdout_exits_141_not_1(tmp_path, monkeypatch, json_stdout):
     """`inspect IN | head -1`: the reader goes away; the exit code must not be verify's 1 ("a layer failed")."""
     src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2, hidden=256, intermediate=512, group_size=64))
+    _closed_stdout(monkeypatch)
+    assert main(["inspect", str(src)] + (["--json-stdout"] if json_stdout else [])) == 141
+
+
+def _closed_stdout(monkeypatch):
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody reads: every write fails with EPIPE (Python ignores SIGPIPE)
-    closed = os.fdopen(write_end, "w", buffering=1)
-    monkeypatch.setattr("sys.stdout", closed)
+    monkeypatch.setattr("sys.stdout", os.fdopen(write_end, "w", buffering=1))
     monkeypatch.setattr("sys.stderr", sys.stderr)  # restored afterwards: click wraps it on EPIPE
-    try:
-        assert main(["inspect", str(src)] + (["--json-stdout"] if json_stdout else [])) == 141
-    finally:
-        monkeypatch.undo()
-        try:
-            closed.close()
-        except OSError:
-            pass
+
+
+def test_a_closed_stdout_loses_no_json_report_and_no_failed_verification(tmp_path, monkeypatch):
+    """`convert ... --json r.json | true`: the report (with the manifest digest) is still written; a verification
+    that failed still exits 1, not 141."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, hidden=256, intermediate=512, group_size=64))
+    out = tmp_path / "out"
+    _closed_stdout(monkeypatch)  # a fresh one per call: the first EPIPE points the descriptor at /dev/null
+    assert main([str(src), str(out), "-q", "--json", str(tmp_path / "c.json")]) == 141
+    assert json.loads((tmp_path / "c.json").read_text())["manifest_sha256"].startswith("sha256:")
+    _closed_stdout(monkeypatch)
+    assert main(["verify", str(out), "--skip-kernel", "--json", str(tmp_path / "v.json")]) == 141
+    assert json.loads((tmp_path / "v.json").read_text())["ok"] is True
+    shard = next(out.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # a flipped bit in the last tensor
+    shard.write_bytes(bytes(data))
+    _closed_stdout(monkeypatch)
+    assert main(["verify", str(out), "--skip-kernel", "--json", str(tmp_path / "v2.json")]) == 1
+    assert json.loads((tmp_path / "v2.json").read_text())["ok"] is False

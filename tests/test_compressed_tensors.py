@@ -304,3 +304,37 @@ def test_a_missing_expert_is_named_with_the_compressed_tensors_key(tmp_path):
     with pytest.raises(InputError, match=r"expert\(s\) 1 of 0..2 missing for 'down_proj' "
                                          r"\(no model.layers.0.mlp.experts.<e>.down_proj.weight_packed\)"):
         build_plan(src)
+
+
+@pytest.mark.parametrize("dtype", [{"x": 1}, ["bfloat16"], 16])
+def test_a_model_dtype_that_is_not_a_string_is_refused_here_too(tmp_path, capsys, dtype):
+    """config.json's dtype becomes the manifest's model_dtype: the compressed-tensors reader checks it like the GPTQ
+    one (before the fix the conversion succeeded and its own verify refused the manifest)."""
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)],
+                                   quantization_config({"group_0": config_group(["Linear"], scheme())}))
+    config = json.loads((src / "config.json").read_text())
+    config["dtype"] = dtype
+    (src / "config.json").write_text(json.dumps(config))
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
+    assert "'dtype' must be a JSON string" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_expert_beside_experts_in_another_form_is_named_not_an_internal_error(tmp_path, capsys):
+    """Per-expert keys of a mixed-precision checkpoint whose experts are stored int-quantized (weight +
+    weight_scale, no weight_packed), expert 1 missing: the error names the gap (it was KeyError: 'qweight')."""
+    rng = np.random.default_rng(2)
+    base = "model.layers.0.mlp.experts"
+    group = config_group(["re:.*experts.*"], scheme(8, None), format="int-quantized")
+    config = quantization_config({"group_0": config_group(["Linear"], scheme()), "group_1": group},
+                                 format="mixed-precision")
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)], config)
+    tensors = read_all(src / "model.safetensors")
+    for e in (0, 2):
+        tensors[f"{base}.{e}.down_proj.weight"] = ("I8", rng.integers(-128, 128, size=(128, 64)).astype(np.int8))
+        tensors[f"{base}.{e}.down_proj.weight_scale"] = ("BF16", np.full((128, 1), 0x3C00, np.uint16))
+    write_tensors(src / "model.safetensors", tensors)
+    assert main(["inspect", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert f"layer '{base}': expert(s) 1 of 0..2 missing for 'down_proj' (no {base}.<e>.down_proj.weight" in err
+    assert "internal error" not in err

@@ -158,3 +158,27 @@ def test_mixed_group_sizes_across_experts_are_an_error(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(InputError, match=rf"{p}.scales.*8 rows.*group size 32.*config says group size 64"):
         build_plan(src)
+
+
+def test_stack_experts_leaves_a_single_expert_as_it_is_and_it_verifies(tmp_path):
+    """A group of one expert has nothing to stack: it is written under its own name (stacking it gave an entry
+    whose one sliced source looked like a 3-D stacked tensor, which verify then failed)."""
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=1, hidden=128, expert_intermediate=64,
+                                                      group_size=32))
+    convert(src, tmp_path / "out", workers=1, stack_experts=True)
+    names = {entry["name"] for entry in load_manifest(tmp_path / "out")["layers"]}
+    assert "model.layers.0.mlp.experts.0.down_proj" in names
+    assert not any(name.endswith("experts.down_proj") for name in names)
+    for extra in ([], ["--source", str(src)]):
+        assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", *extra]) == 0
+
+
+def test_a_stacked_source_with_other_experts_is_a_bad_source(tmp_path, capsys):
+    """--source whose stacked tensors hold more experts than were converted is not this checkpoint's source."""
+    small = write_checkpoint(tmp_path / "in4", qwen3_moe(num_layers=1, num_experts=4, hidden=128,
+                                                         expert_intermediate=64, group_size=32, stacked=True))
+    big = write_checkpoint(tmp_path / "in8", qwen3_moe(num_layers=1, num_experts=8, hidden=128,
+                                                       expert_intermediate=64, group_size=32, stacked=True))
+    convert(small, tmp_path / "out", workers=1)
+    assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", "--source", str(big)]) == 2
+    assert "not the 4 stacked experts" in capsys.readouterr().err

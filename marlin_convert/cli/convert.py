@@ -71,8 +71,8 @@ def convert(
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:
         output = plan_output(plan, quiet=quiet)
+        output.write_json(json_file)  # first: a closed stdout must not lose it
         output.render()
-        output.write_json(json_file)
         if plan.refused and not skip_incompatible:  # the plan shows them; the conversion itself would stop
             raise refusal_error(plan.refused, len(plan.layers))
         return
@@ -98,5 +98,5 @@ def convert(
         f"manifest {report.manifest_sha256} (keep it apart from the checkpoint: 'verify --manifest-sha256' "
         "checks it)",
     ]
+    output.write_json(json_file)  # first: a closed stdout must not lose it
     output.render()
-    output.write_json(json_file)

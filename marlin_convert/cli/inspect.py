@@ -73,5 +73,5 @@ def inspect(in_dir: InDirArg, json_file: JsonOpt = None, json_stdout: JsonStdout
     check_json_path(json_file)
     plan = build_plan(in_dir, skip_incompatible=True)
     output = plan_output(plan, as_json=json_stdout)
+    output.write_json(json_file)  # first: a closed stdout must not lose it
     output.render()
-    output.write_json(json_file)

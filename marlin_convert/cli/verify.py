@@ -28,7 +28,7 @@ from ..verify import (
     verify as run_verify,
 )
 from ..sources import FORM_NAMES
-from ._output import Output, check_json_path
+from ._output import Output, OutputClosed, check_json_path
 from ._progress import item_progress
 
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
@@ -156,8 +156,13 @@ def verify(
         summary += "; kernel not run (--skip-kernel)"
     output.lines.append(summary)
     output.lines.append(f"manifest {report.manifest_sha256}")
-    output.render()
-    output.write_json(json_file)
+    output.write_json(json_file)  # first: a closed stdout must not lose it
+    try:
+        output.render()
+    except OutputClosed:
+        if report.ok:
+            raise
+        # a failed verification outranks the closed stdout: exit 1 below, as documented
     if not report.ok:
         names = ", ".join(r.label for r in report.failures[:5])
         more = f" and {len(report.failures) - 5} more" if len(report.failures) > 5 else ""
