@@ -21,6 +21,7 @@ in another compressed-tensors form) refuses the layer with its reason, as the GP
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,9 +246,9 @@ def load_config(in_dir: Path) -> tuple[CompressedTensorsConfig, dict]:
     where = f"{path} (quantization_config)"
     section = typed(config_json["quantization_config"], dict, "quantization_config", str(path))
     quantize_path = Path(in_dir) / QUANTIZE_CONFIG_FILE
-    if quantize_path.exists():
+    if os.path.lexists(quantize_path):  # a broken link is an error (read_json says so), not an absent file
         other = read_json(quantize_path).get("quant_method", "gptq")
-        if other != section["quant_method"]:
+        if not isinstance(other, str) or other.lower() != str(section["quant_method"]).lower():
             raise InputError(f"{path} says quant_method {json.dumps(section['quant_method'])}, {quantize_path} says "
                              f"{json.dumps(other)}: which format is this checkpoint?")
     fmt = _present(section, "format", str, where)

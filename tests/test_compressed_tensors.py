@@ -338,3 +338,16 @@ def test_a_missing_expert_beside_experts_in_another_form_is_named_not_an_interna
     err = capsys.readouterr().err
     assert f"layer '{base}': expert(s) 1 of 0..2 missing for 'down_proj' (no {base}.<e>.down_proj.weight" in err
     assert "internal error" not in err
+
+
+def test_a_broken_quantize_config_link_is_named_and_the_method_compares_in_any_case(tmp_path, capsys):
+    """quantize_config.json beside a compressed-tensors config.json: a broken link is an error naming it (as for
+    GPTQ); a quant_method that differs only in case is the same method."""
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)],
+                                   quantization_config({"group_0": config_group(["Linear"], scheme())}))
+    (src / "quantize_config.json").symlink_to(tmp_path / "nowhere.json")
+    assert main(["inspect", str(src)]) == 2
+    assert "quantize_config.json: broken link" in capsys.readouterr().err
+    (src / "quantize_config.json").unlink()
+    (src / "quantize_config.json").write_text(json.dumps({"quant_method": "Compressed-Tensors"}))
+    assert main(["inspect", str(src)]) == 0
