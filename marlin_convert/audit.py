@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import layout, strict_json
+from . import compressed_tensors, layout, strict_json
 from .errors import InputError
 from .experts import split_expert_key
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
@@ -116,12 +116,13 @@ def _layer_view(entry: dict) -> tuple[MarlinLayer | None, list[str]]:
 
 
 def _needed_source_kinds(spec: QuantSpec, source: dict) -> set[str]:
-    """The source tensors a source layer of this kind has (and the manifest must record, each with its digest)."""
-    g_idx = source["g_idx"] != "absent"
-    if spec.source_format == "compressed-tensors":
-        return ({"weight_packed", "weight_scale", "weight_shape"} | ({"weight_zero_point"} if not spec.sym else set())
-                | ({"weight_g_idx"} if g_idx else set()))
-    return {"qweight", "scales", "qzeros"} | ({"g_idx"} if g_idx else set())
+    """The source tensors a source layer of this kind has (and the manifest must record, each with its digest):
+    GPTQ's qweight, scales, qzeros (+ g_idx); compressed-tensors stores the same roles (``STORED_KIND``) plus
+    weight_shape, and zero points only when asymmetric."""
+    roles = {"qweight", "scales"} | ({"g_idx"} if source["g_idx"] != "absent" else set())
+    if spec.source_format != compressed_tensors.QUANT_METHOD:
+        return roles | {"qzeros"}
+    return {compressed_tensors.STORED_KIND[role] for role in roles | {"shape"} | (set() if spec.sym else {"qzeros"})}
 
 
 def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
@@ -161,7 +162,7 @@ def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
                                 f"{source['zero_format']} value {stored}")
         elif source["zero_stored"] is not None:
             problems.append(f"{where}: zero_stored {source['zero_stored']} on an asymmetric layer (expected null)")
-        if spec.source_format == "compressed-tensors":
+        if spec.source_format == compressed_tensors.QUANT_METHOD:
             if source["zero_format"] != "v2":
                 problems.append(f"{where}: zero_format {source['zero_format']} (compressed-tensors stores the zero "
                                 "point itself: v2)")

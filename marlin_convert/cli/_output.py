@@ -37,6 +37,16 @@ class _Console(Console):
         raise OutputClosed()
 
 
+def print_stdout(text: str) -> None:
+    """``print`` for what does not go through rich (JSON, the version): a closed stdout is :class:`OutputClosed`
+    here too (left to click, it would be exit 1)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        silence_stdout()
+        raise OutputClosed() from None
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -72,7 +82,7 @@ class Output:
         line, so that logs can be searched."""
         console = console or _Console()
         if self.as_json:
-            print(json.dumps(self.data, indent=2, default=str))
+            print_stdout(json.dumps(self.data, indent=2, default=str))
             return
         wrap = console.is_terminal
         if self.title:

@@ -23,7 +23,7 @@ from typer.core import TyperCommand
 
 from .. import __version__
 from ._errors import Interrupted, report_error
-from ._output import OutputClosed
+from ._output import OutputClosed, print_stdout
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -57,7 +57,7 @@ COMMANDS = {"convert", "inspect", "verify"}
 
 def _version(value: bool) -> None:
     if value:
-        print(f"marlin-convert {__version__}")
+        print_stdout(f"marlin-convert {__version__}")
         raise typer.Exit()
 
 
@@ -105,14 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _interrupts_raise():
             returned = app(args=args, prog_name="marlin-convert", standalone_mode=False)
-    except OutputClosed:  # rich found stdout closed (EPIPE, e.g. `inspect ... | head`)
+    except OutputClosed:  # stdout's reader went away (EPIPE, e.g. `inspect ... | head`): as shells report SIGPIPE
         return EXIT_BROKEN_PIPE
-    except SystemExit as exc:
-        # click's answer to a closed stdout on a plain print: it wraps stdout and stderr and exits 1, which is
-        # verify's "a layer failed". Report it as shells report SIGPIPE instead.
-        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
-            return EXIT_BROKEN_PIPE
-        raise
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
