@@ -183,15 +183,6 @@ int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* 
     set_error(err, errlen, "sms = %d: the number of multiprocessors must be >= 1", sms);
     return MARLIN_BAD_SHAPE;
   }
-  // ---- 32-bit offsets: the kernel indexes A and B (and the smaller s, zp) in 16-byte units with 32-bit integers
-  const long long a_int4 = (long long)m * k / 8, b_int4 = (long long)(k / 16) * n * bits / 8;
-  if (a_int4 >= (1LL << 31) || b_int4 >= (1LL << 31)) {
-    set_error(err, errlen,
-              "m = %d, k = %d, n = %d: A (%lld) or B (%lld 16-byte units) reaches 2^31 units, past the kernel's 32-bit "
-              "offsets",
-              m, k, n, a_int4, b_int4);
-    return MARLIN_BAD_SHAPE;
-  }
   // ---- workspace
   const long need = marlin_required_workspace_ints(n);
   if (workspace == nullptr || workspace_ints < need) {

@@ -15,11 +15,8 @@
 // ------------------------------------------------------------------------------------------------ overview
 // One thread block (256 threads = 8 warps) owns an output tile of 16*MB rows x TN = 64*WN columns and a contiguous
 // range of k ("split"). Its warps form a WN x WK grid (WK = 8 / WN): warp (wn, wk) owns the 64 columns wn of the
-// tile and, in every pipeline stage, STRIPS 16-row k-strips. Per stage the block therefore consumes STAGE_K =
-// 16 * STRIPS * WK rows of k. Which strips: in the fp32 group-scale kernels (kF32Scale below) warp slot wk owns the
-// wk-th of WK contiguous runs of the block's range and takes the next STRIPS of its run per stage ("warp runs": a
-// warp meets a new scale group only every group_size / 16 strips); in the others, stage s is one contiguous piece of
-// k and warp wk takes its strips wk * STRIPS .. ("interleaved", drawn here):
+// tile and, in every pipeline stage, STRIPS consecutive 16-row k-strips. Per stage the block therefore consumes
+// STAGE_K = 16 * STRIPS * WK rows of k:
 //
 //        k --->        stage 0                         stage 1                  ...  (STAGES of them in flight)
 //               +--------+--------+-----+--------+--------+--------+-----+
@@ -431,60 +428,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   const int ntile = bid / splits;
   const int row0 = mchunk * T::kRows;
   const int col0 = ntile * T::kTN;
-  // kF32Scale (grouped, swapped; two batch blocks only where the register limit leaves room for the 32 partial sums:
-  // <= 2 blocks per SM, and 1 with zero points, which spilled at 2, as did the 8-bit one at 2 on sm_80): the strips of one group are multiplied unscaled
-  // into fp32 partial sums `part`, and the group's scales are applied to those once, in fp32, when the warp's group
-  // changes and at the end (16 / 32 FFMA per group instead of 4 multiplies per tile and strip). The other kernels
-  // multiply B by the scales in 16 bits, per tile.
-#if defined(__CUDA_ARCH__)
-  constexpr int kArch = __CUDA_ARCH__;
-#else
-  constexpr int kArch = 0;  // host pass: the kernel body is not compiled for it
-#endif
-  constexpr int kBlocks = min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>();
-  constexpr bool kF32Scale =
-      GROUPED && !NO_F32_SCALE &&
-      (SWAP == 1 || (SWAP == 2 && kBlocks <= (ZP ? 1 : 2) && !(BITS == 8 && kBlocks == 2 && kArch < 900)));
-  constexpr bool kScaleB = GROUPED && !kF32Scale;
-  // Warp runs (above) only where they save work: the fp32 group-scale kernels. The others keep the stage-interleaved
-  // order (warp wk takes strips wk * STRIPS .. of every stage: compile-time strides, fewer registers; the warp runs
-  // made the 3-blocks-per-SM kernels spill).
-  constexpr bool kWarpRuns = kF32Scale;
-
   const int k_strips = k / 16;
   const int total_stages = (k_strips + T::kStageStrips - 1) / T::kStageStrips;
   const int stage_begin = split * stages_per_split;
   const int stage_end = min(stage_begin + stages_per_split, total_stages);
   const int n_stages = stage_end - stage_begin;  // >= 1: the host never makes an empty split
-  // The block's k range, in 16-row strips, and how it is dealt to the warps: warp slot wk (of kWK) owns the
-  // contiguous run of warp_strips = n_stages * STRIPS strips starting at strip_begin + wk * warp_strips, and takes
-  // STRIPS of them per stage (stage `it`: strips it * STRIPS .. of its run). A warp therefore meets a new scale
-  // group only every group_size / 16 strips, not in every stage (with the runs interleaved per stage, as before,
-  // every stage started a new group for every warp at group 128: its scales, zero points and fp32 partial sums were
-  // handled once per stage). The strips past strip_end (k's end, or the end of this split) are skipped.
-  const int strip_begin = stage_begin * T::kStageStrips;
-  // Stage numbers handed to load_stage / compute_stage: the block's own (0 .. n_stages - 1) with warp runs; absolute
-  // ones with the interleaved order, whose strips are then stage * kStageStrips + slot strip (no block offset held in
-  // registers: with one, the 3-blocks-per-SM kernels spilled).
-  const int first_strip = kWarpRuns ? strip_begin : 0;
-  const int stage0 = kWarpRuns ? 0 : stage_begin;
-  // (with the stage-interleaved order a stage never reaches past the split's end, only past k's: k / 16 is then the
-  // bound, computed from the kernel parameter where it is used, which kept the 3-blocks-per-SM kernels from spilling)
-  const int strip_end = kWarpRuns ? min(stage_end * T::kStageStrips, k_strips) : k_strips;
-  const int warp_strips = n_stages * STRIPS;
 
   // group of a k index: a shift for the power-of-two group sizes (all GPTQ uses), a division otherwise
   auto group_of = [&](int kk) { return group_shift >= 0 ? (kk >> group_shift) : (kk / group_size); };
-  // A warp's scale (and zero-point) row changes at `gstrip` when it is the first strip of the warp's run or the first
-  // strip of a group. Only those rows are copied to shared memory, into the stage slot row of that strip.
-  auto group_starts = [&](int gstrip, bool run_start) {
-    return run_start || group_of(gstrip * 16) != group_of(gstrip * 16 - 16);
-  };
   const int b_row_int4 = n * BITS / 8;    // B row: n * BITS / 2 words
   const int s_row_int4 = n / 8;           // scale row: n 16-bit values
   const int z_row_int4 = n * BITS / 128;  // zero-point row: n * BITS / 32 words
-  // Offsets into A and B are 32-bit (the host checks that each has fewer than 2^31 int4): the kernel parameters stay
-  // the bases, and no 64-bit block pointer is held in registers (that made the 3-blocks-per-SM kernels spill).
 
   // Channelwise zero points (one row, constant over k): this lane's words, read once.
   uint32_t zconst[kWords] = {};
@@ -494,29 +448,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     for (int i = 0; i < kWords; ++i) zconst[i] = __ldg(z32 + ((col0 / 64 + wn) * 8 + (lane >> 2)) * kWords + i);
   }
 
-  // strip of stage slot strip `s` (0 .. kStageStrips - 1) in the block's stage `it`, relative to strip_begin
-  auto rel_strip = [&](int s, int it) {
-    return kWarpRuns ? (s / STRIPS) * warp_strips + it * STRIPS + s % STRIPS : it * T::kStageStrips + s;
-  };
-
-  // ---- [G2S] issue the copies of the block's stage `it` into shared slot `slot`
-  auto load_stage = [&](int slot, int it) {
+  // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) into shared slot `slot`
+  auto load_stage = [&](int slot, int st) {
     unsigned char* base = smem + slot * T::kStageBytes;
     uint16_t* sA = reinterpret_cast<uint16_t*>(base);
     int4* sB = reinterpret_cast<int4*>(base + T::kABytes);
     int4* sS = reinterpret_cast<int4*>(base + T::kABytes + T::kBBytes);
     int4* sZ = reinterpret_cast<int4*>(base + T::kABytes + T::kBBytes + T::kSBytes);
-    // A: kRows x kAChunks 16-byte chunks; chunk ch of a row holds k 8 (ch % 2) .. of slot strip ch / 2. Rows >= m
-    // and strips past strip_end are not copied: a garbage A row only reaches the same (never written) C row, and
-    // those strips are skipped in the compute.
+    const int k0 = st * T::kStageK;
+    const int strip0 = st * T::kStageStrips;
+    // A: kRows x kAChunks 16-byte chunks. Rows >= m and columns >= k are not copied: a garbage A row only
+    // reaches the same (never written) C row, and strips past k are skipped in the compute.
     // The 16-byte chunk ch of row r is stored at chunk (ch ^ (r & 7)): ldmatrix then reads 8 rows of one
     // logical chunk from 8 different 16-byte bank groups (row stride kStageK * 2 bytes is a multiple of 128).
     auto copy_a = [&](int i) {
       const int r = i / T::kAChunks;
       const int ch = i % T::kAChunks;
-      const int gstrip = first_strip + rel_strip(ch >> 1, it);
-      const bool ok = row0 + r < m && gstrip < strip_end;
-      cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((row0 + r) * (k / 8) + 2 * gstrip + (ch & 1)), ok);
+      const int grow = row0 + r;
+      const int gcol = k0 + ch * 8;
+      const bool ok = grow < m && gcol < k;
+      cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((size_t)grow * k + gcol) / 8, ok);
     };
     if constexpr (SWAP == 1) {
       // m <= 8 (one batch block): only the rows < m are visited. At m = 1 that is 1 / 16 of the tile, and the
@@ -538,54 +489,28 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // 2l + 1 for 8-bit): consecutive threads copy consecutive 16 bytes into consecutive shared memory. (An earlier
     // 8-bit version stored int4 2l, 2l + 1 at l and 32 + l for conflict-free reads; ncu showed that this scatter
     // split every cp.async into one-sector L2 requests, each sector requested twice: L2 86.7 % busy, 60 % hits,
-    // kernel/NOTES.md. The reads in compute_stage avoid the bank conflicts instead.)
+    // kernel/NOTES.md. The reads in strips() avoid the bank conflicts instead.)
 #pragma unroll
     for (int j = 0; j < STRIPS * BITS / 4; ++j) {
       const int i = tid + j * kThreads;
       const int strip = i / (WN * T::kPieceInt4);
       const int w = i % (WN * T::kPieceInt4);
-      const int gstrip = first_strip + rel_strip(strip, it);
-      cp_async16(sB + i, B + (gstrip * b_row_int4 + ntile * WN * T::kPieceInt4 + w), gstrip < strip_end);
+      const int gstrip = strip0 + strip;
+      cp_async16(sB + i, B + (size_t)gstrip * b_row_int4 + (size_t)ntile * WN * T::kPieceInt4 + w,
+                 gstrip < k_strips);
     }
-    // Scales and zero points (grouped). Warp runs: row `strip` of the slot gets the group's row where a warp's group
-    // starts (group_starts); the other rows are not copied and not read. Interleaved: the distinct rows of the
-    // stage's k range, k0 / g .. (its last k) / g, at rows 0 .. (at most kStageStrips since group_size >= 16).
-    if constexpr (GROUPED && kWarpRuns) {
-#pragma unroll
-      for (int i0 = 0; i0 < T::kStageStrips * WN * 8; i0 += kThreads) {
-        const int i = i0 + tid;
-        const int strip = i / (WN * 8);
-        const int c = i % (WN * 8);
-        const int gstrip = first_strip + rel_strip(strip, it);
-        const bool ok = i < T::kStageStrips * WN * 8 && gstrip < strip_end &&
-                        group_starts(gstrip, it == 0 && strip % STRIPS == 0);
-        cp_async16(sS + i, S + ntile * WN * 8 + group_of(gstrip * 16) * s_row_int4 + c, ok);
-      }
-      if constexpr (ZP) {
-        constexpr int kZInt4 = WN * BITS / 2;  // int4 of one zero-point row of the tile (64 columns: 8 * BITS bytes)
-#pragma unroll
-        for (int i0 = 0; i0 < T::kStageStrips * kZInt4; i0 += kThreads) {
-          const int i = i0 + tid;
-          const int strip = i / kZInt4;
-          const int c = i % kZInt4;
-          const int gstrip = first_strip + rel_strip(strip, it);
-          const bool ok = i < T::kStageStrips * kZInt4 && gstrip < strip_end &&
-                          group_starts(gstrip, it == 0 && strip % STRIPS == 0);
-          cp_async16(sZ + i, Z + ntile * kZInt4 + group_of(gstrip * 16) * z_row_int4 + c, ok);
-        }
-      }
-    } else if constexpr (GROUPED) {
-      const int k0 = it * T::kStageK;  // (interleaved: `it` is the absolute stage)
+    // Scales and zero points (grouped): the distinct rows k0 / g .. (last k of the stage) / g, kTN values each.
+    if constexpr (GROUPED) {
       const int kend = min(k0 + T::kStageK, k);
       const int r0 = group_of(k0);
-      const int nrows = group_of(kend - 1) - r0 + 1;
+      const int nrows = group_of(kend - 1) - r0 + 1;  // <= kStageStrips since group_size >= 16
       for (int i = tid; i < nrows * WN * 8; i += kThreads) {
         const int r = i / (WN * 8);
         const int c = i % (WN * 8);
         cp_async16(sS + i, S + (size_t)(r0 + r) * s_row_int4 + (size_t)ntile * WN * 8 + c, true);
       }
       if constexpr (ZP) {
-        constexpr int kZInt4 = WN * BITS / 2;
+        constexpr int kZInt4 = WN * BITS / 2;  // int4 of one zero-point row of the tile (64 columns: 8 * BITS bytes)
         for (int i = tid; i < nrows * kZInt4; i += kThreads) {
           const int r = i / kZInt4;
           const int c = i % kZInt4;
@@ -603,45 +528,21 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
 
-  float part[MB][8][4];  // kF32Scale: the current group's unscaled sums (batch block h, tile j at [0][4 h + j])
-#pragma unroll
-  for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) part[0][nb][i] = 0.0f;
-  // The warp's current group (grouped): this lane's 8 scales (n8-blocks 2j, 2j + 1 in the low / high half of word j),
-  // zero-point words, and the four tiles' Zero values derived from them; channelwise zero points: those of zconst.
-  uint32_t sw[4] = {0u, 0u, 0u, 0u};
-  uint32_t zw[kWords];
-#pragma unroll
-  for (int i = 0; i < kWords; ++i) zw[i] = zconst[i];
-  typename DQ::Zero zero_cur[4] = {};
-  if constexpr (ZP && !GROUPED) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) zero_cur[j] = DQ::zero(zw, j);
-  }
-  // part -> acc with the current group's scales; part = 0. acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1):
-  // n8-block 2 j (e = 0, 1: low scale of word j) or 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path.
-  auto flush = [&]() {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 s01 = Ops::to_float2(sw[j]);
-#pragma unroll
-      for (int h = 0; h < (SWAP == 0 ? 1 : SWAP); ++h) {
-        float (&p)[4] = part[0][4 * h + j];
-        float (&a)[4] = acc[0][4 * h + j];
-        a[0] = fmaf(p[0], s01.x, a[0]);
-        a[1] = fmaf(p[1], s01.x, a[1]);
-        a[2] = fmaf(p[2], s01.y, a[2]);
-        a[3] = fmaf(p[3], s01.y, a[3]);
-        p[0] = p[1] = p[2] = p[3] = 0.0f;
-      }
-    }
-  };
-
-  // The current group's zero-point words and Zero values <- shared row `srow` of slot `slot`.
-  auto load_zero = [&](int slot, int srow) {
-    const uint32_t* sZ =
-        reinterpret_cast<const uint32_t*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes + T::kSBytes);
+  // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st`
+  // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
+  // the 32 partial sums, except with zero points, which spilled): when all of a warp's strips of the stage lie in one
+  // group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to those once, in
+  // fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per strip);
+  // otherwise (a group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other kernels.
+  constexpr bool kF32Scale =
+      GROUPED && !NO_F32_SCALE &&
+      (SWAP == 1 ||
+       (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= 2 && !ZP));
+  // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
+  // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
+  auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
+    const uint32_t* sZ = reinterpret_cast<const uint32_t*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes +
+                                                           T::kSBytes);
     const int at = ((srow * WN + wn) * 8 + (lane >> 2)) * kWords;
     if constexpr (kWords == 2) {
       const uint2 v = *reinterpret_cast<const uint2*>(sZ + at);
@@ -650,45 +551,34 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     } else {
       zw[0] = sZ[at];
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) zero_cur[j] = DQ::zero(zw, j);
   };
-  // Warp runs: the current group's scales (sw) and zero points <- shared row `srow` of slot `slot`.
-  auto load_group = [&](int slot, int srow) {
-    const int4 sc = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes +
-                                                  T::kBBytes)[srow * WN * 8 + wn * 8 + (lane >> 2)];
-    sw[0] = (uint32_t)sc.x;
-    sw[1] = (uint32_t)sc.y;
-    sw[2] = (uint32_t)sc.z;
-    sw[3] = (uint32_t)sc.w;
-    if constexpr (ZP) load_zero(slot, srow);
-  };
-
-  // ---- [S2R] + [DEQ] + [MMA]: this warp's STRIPS strips of the block's stage `it`, in shared slot `slot`
-  auto compute_stage = [&](int slot, int it) {
+  // strips(tag, d): this warp's strips of the stage into accumulators d. tag::value: all of them lie in one group
+  // (the caller checked): leave B unscaled (the caller scales d) and read the zero points once.
+  auto strips = [&](auto one_group_tag, float (&d)[MB][8][4], int slot, int st) {
+    constexpr bool kOneGroup = decltype(one_group_tag)::value;
+    constexpr bool kScaleB = GROUPED && !kOneGroup;
     const unsigned char* base = smem + slot * T::kStageBytes;
     const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
     const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
-    float (&d)[MB][8][4] = kF32Scale ? part : acc;
-    const int stage_strip0 = it * T::kStageStrips;  // interleaved (`it` absolute): the stage's first strip
+    const int4* sS = reinterpret_cast<const int4*>(base + T::kABytes + T::kBBytes);
+    const int strip0 = st * T::kStageStrips;
+    uint32_t zw[kWords];  // this lane's zero-point words (ZP)
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) zw[i] = zconst[i];
+    if constexpr (ZP && GROUPED && kOneGroup)
+      zero_row(slot, group_of((strip0 + wk * STRIPS) * 16) - group_of(st * T::kStageK), zw);
+    // Zero points that hold for every strip here (channelwise, or the warp's strips in one group): the four tiles'
+    // Zero values once, not once per strip.
+    constexpr bool kZeroOnce = ZP && (!GROUPED || kOneGroup);
+    typename DQ::Zero zero_once[4] = {};
+    if constexpr (kZeroOnce) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) zero_once[j] = DQ::zero(zw, j);
+    }
 #pragma unroll
     for (int ls = 0; ls < STRIPS; ++ls) {
-      const int strip = wk * STRIPS + ls;  // slot strip
-      const int gstrip = kWarpRuns ? first_strip + rel_strip(strip, it) : stage_strip0 + strip;
-      if (gstrip < strip_end) {  // warp-uniform
-        // Warp runs: a new group for this warp (warp-uniform): its scales (one 16-byte load: lane c = lane / 4 needs
-        // columns c + 8 jj, jj = 0..7, which the grouped table stores at positions 8 c .. 8 c + 7 of the 64-column
-        // run) and zero points (4-bit: one word, 8-bit: two) from the slot row of this strip, where load_stage put
-        // them; the fp32 sums of the previous group are scaled into acc first.
-        if constexpr (GROUPED && kWarpRuns) {
-          const bool run_start = it == 0 && ls == 0;
-          if (group_starts(gstrip, run_start)) {
-            if constexpr (kF32Scale) {
-              if (!run_start) flush();
-            }
-            load_group(slot, strip);
-          }
-        }
+      const int strip = wk * STRIPS + ls;  // strip inside the stage
+      if (strip0 + strip < k_strips) {     // warp-uniform
         // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
         uint32_t bw[4 * kWords];
         const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
@@ -712,14 +602,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           bw[4 * h + 2] = (uint32_t)bq[h].z;
           bw[4 * h + 3] = (uint32_t)bq[h].w;
         }
-        // Interleaved (kScaleB): the scales and zero points of this strip's group, from the stage's row of it, held for
-        // this strip only. (Read here, after B: read at the top of the strip, the 3-blocks-per-SM kernels spilled.)
+        // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
+        // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
+        // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
+        // scheduled it so that two sm_80 kernels spilled.)
         int4 sc = make_int4(0, 0, 0, 0);
         if constexpr (kScaleB) {
-          const int srow = group_of(gstrip * 16) - group_of(stage_strip0 * 16);
-          sc = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes +
-                                             T::kBBytes)[srow * WN * 8 + wn * 8 + (lane >> 2)];
-          if constexpr (ZP) load_zero(slot, srow);
+          const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
+          sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+          if constexpr (ZP) zero_row(slot, srow, zw);
         }
         // A fragments. Unswapped (the mma A operand): matrix q = lane / 8 is rows 8 (q % 2) .., chunk q / 2, so
         // a = {(rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)}. Swapped (the mma B
@@ -734,14 +625,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
           ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
         }
-        const uint32_t ssc[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
           uint32_t f[4];
-          DQ::template run<ZP>(&bw[j * kWords], zero_cur[j], f);
+          typename DQ::Zero zero{};
+          if constexpr (kZeroOnce) zero = zero_once[j];
+          else if constexpr (ZP) zero = DQ::zero(zw, j);
+          DQ::template run<ZP>(&bw[j * kWords], zero, f);
           if constexpr (kScaleB) {
-            const uint32_t s0 = Ops::low2(ssc[j]);   // scales of n8-blocks 2j (low half of word j)
-            const uint32_t s1 = Ops::high2(ssc[j]);  // and 2j + 1 (high half)
+            const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
+            const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
             f[0] = Ops::mul2(f[0], s0);
             f[1] = Ops::mul2(f[1], s0);
             f[2] = Ops::mul2(f[2], s1);
@@ -766,23 +660,54 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       }
     }
   };
+  auto compute_stage = [&](int slot, int st) {
+    if constexpr (kF32Scale) {
+      const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
+      if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
+      const int last = min(first + STRIPS, k_strips) - 1;
+      if (group_of(first * 16) == group_of(last * 16)) {
+        float part[MB][8][4];
+#pragma unroll
+        for (int nb = 0; nb < 4 * SWAP; ++nb)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[0][nb][i] = 0.0f;
+        strips(std::true_type{}, part, slot, st);
+        // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
+        // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
+        const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
+        const int srow = group_of(first * 16) - group_of(st * T::kStageK);
+        const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 s01 = Ops::to_float2(sw[j]);
+#pragma unroll
+          for (int h = 0; h < SWAP; ++h) {
+            acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
+            acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
+            acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
+            acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+          }
+        }
+        return;
+      }
+    }
+    strips(std::false_type{}, acc, slot, st);
+  };
 
   // ---- main loop: STAGES - 1 stages in flight, one barrier per stage
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_stages) load_stage(s, stage0 + s);
+    if (s < n_stages) load_stage(s, stage_begin + s);
     cp_async_commit();  // always commit (possibly empty) so the group count stays aligned
   }
   for (int it = 0; it < n_stages; ++it) {
     cp_async_wait<STAGES - 2>();  // stage `it` has landed (for this thread)
     __syncthreads();              // ... for all threads; and everyone is done computing stage it - 1
     const int next = it + STAGES - 1;
-    if (next < n_stages) load_stage(next % STAGES, stage0 + next);  // refills the slot of stage it - 1
+    if (next < n_stages) load_stage(next % STAGES, stage_begin + next);  // refills the slot of stage it - 1
     cp_async_commit();
-    compute_stage(it % STAGES, stage0 + it);
-  }
-  if constexpr (kF32Scale) {
-    if (strip_begin + wk * warp_strips < strip_end) flush();  // the last group (warp-uniform; none: no strips)
+    compute_stage(it % STAGES, stage_begin + it);
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is now free for the reduction
