@@ -54,23 +54,38 @@ def _torch_dtype(torch, numpy_dtype: str, name: str):
     return {"<i4": torch.int32, "<f2": torch.float16, "<f4": torch.float32}[numpy_dtype]
 
 
-def reference_weight(qweight, scales, qzeros, g_idx, bits: int, zero_format: str):
+def reference_weight(qweight, scales, qzeros, g_idx, bits: int, zero_format: str, contiguous_groups: bool = False):
     """The fp32 weight ``W[k, n] = (q[k, n] - z[g, n]) * s[g, n]`` with ``g = g_idx[k]``, from GPTQ tensors with plain
     torch ops on their device: ``qweight`` int32 [K/p, N], ``scales`` [G, N] (any float dtype), ``qzeros`` int32
     [G, ceil(N/p)] (stored values: z - 1 for ``zero_format`` "v1", z for "v2"), ``g_idx`` int32 [K]. Returns
-    float32 [K, N]."""
+    float32 [K, N].
+
+    ``contiguous_groups``: the caller has checked that ``g_idx[k] == k // (K / G)`` (no act-order): the groups are then
+    broadcast over K / G rows instead of gathered per row (two fewer K x N tensors written; same values)."""
     import torch
 
     p = 32 // bits
     k, n = qweight.shape[0] * p, qweight.shape[1]
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
     mask = (1 << bits) - 1
-    q = ((qweight.unsqueeze(1) >> shifts.view(1, p, 1)) & mask).reshape(k, n)
+    q = (qweight.unsqueeze(1) >> shifts.view(1, p, 1)).bitwise_and_(mask).reshape(k, n)
     z = ((qzeros.unsqueeze(2) >> shifts.view(1, 1, p)) & mask).reshape(qzeros.shape[0], -1)[:, :n]
     if zero_format == "v1":
         z = z + 1
+    if contiguous_groups:
+        groups = scales.shape[0]
+        weight = q.view(groups, k // groups, n).float()
+        return weight.sub_(z.float().unsqueeze(1)).mul_(scales.float().unsqueeze(1)).view(k, n)
     rows = g_idx.long()
     return q.sub_(z[rows]).float().mul_(scales.float()[rows])
+
+
+def groups_are_contiguous(g_idx: np.ndarray, groups: int) -> bool:
+    """Whether ``g_idx`` (int32 [K]) is the plain grouping ``k // (K / groups)`` (no act-order)."""
+    k = g_idx.shape[0]
+    if groups < 1 or k % groups:
+        return False
+    return bool(np.array_equal(g_idx, np.arange(k, dtype=np.int64) // (k // groups)))
 
 
 def scales_exact_in(scales_bits: np.ndarray, scale_dtype: str, target: str) -> bool:
@@ -172,11 +187,15 @@ class GpuChecker:
                   .view(_torch_dtype(torch, dtype, name)).view(shape)
                   for name, (offset, dtype, shape) in placed.items() if name in UPLOADED}
         host_scales = self.host[start + placed["s"][0]:]  # only its first bytes are read, below
+        g_offset, g_dtype, g_shape = placed["g_idx"]
+        g_idx = np.frombuffer(memoryview(self.host[start + g_offset:start + g_offset + 4 * g_shape[0]].numpy()),
+                              dtype=np.dtype(g_dtype))
+        contiguous = groups_are_contiguous(g_idx, placed["scales"][2][0])
         with torch.cuda.device(gpu.device), torch.cuda.stream(gpu.compute_stream):
             gpu.compute_stream.wait_event(uploaded)
             run_dtype, note = self._run_dtype(layer, host_scales, placed["s"])
             stats, workspace_left, errors = self._check(gpu, layer, arrays, zero_format, run_dtype,
-                                                        self.seed + self.slices)
+                                                        self.seed + self.slices, contiguous)
             done = self._event()
             done.record(gpu.compute_stream)
             gpu.compute_done[which] = done
@@ -195,7 +214,8 @@ class GpuChecker:
             return wanted, None
         return stored, f"ran in {stored}: its {stored} scales are not exact in {wanted}"
 
-    def _check(self, gpu: _Device, layer: MarlinLayer, arrays: dict, zero_format: str, run_dtype: str, seed: int):
+    def _check(self, gpu: _Device, layer: MarlinLayer, arrays: dict, zero_format: str, run_dtype: str, seed: int,
+               contiguous_groups: bool):
         """Queue the reference, the kernel runs and the statistics of one slice: ``(stats, workspace_left, errors)``
         (see :class:`_Queued`)."""
         torch = self.torch
@@ -210,7 +230,7 @@ class GpuChecker:
         began = self._event()
         began.record(gpu.compute_stream)
         weight = reference_weight(arrays["qweight"], arrays["scales"], arrays["qzeros"], arrays["g_idx"], bits,
-                                  zero_format)
+                                  zero_format, contiguous_groups)
         total = sum(self.batch_sizes)
         generator = torch.Generator(device=device).manual_seed(seed)
         a = torch.randn(total, k, generator=generator, device=device, dtype=torch.float32).to(dtype)

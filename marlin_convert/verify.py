@@ -52,8 +52,9 @@ DEFAULT_BATCH_SIZES = (1, 16, 128)
 DEFAULT_WORKERS = max(1, os.cpu_count() or 1)
 #: bytes read per positioned read when hashing a file
 READ_CHUNK = 8 << 20
-#: staging slots for the workers when the kernel runs (plus two per GPU and a spare)
-MAX_WORKER_SLOTS = 8
+#: staging slots for the workers when the kernel runs (plus two per GPU and a spare); MARLIN_CONVERT_WORKER_SLOTS
+#: overrides it (benchmark only: scripts/bench_verify.py measures the trade of host memory for overlap)
+MAX_WORKER_SLOTS = int(os.environ.get("MARLIN_CONVERT_WORKER_SLOTS", "8"))
 ACTIVATION_DTYPES = ("float16", "bfloat16")
 
 
@@ -126,6 +127,8 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     bound: float = RELATIVE_ERROR_BOUND
     source_format: str = "gptq"  # what the checkpoint was converted from (the manifest's source.format)
+    #: when each phase ended, in seconds since verify() began ("process start" is negative: the interpreter's start)
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def failures(self) -> list[LayerResult]:
@@ -154,6 +157,7 @@ class VerifyReport:
             "seconds": round(self.seconds, 3),
             "bytes_checked": self.bytes_checked,
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
+            "timeline": {k: round(v, 3) for k, v in self.timeline.items()},
             "peak_rss_bytes": self.peak_rss_bytes,
             "gpu_peak_bytes": self.gpu_peak_bytes,
             "notes": self.notes,
@@ -355,6 +359,16 @@ def _pool(workers: int) -> ProcessPoolExecutor | None:
 # ------------------------------------------------------------------------------------------------ the driver
 
 
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where that is not known."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def parse_gpus(spec: str) -> list[int]:
     """``"0"`` or ``"0,1,3"`` -> list of device indices."""
     try:
@@ -439,6 +453,14 @@ def verify(
     all).
     """
     start = time.perf_counter()
+    timeline: dict[str, float] = {}
+    started = _process_age()
+    if started is not None:
+        timeline["process start"] = -started
+
+    def mark(event: str) -> None:
+        timeline[event] = time.perf_counter() - start
+
     out_dir = Path(out_dir)
     manifest = load_manifest(out_dir)
     digest = manifest_digest(out_dir)
@@ -466,6 +488,7 @@ def verify(
     stage_size = max((stage_bytes(checked.layers[i]) for i in usable), default=0)
     pending_sources = {i: len(manifest["layers"][i]["sources"]) for i in usable}
 
+    mark("manifest and audit")
     global _STATE
     _STATE = _WorkerState(out_dir, manifest, checked.layers, TensorReader(out_dir, checked.headers), source,
                           stage_size)
@@ -493,6 +516,7 @@ def verify(
         pool = _pool(workers)
         # submitting forks the workers now, before CUDA is initialised in this process
         futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
+        mark("workers started")
         if use_kernel:
             from .kernel import ensure_kernel
 
@@ -504,10 +528,12 @@ def verify(
                 raise KernelUnavailableError(exc.message,
                                              hint=f"{exc.hint}; or {skip}" if exc.hint else skip) from exc
             stage_seconds["kernel load"] = time.perf_counter() - loading
+            mark("kernel loaded")
             if usable:
                 from .gpu_check import GpuChecker
 
                 gpu_checker = GpuChecker(devices, _STATE.slots, stage_size, list(batch_sizes), act_dtype, seed)
+                mark("GPU checker ready")
 
         def absorb(outcome) -> None:
             peaks[outcome.pid] = max(peaks.get(outcome.pid, 0), outcome.peak_rss)
@@ -566,11 +592,14 @@ def verify(
             for future in done:
                 waiting.discard(future)
                 absorb(future.result())
+                if not waiting:
+                    mark("workers done")
         if gpu_checker is not None:
             for (layer_index, expert), (checks, note) in gpu_checker.finish().items():
                 result = per_entry[layer_index][expert or 0]
                 result.kernel, result.kernel_note = checks, note
                 result.device = gpu_checker.device_of(layer_index)
+            mark("GPU done")
             stage_seconds.update(gpu_checker.seconds)
             gpu_peaks = gpu_checker.peak_memory()
             if not gpu_checker.pinned:
@@ -596,7 +625,7 @@ def verify(
     return VerifyReport(str(out_dir), digest, flat, kept, problems, counts["files"], counts["tensors"], use_kernel,
                         list(batch_sizes or []) if use_kernel else [], act_dtype, time.perf_counter() - start,
                         stage_seconds, sum(f.size for f in checked.files), sum(peaks.values()), gpu_peaks, notes,
-                        source_format=manifest["source"]["format"])
+                        source_format=manifest["source"]["format"], timeline=timeline)
 
 
 __all__ = ["VerifyReport", "LayerResult", "KeptResult", "verify", "parse_gpus", "activation_dtype",

@@ -114,6 +114,9 @@ def _print_run(title: str, runs: list[tuple[float, int, dict]], total: int, sha_
         if stage in stages:
             where = "summed over workers" if stage in ("read", "read + inverse", "hash") else "GPU events, summed"
             rows.append((f"stage: {stage}", f"{stages[stage]:.2f} s ({where}), {rate_label(total, stages[stage])}"))
+    if data.get("timeline"):
+        rows.append(("timeline (s since verify began)",
+                     ", ".join(f"{event} {at:+.2f}" for event, at in data["timeline"].items())))
     rows.append(("peak RSS", f"{peak / 2**20:.0f} MiB largest process (OS), {data['peak_rss_bytes'] / 2**20:.0f} MiB "
                              "summed over verify's processes"))
     if data.get("gpu_peak_bytes"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -439,3 +440,22 @@ def test_a_closed_stdout_loses_no_json_report_and_no_failed_verification(tmp_pat
     _closed_stdout(monkeypatch)
     assert main(["verify", str(out), "--skip-kernel", "--json", str(tmp_path / "v2.json")]) == 1
     assert json.loads((tmp_path / "v2.json").read_text())["ok"] is False
+
+
+@pytest.mark.parametrize("args, code, stream, text", [
+    (["--version"], 0, "stdout", "marlin-convert"),
+    (["verify", "/nonexistent-marlin-dir"], 2, "stderr", "nonexistent-marlin-dir"),
+])
+def test_console_script_exit_code_and_output_survive_the_fast_exit(tmp_path, args, code, stream, text):
+    """With torch loaded, the console script leaves through os._exit: the exit code and all output must survive it
+    (stdout redirected to a file, so nothing reaches it unflushed)."""
+    pytest.importorskip("torch")
+    script = ("import sys, torch\n"
+              f"sys.argv = ['marlin-convert', *{args!r}]\n"
+              "from marlin_convert.cli.app import run\n"
+              "run()\n")
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        done = subprocess.run([sys.executable, "-c", script], stdout=stdout, stderr=stderr)
+    assert done.returncode == code
+    assert text in (out if stream == "stdout" else err).read_text()

@@ -176,6 +176,27 @@ def test_the_gpu_reference_weight_is_q_minus_z_times_s(bits, sym, zero_format):
         assert np.array_equal(weight[row], expected)
 
 
+@pytest.mark.parametrize("bits, zero_format, groups", [(4, "v1", 3), (8, "v2", 3), (4, "v2", 1)])
+def test_the_contiguous_group_reference_equals_the_gathered_one(bits, zero_format, groups):
+    """Without act-order the reference broadcasts each group over its rows: the same values as the per-row gather."""
+    torch = pytest.importorskip("torch")
+    from marlin_convert.gpu_check import groups_are_contiguous, reference_weight
+
+    rng = np.random.default_rng(bits + groups)
+    k, n = 96, 40
+    q = rng.integers(0, 1 << bits, size=(k, n), dtype=np.uint8)
+    stored = rng.integers(0, (1 << bits) - 1, size=(groups, n), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.02, size=(groups, n)).astype(np.float16)
+    g_idx = (np.arange(k) // (k // groups)).astype(np.int32)
+    assert groups_are_contiguous(g_idx, groups)
+    assert not groups_are_contiguous(rng.permutation(g_idx), groups) or groups == 1
+    args = [torch.from_numpy(layout.pack_gptq_qweight(q, bits=bits)), torch.from_numpy(scales),
+            torch.from_numpy(layout.pack_gptq_qzeros(stored, bits=bits)), torch.from_numpy(g_idx), bits, zero_format]
+    gathered = reference_weight(*args).numpy()
+    broadcast = reference_weight(*args, contiguous_groups=True).numpy()
+    assert broadcast.shape == (k, n) and np.array_equal(broadcast, gathered)
+
+
 def test_fp16_scales_run_in_bf16_only_when_exact():
     from marlin_convert.gpu_check import scales_exact_in
 

@@ -12,6 +12,7 @@ exit code; set MARLIN_CONVERT_DEBUG=1 to see the traceback.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -123,5 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     return returned if isinstance(returned, int) else 0
 
 
+def run() -> None:
+    """The console script: :func:`main`, then exit. Once torch is loaded (``verify`` with the kernel), the interpreter's
+    own teardown (torch's and CUDA's destructors) took about half a second after the last output, so this process
+    then leaves with ``os._exit`` once stdout and stderr are flushed: every file it wrote is closed by then, and the
+    worker processes are gone."""
+    code = main()
+    if "torch" in sys.modules:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BrokenPipeError:
+            code = code or EXIT_BROKEN_PIPE
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
