@@ -102,8 +102,9 @@ def scales_exact_in(scales_bits: np.ndarray, scale_dtype: str, target: str) -> b
 
 @dataclass
 class _Queued:
-    """One slice's checks, queued on a GPU: statistics per batch (a [batches, 6] GPU tensor), the workspace's
-    non-zero count after the runs, the kernel's host-side rejections, and how it ran."""
+    """One slice's checks, queued on a GPU: statistics per output row (a [sum of batch sizes, 6] float64 GPU tensor,
+    rows in batch order), the workspace's non-zero count after the runs, the kernel's host-side rejections, and how
+    it ran."""
 
     key: tuple[int, int | None]
     stats: object
@@ -246,31 +247,33 @@ class GpuChecker:
         if gpu.workspace.numel() < ints:
             gpu.workspace = torch.zeros(ints, dtype=torch.int32, device=device)
         scales = arrays["s"] if arrays["s"].dtype == dtype else arrays["s"].to(dtype)
-        stats, errors = [], []
+        # every batch's output in one NaN-filled buffer (row blocks in batch order), so that the statistics below are
+        # a few operations over all rows at once, per row; finish() adds the rows of each batch up on the host
+        out = torch.full((total, n_pad), float("nan"), dtype=dtype, device=device)
+        errors = []
         row = 0
         for m in self.batch_sizes:
-            out = torch.full((m, n_pad), float("nan"), dtype=dtype, device=device)
             try:
-                marlin_gemm(a[row:row + m], arrays["B"], scales, gpu.workspace, perm=arrays.get("perm"), out=out,
-                            zp=arrays.get("zp"), bits=bits)
+                marlin_gemm(a[row:row + m], arrays["B"], scales, gpu.workspace, perm=arrays.get("perm"),
+                            out=out[row:row + m], zp=arrays.get("zp"), bits=bits)
                 errors.append(None)
             except Exception as exc:  # the kernel's own rejection, reported on this slice
                 errors.append(f"kernel error: {exc}")
-            c = out.float()
-            expected = reference[row:row + m]
-            diff = (c[:, :n] - expected).abs().nan_to_num_(nan=float("inf"))
-            torch_diff = ((same_dtype[row:row + m] - expected).abs().sum(dtype=torch.float64).float()
-                          if same_dtype is not None else diff.new_zeros(()))
-            stats.append(torch.stack([diff.max(), diff.sum(dtype=torch.float64).float(),
-                                      expected.abs().sum(dtype=torch.float64).float(),
-                                      torch.isnan(c).sum().float(), (c[:, n:] != 0).sum().float(), torch_diff]))
             row += m
+        c = out.float()
+        diff = (c[:, :n] - reference).abs_().nan_to_num_(nan=float("inf"))
+        torch_diff = ((same_dtype - reference).abs_().sum(dim=1, dtype=torch.float64) if same_dtype is not None
+                      else torch.zeros(total, dtype=torch.float64, device=device))
+        # per row: max |error|, sum |error|, sum |reference|, NaN outputs, non-zero padded outputs, torch's own error
+        stats = torch.stack([diff.amax(dim=1).double(), diff.sum(dim=1, dtype=torch.float64),
+                             reference.abs().sum(dim=1, dtype=torch.float64), torch.isnan(c).sum(dim=1).double(),
+                             (c[:, n:] != 0).sum(dim=1).double(), torch_diff], dim=1)
         workspace_left = gpu.workspace.count_nonzero().float()
         gpu.workspace.zero_()
         finished = self._event()
         finished.record(gpu.compute_stream)
         self.timing += [("reference", began, referenced), ("kernel", referenced, finished)]
-        return torch.stack(stats), workspace_left, errors
+        return stats, workspace_left, errors
 
     def finish(self) -> dict[tuple[int, int | None], tuple[list, str | None]]:
         """Wait for every queued slice; ``(layer index, expert) -> ([KernelCheck per batch], note)``. Bound per batch:
@@ -292,11 +295,15 @@ class GpuChecker:
             left = torch.stack([q.workspace_left for q in items]).cpu().numpy()
             fetched.update({id(q): (slice_stats, leftover) for q, slice_stats, leftover in zip(items, stats, left)})
         results = {}
+        ends = np.cumsum(self.batch_sizes)
         for queued in self.pending:
-            slice_stats, leftover = fetched[id(queued)]
+            row_stats, leftover = fetched[id(queued)]
+            # rows -> batches: the largest error is a max over the batch's rows, the rest are sums
+            per_batch = [np.concatenate([row_stats[end - m:end, :1].max(axis=0), row_stats[end - m:end, 1:].sum(axis=0)])
+                         for m, end in zip(self.batch_sizes, ends)]
             checks = []
             for m, (max_abs, diff_sum, ref_sum, nan, pad_nonzero, torch_diff), error in zip(
-                    self.batch_sizes, slice_stats, queued.errors):
+                    self.batch_sizes, per_batch, queued.errors):
                 relative = float(diff_sum / ref_sum) if ref_sum > 0 else (0.0 if diff_sum == 0 else float("inf"))
                 bound = RELATIVE_ERROR_BOUND
                 if queued.run_dtype == "bfloat16":

@@ -613,6 +613,10 @@ def verify(
             pool.shutdown(wait=True, cancel_futures=True)
         if gpu_checker is not None:
             gpu_checker.close()
+        for channel in (_STATE.free_slots, _STATE.messages):
+            if hasattr(channel, "cancel_join_thread"):  # a multiprocessing queue: what is left in it is not needed,
+                channel.close()                         # and joining its feeder thread at exit took 0.3 s each
+                channel.cancel_join_thread()
         if _STATE.slots is not None:
             try:
                 _STATE.slots.close()
