@@ -131,6 +131,13 @@ struct Act<half> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+  // D = A * B (the accumulator input is zero: SASS takes RZ for it, so no register has to be zeroed first)
+  static __device__ __forceinline__ void mma_first(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+  }
   static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
     return as_u32(__hmul2(as_h2(a), as_h2(b)));
   }
@@ -148,6 +155,13 @@ struct Act<__nv_bfloat16> {
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // D = A * B (the accumulator input is zero: SASS takes RZ for it, so no register has to be zeroed first)
+  static __device__ __forceinline__ void mma_first(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
   }
   static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
     return as_u32(__hmul2(as_b2(a), as_b2(b)));
@@ -578,7 +592,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
 #pragma unroll
     for (int ls = 0; ls < STRIPS; ++ls) {
       const int strip = wk * STRIPS + ls;  // strip inside the stage
-      if (strip0 + strip < k_strips) {     // warp-uniform
+      // (the one-group path's first strip is always there: compute_stage checked it; there the mma starts the
+      // partial sums from zero instead of adding to zeroed registers)
+      const bool first = kOneGroup && ls == 0;  // a constant once the loop is unrolled
+      if (first || strip0 + strip < k_strips) {  // warp-uniform
         // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
         uint32_t bw[4 * kWords];
         const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
@@ -647,8 +664,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
             // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 1 (A rows 0-7, k 0-7 / 8-15, above); with
             // SWAP == 2 the second batch block (A rows 8-15) is matrices 2 and 3, accumulated in d[0][4 + j].
             const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
-            Ops::mma(d[0][j], wa, a[0][0], a[0][1]);
-            if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][2], a[0][3]);
+            if (first) {
+              Ops::mma_first(d[0][j], wa, a[0][0], a[0][1]);
+              if constexpr (SWAP == 2) Ops::mma_first(d[0][4 + j], wa, a[0][2], a[0][3]);
+            } else {
+              Ops::mma(d[0][j], wa, a[0][0], a[0][1]);
+              if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][2], a[0][3]);
+            }
           } else {
 #pragma unroll
             for (int mb = 0; mb < MB; ++mb) {
@@ -660,17 +682,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       }
     }
   };
+  const bool strips_share_group = GROUPED && group_size % (16 * STRIPS) == 0;
   auto compute_stage = [&](int slot, int st) {
     if constexpr (kF32Scale) {
       const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
       if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
-      const int last = min(first + STRIPS, k_strips) - 1;
-      if (group_of(first * 16) == group_of(last * 16)) {
-        float part[MB][8][4];
-#pragma unroll
-        for (int nb = 0; nb < 4 * SWAP; ++nb)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) part[0][nb][i] = 0.0f;
+      // (a warp's strips start at a multiple of 16 * STRIPS rows: with group_size a multiple of that, they always
+      // share one group, and the per-stage comparison is skipped)
+      if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
+        float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
         strips(std::true_type{}, part, slot, st);
         // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
         // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
