@@ -929,19 +929,20 @@ inline int smem_optin() {
 }
 
 // m <= 8: swapped, one batch block; m = 9..16: swapped with two (SWAP_MID) or the unswapped kernel.
-template <class K, int STRIPS, bool GROUPED, bool SWAP_MID>
+template <class K, int STRIPS, bool GROUPED, bool SWAP_MID, int STAGES = 4>
 int launch_small_kind(const Launch& L) {
-  if (L.m <= 8) return launch_config<K, 1, 1, STRIPS, 4, GROUPED, 1>(L);
-  if constexpr (SWAP_MID) return launch_config<K, 1, 1, STRIPS, 4, GROUPED, 2>(L);
-  else return launch_config<K, 1, 1, STRIPS, 4, GROUPED, 0>(L);
+  if (L.m <= 8) return launch_config<K, 1, 1, STRIPS, STAGES, GROUPED, 1>(L);
+  if constexpr (SWAP_MID) return launch_config<K, 1, 1, STRIPS, STAGES, GROUPED, 2>(L);
+  else return launch_config<K, 1, 1, STRIPS, STAGES, GROUPED, 0>(L);
 }
 
 // Every kind but fp16 x 4-bit symmetric (that one is dispatch_fp16_int4 in marlin_gemm.cu, with its benchmark
 // variants). The m <= 16 schedule keeps at least as many bytes of B in flight per SM as fp16 x 4-bit does (for 8-bit
 // that did not make it faster: kernel/NOTES.md):
 //   m <= 16, n / 64 <= SMs (one wave at one block per SM): 4 strips per warp, swapped (4-bit 144 KB, 8-bit 208 KB);
-//   4-bit, n / 64 <= 2 SMs, or any n with zero points: 3 strips, 2 blocks per SM (108 KB; the zero-point kernels
-//          spill at the 3-blocks-per-SM register limit of the 2-strip kernel);
+//   4-bit with zero points and grouped scales, larger n: 4 strips at 2 stages, 2 blocks per SM (74 KB);
+//   4-bit, n / 64 <= 2 SMs, or any n with zero points (channelwise): 3 strips, 2 blocks per SM (108 KB; the
+//          zero-point kernels spill at the 3-blocks-per-SM register limit of the 2-strip kernel);
 //   4-bit symmetric, larger n: 2 strips, 3 blocks per SM (72 KB), swapped for m <= 8 only;
 //   8-bit, larger n: 2 strips, 2 blocks per SM (104 KB);
 //   m > 16, and m <= 16 where the shared memory is too small for the above (sm_86 / sm_89: ~100 KB): MB = 2, 1 strip
@@ -988,6 +989,14 @@ int dispatch_kind(const Launch& L) {
       }
     }
     if (one_wave) return launch_small_kind<K, 4, GROUPED, true>(L);
+    if constexpr (kBits == 4 && kZp && GROUPED) {
+      // 4-bit zero points, grouped, n / 64 > SMs: 4 strips at 2 stages (74 KB, 2 blocks per SM). Against the 3-strip
+      // kernel below (whose warps' 48 rows straddle a group of 128 in 2 of 8 warps per stage, and those warps take
+      // the 16-bit scale path), measured on the H200 (kernel/NOTES.md): 8192 x 57344 m = 1 121.9 -> 99.2 us,
+      // 8192 x 10240 35.1 -> 28.5, 4096 x 12288 19.5 -> 16.2 (m = 16: 6-9 % faster), bf16 alike; 2 strips at 4
+      // stages were 10-40 % slower.
+      if (optin >= Tile<1, 1, 4, 2, GROUPED, 4, true>::kSmemBytes) return launch_small_kind<K, 4, GROUPED, true, 2>(L);
+    }
     if constexpr (kBits == 4) {
       if (optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes && (kZp || L.n / 64 <= 2 * L.sms))
         return launch_small_kind<K, 3, GROUPED, true>(L);
