@@ -102,9 +102,10 @@ def scales_exact_in(scales_bits: np.ndarray, scale_dtype: str, target: str) -> b
 
 @dataclass
 class _Queued:
-    """One slice's checks, queued on a GPU: statistics per output row (a [sum of batch sizes, 6] float64 GPU tensor,
-    rows in batch order), the workspace's non-zero count after the runs, the kernel's host-side rejections, and how
-    it ran."""
+    """One slice's checks, queued on a GPU: statistics per batch (a [batches, 7] float64 GPU tensor: max |error|,
+    sum |error|, sum |reference|, NaN outputs, non-zero padded outputs, torch's own bf16 error, outputs written past
+    the batch's rows), the workspace's non-zero count after the runs, the kernel's host-side rejections, and how it
+    ran."""
 
     key: tuple[int, int | None]
     stats: object
@@ -151,6 +152,25 @@ class GpuChecker:
         self.timing: list[tuple[str, object, object]] = []
         self.seconds: dict[str, float] = {}
         self.slices = 0
+        self._set_batches(batch_sizes)
+
+    def _set_batches(self, batch_sizes: list[int]) -> None:
+        """The batch sizes and their output row blocks (see _check): m rows, guard rows up to a multiple of 16, and
+        16 more."""
+        self.batch_sizes = list(batch_sizes)
+        self.blocks = [(m + 15) // 16 * 16 + 16 for m in self.batch_sizes]
+        self.block_starts = [int(v) for v in np.cumsum([0, *self.blocks[:-1]])]
+        self.output_rows = sum(self.blocks)
+        self._rows_by_device: dict = {}
+
+    def _batch_rows(self, device):
+        """The output rows that batches own, in batch order (an index tensor on ``device``, made once)."""
+        rows = self._rows_by_device.get(str(device))
+        if rows is None:
+            index = [first + i for m, first in zip(self.batch_sizes, self.block_starts) for i in range(m)]
+            rows = self.torch.tensor(index, dtype=self.torch.long, device=device)
+            self._rows_by_device[str(device)] = rows
+        return rows
 
     def device_of(self, layer_index: int) -> str:
         return str(self.devices[layer_index % len(self.devices)].device)
@@ -247,27 +267,35 @@ class GpuChecker:
         if gpu.workspace.numel() < ints:
             gpu.workspace = torch.zeros(ints, dtype=torch.int32, device=device)
         scales = arrays["s"] if arrays["s"].dtype == dtype else arrays["s"].to(dtype)
-        # every batch's output in one NaN-filled buffer (row blocks in batch order), so that the statistics below are
-        # a few operations over all rows at once, per row; finish() adds the rows of each batch up on the host
-        out = torch.full((total, n_pad), float("nan"), dtype=dtype, device=device)
+        # Every batch's output in one NaN-filled buffer, so that the statistics below are a few operations over all
+        # rows at once. Batch b owns a block of rows: its m rows, then guard rows up to the next multiple of 16 and 16
+        # more; the guards must still be NaN afterwards (a kernel writing past its m rows is caught, not hidden by the
+        # next batch's output).
+        out = torch.full((self.output_rows, n_pad), float("nan"), dtype=dtype, device=device)
         errors = []
         row = 0
-        for m in self.batch_sizes:
+        for m, first in zip(self.batch_sizes, self.block_starts):
             try:
                 marlin_gemm(a[row:row + m], arrays["B"], scales, gpu.workspace, perm=arrays.get("perm"),
-                            out=out[row:row + m], zp=arrays.get("zp"), bits=bits)
+                            out=out[first:first + m], zp=arrays.get("zp"), bits=bits)
                 errors.append(None)
             except Exception as exc:  # the kernel's own rejection, reported on this slice
                 errors.append(f"kernel error: {exc}")
             row += m
-        c = out.float()
+        outside = torch.stack([out[first + m:first + block].isnan().logical_not_().sum()
+                               for m, first, block in zip(self.batch_sizes, self.block_starts, self.blocks)])
+        c = out.index_select(0, self._batch_rows(device)).float()  # [total, n_pad], rows in batch order
         diff = (c[:, :n] - reference).abs_().nan_to_num_(nan=float("inf"))
         torch_diff = ((same_dtype - reference).abs_().sum(dim=1, dtype=torch.float64) if same_dtype is not None
                       else torch.zeros(total, dtype=torch.float64, device=device))
-        # per row: max |error|, sum |error|, sum |reference|, NaN outputs, non-zero padded outputs, torch's own error
-        stats = torch.stack([diff.amax(dim=1).double(), diff.sum(dim=1, dtype=torch.float64),
-                             reference.abs().sum(dim=1, dtype=torch.float64), torch.isnan(c).sum(dim=1).double(),
-                             (c[:, n:] != 0).sum(dim=1).double(), torch_diff], dim=1)
+        # per row: max |error|, sum |error|, sum |reference|, NaN outputs, non-zero padded outputs, torch's own error;
+        # then per batch (max of the first, sums of the rest) and the written guard rows: [batches, 7] float64
+        rows = torch.stack([diff.amax(dim=1).double(), diff.sum(dim=1, dtype=torch.float64),
+                            reference.abs().sum(dim=1, dtype=torch.float64), torch.isnan(c).sum(dim=1).double(),
+                            (c[:, n:] != 0).sum(dim=1).double(), torch_diff], dim=1)
+        stats = torch.cat([torch.stack([torch.cat([r[:, :1].amax(dim=0), r[:, 1:].sum(dim=0)])
+                                        for r in rows.split(self.batch_sizes)]),
+                           outside.double().unsqueeze(1)], dim=1)
         workspace_left = gpu.workspace.count_nonzero().float()
         gpu.workspace.zero_()
         finished = self._event()
@@ -295,15 +323,11 @@ class GpuChecker:
             left = torch.stack([q.workspace_left for q in items]).cpu().numpy()
             fetched.update({id(q): (slice_stats, leftover) for q, slice_stats, leftover in zip(items, stats, left)})
         results = {}
-        ends = np.cumsum(self.batch_sizes)
         for queued in self.pending:
-            row_stats, leftover = fetched[id(queued)]
-            # rows -> batches: the largest error is a max over the batch's rows, the rest are sums
-            per_batch = [np.concatenate([row_stats[end - m:end, :1].max(axis=0), row_stats[end - m:end, 1:].sum(axis=0)])
-                         for m, end in zip(self.batch_sizes, ends)]
+            slice_stats, leftover = fetched[id(queued)]
             checks = []
-            for m, (max_abs, diff_sum, ref_sum, nan, pad_nonzero, torch_diff), error in zip(
-                    self.batch_sizes, per_batch, queued.errors):
+            for m, (max_abs, diff_sum, ref_sum, nan, pad_nonzero, torch_diff, outside), error in zip(
+                    self.batch_sizes, slice_stats, queued.errors):
                 relative = float(diff_sum / ref_sum) if ref_sum > 0 else (0.0 if diff_sum == 0 else float("inf"))
                 bound = RELATIVE_ERROR_BOUND
                 if queued.run_dtype == "bfloat16":
@@ -313,6 +337,8 @@ class GpuChecker:
                     problem = f"{int(nan)} outputs NaN or never written"
                 if problem is None and pad_nonzero:
                     problem = f"{int(pad_nonzero)} outputs in padded columns are not 0"
+                if problem is None and outside:
+                    problem = f"{int(outside)} outputs written past the batch's {m} rows"
                 if problem is None and not relative < bound:
                     problem = f"relative error {relative:.2e} >= {bound:.1e}"
                 checks.append(KernelCheck(m, float(max_abs), relative, problem is None, problem, bound))

@@ -459,3 +459,20 @@ def test_console_script_exit_code_and_output_survive_the_fast_exit(tmp_path, arg
         done = subprocess.run([sys.executable, "-c", script], stdout=stdout, stderr=stderr)
     assert done.returncode == code
     assert text in (out if stream == "stdout" else err).read_text()
+
+
+@pytest.mark.parametrize("closed_fd, args, code", [(1, ["--version"], 0), (2, ["verify", "/nonexistent-dir"], 2)])
+def test_console_script_fast_exit_with_a_closed_descriptor(tmp_path, closed_fd, args, code):
+    """Started with stdout or stderr closed (`>&-`: Python sets that stream to None), the fast exit keeps the exit
+    code (it flushed None before: AttributeError, exit 1)."""
+    pytest.importorskip("torch")
+    script = ("import sys, torch\n"
+              f"sys.argv = ['marlin-convert', *{args!r}]\n"
+              "from marlin_convert.cli.app import run\n"
+              "run()\n")
+    other = tmp_path / "other"
+    with open(other, "w") as sink:
+        done = subprocess.run([sys.executable, "-c", script], stdout=sink if closed_fd == 2 else None,
+                              stderr=sink if closed_fd == 1 else None, preexec_fn=lambda: os.close(closed_fd))
+    assert done.returncode == code
+    assert "Traceback" not in other.read_text()

@@ -131,11 +131,17 @@ def run() -> None:
     worker processes are gone."""
     code = main()
     if "torch" in sys.modules:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BrokenPipeError:
-            code = code or EXIT_BROKEN_PIPE
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if stream is None:  # the descriptor was closed when Python started
+                continue
+            try:
+                stream.flush()
+            except BrokenPipeError:
+                if name == "stdout":
+                    code = code or EXIT_BROKEN_PIPE
+            except (OSError, ValueError):  # closed by now, or unwritable: nothing more can reach it
+                pass
         os._exit(code)
     sys.exit(code)
 
