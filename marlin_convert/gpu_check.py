@@ -10,10 +10,11 @@ Workers stage each slice (its Marlin tensors and the GPTQ tensors rebuilt from t
 2. the reference, from the GPTQ integers with plain torch ops (nothing shared with the kernel):
    ``q`` unpacked from ``qweight``, ``z`` from ``qzeros`` (+1 for v1), ``W = (q - z[g_idx]) * scales[g_idx]`` in
    fp32, and one fp32 GEMM (TF32 off) of fresh random activations for all batch sizes at once;
-3. the kernel once per batch size on the padded layer (activations zero-padded to K_pad), into outputs filled
-   with NaN first; the first N columns are compared with the reference, padded columns must be exactly 0;
-4. the statistics stay on the GPU until :meth:`GpuChecker.finish` fetches them all with one copy, so the host
-   never waits on a slice.
+3. the kernel once per batch size on the padded layer (activations zero-padded to K_pad), into one output buffer
+   filled with NaN first, each batch in its own block of rows followed by guard rows that must stay NaN; the first
+   N columns are compared with the reference, padded columns must be exactly 0;
+4. the statistics ([batches, 7] per slice) stay on the GPU until :meth:`GpuChecker.finish` fetches them all with
+   one copy, so the host never waits on a slice.
 """
 
 from __future__ import annotations
