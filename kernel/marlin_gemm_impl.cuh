@@ -550,8 +550,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   // otherwise (a group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other kernels.
   constexpr bool kF32Scale =
       GROUPED && !NO_F32_SCALE &&
-      (SWAP == 1 ||
-       (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= 2 && !ZP));
+      (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= 2 && !ZP &&
+                     !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
   // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
   // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
   auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
@@ -944,7 +944,8 @@ int launch_small_kind(const Launch& L) {
 //   4-bit, n / 64 <= 2 SMs, or any n with zero points (channelwise): 3 strips, 2 blocks per SM (108 KB; the
 //          zero-point kernels spill at the 3-blocks-per-SM register limit of the 2-strip kernel);
 //   4-bit symmetric, larger n: 2 strips, 3 blocks per SM (72 KB), swapped for m <= 8 only;
-//   8-bit, larger n: 2 strips, 2 blocks per SM (104 KB);
+//   8-bit, larger n: 4 strips at 2 stages, 2 blocks per SM (104-108 KB; 2 strips at 4 stages where that does not
+//          fit);
 //   m > 16, and m <= 16 where the shared memory is too small for the above (sm_86 / sm_89: ~100 KB): MB = 2, 1 strip
 //   (52 / 68 KB).
 // Benchmark-only configuration switch (MARLIN_CONVERT_SMALL_CFG; marlin_gemm.cu): -1 when unset.
@@ -989,6 +990,13 @@ int dispatch_kind(const Launch& L) {
       }
     }
     if (one_wave) return launch_small_kind<K, 4, GROUPED, true>(L);
+    if constexpr (kBits == 8) {
+      // 8-bit, n / 64 > SMs: 4 strips at 2 stages (104-108 KB, 2 blocks per SM), as the 4-bit zero-point kinds below.
+      // Against the 2-strip, 4-stage kernel (same shared memory, same blocks per SM) on the H200 (kernel/NOTES.md):
+      // fp16 x 8-bit g128 m = 1 8192 x 10240 38.4 -> 29.7 us, 4096 x 12288 21.8 -> 18.0, 4096 x 22016 34.6 -> 29.9,
+      // 8192 x 57344 132.5 -> 124.8 (m = 16: 46.8 -> 41.4, 161.5 -> 141.6): half the stages' bookkeeping per byte.
+      if (optin >= Tile<1, 1, 4, 2, GROUPED, 8, kZp>::kSmemBytes) return launch_small_kind<K, 4, GROUPED, true, 2>(L);
+    }
     if constexpr (kBits == 4 && kZp && GROUPED) {
       // 4-bit zero points, grouped, n / 64 > SMs: 4 strips at 2 stages (74 KB, 2 blocks per SM). Against the 3-strip
       // kernel below (whose warps' 48 rows straddle a group of 128 in 2 of 8 warps per stage, and those warps take
