@@ -84,3 +84,25 @@ def test_gpu_list_spreads_layers_and_the_cli_exits_zero(tmp_path, capsys):
     assert main([str(src), str(out), "-q"]) == 0
     assert main(["verify", str(out), "--gpu", "0,0", "--batch", "1,16", "-q", "--json", str(tmp_path / "v.json")]) == 0
     assert "14/14 passed" in capsys.readouterr().out
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two CUDA GPUs (--gpu 0,1 spreads layers over them)")
+def test_two_gpus_share_the_layers_and_every_one_passes(tmp_path):
+    """--gpu 0,1: layers go round-robin to both GPUs (the report names each one's device) and all pass, a MoE model's
+    experts included."""
+    spec = qwen3_moe(num_layers=1, num_experts=4, hidden=256, expert_intermediate=128, group_size=64)
+    src = write_checkpoint(tmp_path / "in", spec)
+    convert(src, tmp_path / "out", workers=1)
+    report = verify(tmp_path / "out", gpus=[0, 1], batch_sizes=[1, 16], workers=2)
+    _assert_all_pass(report, [1, 16], len(report.results))
+    assert {r.device for r in report.results} == {"cuda:0", "cuda:1"}
+    assert set(report.gpu_peak_bytes) == {"cuda:0", "cuda:1"}
