@@ -11,7 +11,8 @@ namespace detail {
 
 // The instantiated configurations (see kernel/README.md for why these).
 // fp16 x 4-bit symmetric (the converter's main kind; dispatch_fp16_int4 below):
-//   m <= 16 : MB=1, WN=1 (64-column tiles: the most blocks for small n), 4 stages, swapped (C^T = W^T A^T) with
+//   m <= 16 : grouped with n / 64 > SMs, or channelwise m <= 8 with n / 256 >= SMs: 4 strips at 2 stages, swapped;
+//             otherwise MB=1, WN=1 (64-column tiles: the most blocks for small n), 4 stages, swapped (C^T = W^T A^T) with
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
 //             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
 //             m <= 8 only (see dispatch below)
@@ -96,10 +97,20 @@ int dispatch_fp16_int4(const Launch& L) {
         if (L.n % 256 == 0 && optin >= Tile<1, 4, 4, 6, GROUPED>::kSmemBytes)
           return launch_wide<4, 4, 6, GROUPED>(L);
         break;
+      case 14: return launch_small<4, 2, GROUPED>(L, true);  // 4 strips at 2 stages, whatever n
       // m = 9..16: the two-batch-block swapped kernel at 4 and 3 strips; at 2 strips (n / 64 > 2 SMs) it measured
       // 5-10 % slower than the unswapped kernel (cfg 1 vs cfg 7, kernel/README.md), so that one stays there.
       default: break;
     }
+    // 4 strips at 2 stages (72 KB, 2 blocks per SM; as the 8-bit kinds at n / 64 > SMs): with grouped scales where
+    // n / 64 > SMs, and for very wide channelwise layers at m <= 8 (n / 256 >= SMs, in place of the 256-column tiles
+    // below). Measured on the H200 against the default (cfg 14, kernel/NOTES.md), m = 1 / 16, group 128:
+    // 4096 x 12288 17.4 -> 14.9 / 21.6 -> 19.7 us, 8192 x 57344 93.3 -> 87.5 / 143.0 -> 121.6, 4096 x 22016 25.1 ->
+    // 24.0 / 33.6 -> 32.0, 8192 x 10240 27.2 -> 25.4 / 35.9 -> 35.5; channelwise 8192 x 57344 m = 1 87.2 -> 75.6 (other
+    // channelwise shapes and m = 9..16 mixed, so not there); n / 64 <= SMs slower (the one-wave kernels stay).
+    if (((GROUPED && L.n / 64 > L.sms) || (!GROUPED && L.m <= 8 && L.n / 256 >= L.sms)) &&
+        optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
+      return launch_small<4, 2, GROUPED>(L, true);
     // Very wide layers at m <= 8 (n / 256 >= SMs, so 256-column tiles still give every SM a block without a split):
     // 256-column tiles, 4 strips (2 KB of B per strip row instead of 512 B; 96 KB, 2 blocks per SM). Measured on the
     // H200 (kernel/NOTES.md, issue #11): 8192 x 57344 at m = 1 119 -> 100 us, DRAM throughput 43 -> 51 %; narrower

@@ -384,7 +384,8 @@ struct Tile {
 // 8-48 bytes, the latter on sm_80).
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
-  constexpr int by_strips = MB != 1 ? 1 : SWAP == 0 ? 3 : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2 : 3;
+  constexpr int by_strips = MB != 1 ? 1 : SWAP == 0 ? 3 : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
+                                         : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
   constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;
   constexpr int by_smem = BITS == 4 ? by_strips : (fit < 1 ? 1 : fit < by_strips ? fit : by_strips);
   return GROUPED && (ZP || (BITS == 8 && SWAP == 0)) && by_smem > 2 ? 2 : by_smem;

@@ -310,7 +310,7 @@ def test_two_batch_block_forced_split_k(torch, m, split_k):
     _run_case(torch, m, 4096, 256, 128, False, seed=split_k * 31 + m, split_k=split_k)
 
 
-@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8", "10", "11", "12", "13"])
+@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8", "10", "11", "12", "13", "14"])
 @pytest.mark.parametrize("m,group", [(4, 128), (13, 128), (16, -1)])
 def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
     """Every MARLIN_CONVERT_SMALL_CFG kernel (benchmark switch) gives the right result."""
@@ -328,8 +328,12 @@ def test_8bit_benchmark_configs(torch, monkeypatch, cfg, dtype, asym, m, group):
 
 
 @pytest.mark.parametrize("m,group,act_order", [(1, 128, False), (8, -1, False), (5, 32, True)])
-def test_wide_tiles_on_very_wide_layers(torch, m, group, act_order):
-    """m <= 8 with n / 256 >= SMs takes the 256-column-tile kernel by default (dispatch_fp16_int4): right there."""
+@pytest.mark.parametrize("cfg", [None, "11"])
+def test_wide_tiles_on_very_wide_layers(torch, monkeypatch, cfg, m, group, act_order):
+    """m <= 8 with n / 256 >= SMs (dispatch_fp16_int4: the 4-strip, 2-stage kernel by default; the 256-column tiles
+    with cfg 11): right there."""
+    if cfg is not None:
+        monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     _run_case(torch, m, 512, 256 * sms, group, act_order, seed=700 + m)
 
