@@ -43,6 +43,12 @@ int launch_small(const Launch& L, bool swap, bool swap_small_only = false, bool 
   return launch_config<K, 1, 1, 2, 4, GROUPED, 0>(L);
 }
 
+// Whether the wide-tile kernel below can take L: n divides by its 64 * WN columns and its shared memory fits.
+template <int WN, int STRIPS, int STAGES, bool GROUPED>
+bool wide_fits(const Launch& L, int optin) {
+  return L.n % (64 * WN) == 0 && optin >= Tile<1, WN, STRIPS, STAGES, GROUPED>::kSmemBytes;
+}
+
 // Benchmark only (cfg 10..13): swapped kernels with WN 64-column groups per block (one / two batch blocks).
 template <int WN, int STRIPS, int STAGES, bool GROUPED>
 int launch_wide(const Launch& L) {
@@ -81,22 +87,10 @@ int dispatch_fp16_int4(const Launch& L) {
       // read more of each DRAM page per request): swapped, WN = 2 (128 columns, 1 KB per strip row) or 4 (256
       // columns, 2 KB); 16 KB of B per stage as cfg 2 (cfg 10, 11; 13 with 6 stages) or 8 KB as the 2-strip default
       // (12, 6 stages). n must divide by the tile width; otherwise the default below.
-      case 10:
-        if (L.n % 128 == 0 && optin >= Tile<1, 2, 4, 4, GROUPED>::kSmemBytes)
-          return launch_wide<2, 4, 4, GROUPED>(L);
-        break;
-      case 11:
-        if (L.n % 256 == 0 && optin >= Tile<1, 4, 4, 4, GROUPED>::kSmemBytes)
-          return launch_wide<4, 4, 4, GROUPED>(L);
-        break;
-      case 12:
-        if (L.n % 128 == 0 && optin >= Tile<1, 2, 2, 6, GROUPED>::kSmemBytes)
-          return launch_wide<2, 2, 6, GROUPED>(L);
-        break;
-      case 13:
-        if (L.n % 256 == 0 && optin >= Tile<1, 4, 4, 6, GROUPED>::kSmemBytes)
-          return launch_wide<4, 4, 6, GROUPED>(L);
-        break;
+      case 10: if (wide_fits<2, 4, 4, GROUPED>(L, optin)) return launch_wide<2, 4, 4, GROUPED>(L); break;
+      case 11: if (wide_fits<4, 4, 4, GROUPED>(L, optin)) return launch_wide<4, 4, 4, GROUPED>(L); break;
+      case 12: if (wide_fits<2, 2, 6, GROUPED>(L, optin)) return launch_wide<2, 2, 6, GROUPED>(L); break;
+      case 13: if (wide_fits<4, 4, 6, GROUPED>(L, optin)) return launch_wide<4, 4, 6, GROUPED>(L); break;
       case 14: return launch_small<4, 2, GROUPED>(L, true);  // 4 strips at 2 stages, whatever n
       // m = 9..16: the two-batch-block swapped kernel at 4 and 3 strips; at 2 strips (n / 64 > 2 SMs) it measured
       // 5-10 % slower than the unswapped kernel (cfg 1 vs cfg 7, kernel/README.md), so that one stays there.
@@ -111,12 +105,8 @@ int dispatch_fp16_int4(const Launch& L) {
     if (((GROUPED && L.n / 64 > L.sms) || (!GROUPED && L.m <= 8 && L.n / 256 >= L.sms)) &&
         optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
       return launch_small<4, 2, GROUPED>(L, true);
-    // Very wide layers at m <= 8 (n / 256 >= SMs, so 256-column tiles still give every SM a block without a split):
-    // 256-column tiles, 4 strips (2 KB of B per strip row instead of 512 B; 96 KB, 2 blocks per SM). Measured on the
-    // H200 (kernel/NOTES.md, issue #11): 8192 x 57344 at m = 1 119 -> 100 us, DRAM throughput 43 -> 51 %; narrower
-    // layers lose with it (fewer tiles need split chains) and m = 16 did not gain.
-    if (L.m <= 8 && L.n % 256 == 0 && L.n / 256 >= L.sms && optin >= Tile<1, 4, 4, 4, GROUPED>::kSmemBytes)
-      return launch_wide<4, 4, 4, GROUPED>(L);
+    // (The 256-column tiles, cfg 11, were the default for m <= 8 with n / 256 >= SMs: 8192 x 57344 m = 1 119 -> 100 us;
+    // the 4-strip, 2-stage kernel above takes those layers now, and needs less shared memory, so they stay cfg 11.)
     // More resident blocks through a split over k, where the 4-strip / 3-strip kernels would leave one or two
     // blocks per SM with nothing to overlap (their warps stall on instruction latency, not on memory: ncu showed
     // 0.45 issued instructions per scheduler at one block per SM, kernel/NOTES.md). Measured on the H200 (`--cfgs`

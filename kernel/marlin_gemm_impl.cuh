@@ -608,10 +608,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           // 4..7 of every 8 read their second int4 first, so the 8 addresses of each phase (16-byte units 0 2 4 6 9 11
           // 13 15, then 1 3 5 7 8 10 12 14, modulo 8) fall in 8 distinct groups of 4 banks: no conflict.
           const int swap = (lane >> 2) & 1;
-          const int4 first = piece[2 * lane + swap];
-          const int4 second = piece[2 * lane + (swap ^ 1)];
-          bq[0] = swap ? second : first;
-          bq[1] = swap ? first : second;
+          const int4 read0 = piece[2 * lane + swap];
+          const int4 read1 = piece[2 * lane + (swap ^ 1)];
+          bq[0] = swap ? read1 : read0;
+          bq[1] = swap ? read0 : read1;
         }
 #pragma unroll
         for (int h = 0; h < kWords; ++h) {

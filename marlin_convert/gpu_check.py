@@ -136,7 +136,6 @@ class GpuChecker:
 
         self.torch = torch
         self.stage_size = stage_size
-        self.batch_sizes = batch_sizes
         self.activation_dtype = activation_dtype
         self.seed = seed
         self.host = torch.frombuffer(slots, dtype=torch.uint8)

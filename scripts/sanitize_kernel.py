@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         cases += [(kind, 3, 512, 192, 64, True, 0), (kind, 12, 512, 64, 16, False, 4),
                   (kind, 5, 128, 17408, 32, False, 0), (kind, 10, 128, 17408, -1, False, 0),
                   (kind, 40, 256, 192, 128, False, 3), (kind, 6, 128, 10240, 64, False, 0),
-                  (kind, 2, 128, 34816, 32, False, 0),  # fp16 4-bit: n / 256 >= SMs takes the 256-column tiles
+                  (kind, 2, 128, 34816, 32, False, 0),  # n / 256 >= SMs: fp16 4-bit 4 strips x 2 stages
                   (kind, 14, 272, 10240, 16, False, 0)]  # 4-bit zero points, grouped, n / 64 > SMs: 4 strips x 2
                                                          # stages, two batch blocks, group 16, a partial last stage
     if args.few:
