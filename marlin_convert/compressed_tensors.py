@@ -325,7 +325,7 @@ class CompressedTensorsLayer(LayerPlan):
         return dict(self.stored)
 
     def as_gptq(self, role: str, stored: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(np.swapaxes(stored, -1, -2)) if role in TRANSPOSED else stored
+        return np.swapaxes(stored, -1, -2) if role in TRANSPOSED else stored  # a view: the repack copies anyway
 
     def source_extras(self) -> dict:
         return {"weight_shape": [self.spec.out_features, self.spec.in_features]}

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -157,7 +158,7 @@ class ConversionPlan:
         """Bytes the progress bar counts: every source tensor that a job reads or copies."""
         return sum(job.input_bytes for shard in self.shards for job in shard.jobs)
 
-    @property
+    @functools.cached_property
     def kept_tensor_names(self) -> set[str]:
         """The tensors of the layers kept in their source form (copied unchanged, listed in the manifest's ``kept``)."""
         return {name for layer in self.refused for name in layer.kept_names.values()}

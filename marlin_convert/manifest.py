@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from . import strict_json
+from .compressed_tensors import QUANT_METHOD, STORED_KIND
 from .errors import ManifestError
 
 MANIFEST_FILE = "marlin_manifest.json"
@@ -129,7 +130,7 @@ def _string_map(obj: dict, key: str, where: str, keys: tuple[str, ...]) -> dict[
 def _digest_map(obj: dict, key: str, where: str, keys: tuple[str, ...]) -> dict[str, str]:
     mapping = _string_map(obj, key, where, keys)
     for name, value in mapping.items():
-        if not _is_digest(value):
+        if not is_digest(value):
             raise _FieldError(f"'{where}.{key}.{name}': expected \"sha256:\" and 64 hex digits, got {json.dumps(value)}")
     return mapping
 
@@ -144,20 +145,19 @@ def _is_shape(value: list) -> bool:
 
 
 def _sha256(record: dict, where: str) -> None:
-    if not _is_digest(_get(record, "sha256", where, str)):
+    if not is_digest(_get(record, "sha256", where, str)):
         raise _FieldError(f"'{where}.sha256': expected \"sha256:\" and 64 hex digits")
 
 
-def _is_digest(value) -> bool:
+def is_digest(value) -> bool:
+    """Whether ``value`` is a digest as the manifest writes it: ``sha256:`` and 64 lowercase hex digits."""
     return (isinstance(value, str) and value.startswith("sha256:") and len(value) == 71
             and all(c in "0123456789abcdef" for c in value[7:]))
 
 
 #: tensors of a converted layer (CONTRACT C) and of the source layer it came from, per source format
 MARLIN_KINDS = ("B", "s", "zp", "perm", "g_idx")
-SOURCE_KINDS = {"gptq": ("qweight", "scales", "qzeros", "g_idx"),
-                "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx",
-                                       "weight_shape")}
+SOURCE_KINDS = {"gptq": ("qweight", "scales", "qzeros", "g_idx"), QUANT_METHOD: tuple(STORED_KIND.values())}
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -206,7 +206,7 @@ def _check_source(source, where: str, source_format: str) -> None:
     _get(source, "zero_format", where, str, choices=("v1", "v2"))
     _get(source, "zero_stored", where, int, null=True, minimum=0)
     _digest_map(source, "digests", where, SOURCE_KINDS[source_format])
-    if source_format == "compressed-tensors":
+    if source_format == QUANT_METHOD:
         shape = _get(source, "weight_shape", where, list)
         if len(shape) != 2 or not _is_shape(shape):
             raise _FieldError(f"'{where}.weight_shape': expected [N, K], got {json.dumps(shape)[:60]}")

@@ -52,8 +52,7 @@ def test_converts_with_no_flags_into_the_same_marlin_checkpoint_as_its_gptq_twin
     assert manifest["checkpoint_format"] == "marlin" and manifest["kept"] == []
     assert manifest["source"]["format"] == "compressed-tensors"
     # every tensor of the output, Marlin or passed through, equals the twin's bit for bit, with the same dtype
-    tensors = assert_same_tensors(out, twin)
-    assert not any(name.endswith(("weight_shape", "weight_packed", "weight_scale")) for name in tensors)
+    assert_same_tensors(out, twin)
     # the layer records agree but for where they came from
     for entry, twin_entry in zip(manifest["layers"], twin_manifest["layers"], strict=True):
         assert entry["source_format"] == "compressed-tensors" and twin_entry["source_format"] == "gptq"

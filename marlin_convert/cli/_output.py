@@ -75,12 +75,12 @@ class Output:
         self.rows.append([str(c) for c in cells])
         self.row_styles.append(style)
 
-    def render(self, console: Console | None = None) -> None:
+    def render(self) -> None:
         """Print for people. Names, paths and reasons are printed as they are: nothing in them is read as rich
         markup (a label such as ``P[expert 3]`` stays visible). Where stdout is not a terminal (a pipe, a log
         file) nothing is wrapped at 80 columns: the table takes the width it needs and every line stays one
         line, so that logs can be searched."""
-        console = console or _Console()
+        console = _Console()
         if self.as_json:
             print_stdout(json.dumps(self.data, indent=2, default=str))
             return
@@ -99,6 +99,17 @@ class Output:
             console.print(table)
         for line in self.lines:
             console.print(line, markup=False, highlight=False, soft_wrap=not wrap)
+
+    def render_then_raise(self, error: Exception | None) -> None:
+        """:meth:`render`, then raise ``error`` when there is one: a failed run outranks a closed stdout (its exit
+        code, not 141, is what a script sees)."""
+        try:
+            self.render()
+        except OutputClosed:
+            if error is None:
+                raise
+        if error is not None:
+            raise error
 
     def write_json(self, path: Path | None) -> None:
         if path is not None:

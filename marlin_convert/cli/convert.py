@@ -72,9 +72,9 @@ def convert(
     if dry_run:
         output = plan_output(plan, quiet=quiet)
         output.write_json(json_file)  # first: a closed stdout must not lose it
-        output.render()
-        if plan.refused and not skip_incompatible:  # the plan shows them; the conversion itself would stop
-            raise refusal_error(plan.refused, len(plan.layers))
+        # refused layers: the plan shows them; the conversion itself would stop (exit 2, even with stdout closed)
+        output.render_then_raise(refusal_error(plan.refused, len(plan.layers))
+                                 if plan.refused and not skip_incompatible else None)
         return
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,

@@ -59,8 +59,8 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
     if not quiet:
         add_layer_rows(output, plan.layers)
     output.lines += [
-        counts_line(plan.converted_layers, len(plan.outputs), len(plan.refused), FORM_NAMES[source_format],
-                    plan.passthrough_tensors, plan.kept_tensors, len(plan.shards), done=False),
+        counts_line(data["converted_layers"], data["marlin_entries"], data["kept_gptq"], FORM_NAMES[source_format],
+                    data["passthrough_tensors"], data["kept_tensors"], len(plan.shards), done=False),
         f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
         f"{described} (from {', '.join(config.sources)}); each layer's own settings are in the table",
         *(f"note: {note}" for note in plan.notes),

@@ -17,7 +17,7 @@ import typer
 from rich.text import Text
 
 from ..errors import InputError, VerificationFailed
-from ..manifest import load_manifest
+from ..manifest import is_digest, load_manifest
 from ..verify import (
     ACTIVATION_DTYPES,
     DEFAULT_BATCH_SIZES,
@@ -28,7 +28,7 @@ from ..verify import (
     verify as run_verify,
 )
 from ..sources import FORM_NAMES
-from ._output import Output, OutputClosed, check_json_path
+from ._output import Output, check_json_path
 from ._progress import item_progress
 
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
@@ -67,11 +67,11 @@ def _parse_digest(digest: str | None) -> str | None:
     """``--manifest-sha256``: 64 hex digits, with or without the ``sha256:`` prefix verify prints, any case."""
     if digest is None:
         return None
-    hex_digits = digest.strip().lower().removeprefix("sha256:")
-    if len(hex_digits) != 64 or any(c not in "0123456789abcdef" for c in hex_digits):
+    normalized = "sha256:" + digest.strip().lower().removeprefix("sha256:")
+    if not is_digest(normalized):
         raise InputError(f"--manifest-sha256 {digest!r}: expected a SHA-256 digest, 64 hex digits (optionally "
                          "prefixed 'sha256:')", hint="copy the 'manifest sha256:...' line an earlier verify printed")
-    return "sha256:" + hex_digits
+    return normalized
 
 
 def _kind(result: LayerResult) -> str:
@@ -157,18 +157,16 @@ def verify(
     output.lines.append(summary)
     output.lines.append(f"manifest {report.manifest_sha256}")
     output.write_json(json_file)  # first: a closed stdout must not lose it
-    try:
-        output.render()
-    except OutputClosed:
-        if report.ok:
-            raise
-        # a failed verification outranks the closed stdout: exit 1 below, as documented
-    if not report.ok:
-        names = ", ".join(r.label for r in report.failures[:5])
-        more = f" and {len(report.failures) - 5} more" if len(report.failures) > 5 else ""
-        parts = [f"{len(report.failures)} layer(s) failed verification: {names}{more}"] if report.failures else []
-        if report.problems:
-            parts.append(f"{len(report.problems)} problem(s) with the files (listed above)")
-        if not all(k.ok for k in report.kept):
-            parts.append(f"{sum(not k.ok for k in report.kept)} kept layer(s) differ")
-        raise VerificationFailed("; ".join(parts))
+    output.render_then_raise(None if report.ok else _failure(report))
+
+
+def _failure(report) -> VerificationFailed:
+    """What failed, for the exit-1 error line."""
+    names = ", ".join(r.label for r in report.failures[:5])
+    more = f" and {len(report.failures) - 5} more" if len(report.failures) > 5 else ""
+    parts = [f"{len(report.failures)} layer(s) failed verification: {names}{more}"] if report.failures else []
+    if report.problems:
+        parts.append(f"{len(report.problems)} problem(s) with the files (listed above)")
+    if not all(k.ok for k in report.kept):
+        parts.append(f"{sum(not k.ok for k in report.kept)} kept layer(s) differ")
+    return VerificationFailed("; ".join(parts))
