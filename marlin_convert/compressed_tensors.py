@@ -358,14 +358,6 @@ def _logical_shape(checkpoint: Checkpoint, prefix: str, stored: dict[str, str]) 
     return n, k
 
 
-def _expect_shape(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...],
-                  meaning: str) -> None:
-    info = expect_tensor(checkpoint, name, dtypes, None, NEEDS)
-    if info.shape != shape:
-        raise InputError(f"{checkpoint.location[name].path}: tensor '{name}' has shape {list(info.shape)}, "
-                         f"expected {list(shape)} ({meaning})")
-
-
 def plan_layer(checkpoint: Checkpoint, prefix: str, stored: dict[str, str], modules: set[str]) -> LayerPlan:
     """Resolve one quantized linear's scheme from the config, check its tensors against it and each other, and
     decide whether Marlin takes it. Raises :class:`InputError` for a malformed layer; returns a refused plan
@@ -415,17 +407,17 @@ def plan_layer(checkpoint: Checkpoint, prefix: str, stored: dict[str, str], modu
     p = 32 // bits
     groups = num_groups(k, group_size)
     where = f"[N, K*b/32] for [N, K] = [{n}, {k}] (weight_shape) and {bits} bits"
-    _expect_shape(checkpoint, stored["weight_packed"], ("I32",), (n, -(-k // p)), where)
-    _expect_shape(checkpoint, scale_name, SCALE_DTYPES, (n, groups),
+    expect_tensor(checkpoint, stored["weight_packed"], ("I32",), (n, -(-k // p)), NEEDS, where)
+    expect_tensor(checkpoint, scale_name, SCALE_DTYPES, (n, groups), NEEDS,
                   f"[N, G] for K = {k} and {scheme.describe()} (config group '{group.name}')")
     zero_name = f"{prefix}.weight_zero_point"
     if scheme.symmetric and zero_name in checkpoint.location:
         raise InputError(f"layer '{prefix}': config group '{group.name}' is symmetric, but '{zero_name}' is stored")
     if not scheme.symmetric:
-        _expect_shape(checkpoint, zero_name, ("I32",), (-(-n // p), groups),
+        expect_tensor(checkpoint, zero_name, ("I32",), (-(-n // p), groups), NEEDS,
                       f"[ceil(N/{p}), G]: asymmetric zero points packed along N")
     if has_g_idx:
-        _expect_shape(checkpoint, stored["weight_g_idx"], ("I32",), (k,), "[K]")
+        expect_tensor(checkpoint, stored["weight_g_idx"], ("I32",), (k,), NEEDS, "[K]")
     elif scheme.actorder == "group":
         raise InputError(f"layer '{prefix}': config group '{group.name}' says actorder \"group\", but "
                          f"'{prefix}.weight_g_idx' is missing")

@@ -215,7 +215,7 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
             shown = ", ".join(str(e) for e in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
             present = by_prefix[next(iter(next(iter(group.members.values())).values()))]
             # qweight, compressed-tensors' weight_packed, or the stored weight of a layer kept in another form
-            stored = present.roles.get("qweight") or next(iter(present.roles.values()), f"{present.prefix}.weight")
+            stored = present.roles.get("qweight") or present.kept_names.get("weight") or f"{present.prefix}.weight"
             weight = stored.rsplit(".", 1)[-1]
             raise InputError(
                 f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "

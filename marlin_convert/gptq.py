@@ -470,9 +470,10 @@ def find_quantized_prefixes(checkpoint: Checkpoint) -> list[str]:
 
 
 def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None,
-                  needs: str = "a GPTQ linear needs qweight, qzeros and scales") -> TensorInfo:
+                  needs: str = "a GPTQ linear needs qweight, qzeros and scales", meaning: str = "") -> TensorInfo:
     """The header entry of tensor ``name``, which must exist (else ``needs`` says why it should) with one of
-    ``dtypes`` and, unless ``shape`` is None, that shape. Raises :class:`InputError` naming the shard."""
+    ``dtypes`` and, unless ``shape`` is None, that shape (``meaning``, when given, follows the expected shape in the
+    message). Raises :class:`InputError` naming the shard."""
     if name not in checkpoint.location:
         raise InputError(f"tensor '{name}' is missing ({needs})")
     info = checkpoint.info(name)
@@ -481,7 +482,8 @@ def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], sh
         wanted = " or ".join(DTYPE_NAMES.get(d, d) for d in dtypes)
         raise InputError(f"{where}: tensor '{name}' has dtype {DTYPE_NAMES.get(info.dtype, info.dtype)}, expected {wanted}")
     if shape is not None and info.shape != shape:
-        raise InputError(f"{where}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
+        raise InputError(f"{where}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}"
+                         + (f" ({meaning})" if meaning else ""))
     return info
 
 

@@ -336,7 +336,7 @@ def test_a_missing_expert_beside_experts_in_another_form_is_named_not_an_interna
     write_tensors(src / "model.safetensors", tensors)
     assert main(["inspect", str(src)]) == 2
     err = capsys.readouterr().err
-    assert f"layer '{base}': expert(s) 1 of 0..2 missing for 'down_proj' (no {base}.<e>.down_proj.weight" in err
+    assert f"layer '{base}': expert(s) 1 of 0..2 missing for 'down_proj' (no {base}.<e>.down_proj.weight)" in err
     assert "internal error" not in err
 
 
