@@ -101,6 +101,12 @@ def scales_exact_in(scales_bits: np.ndarray, scale_dtype: str, target: str) -> b
     return bool(((values.view(np.uint32) & 0xFFFF) == 0).all())
 
 
+def slice_seed(seed: int, layer_index: int, expert: int | None) -> int:
+    """The random activations' seed of one slice: the run's ``seed``, the layer's index and the expert, so a slice
+    gets the same activations whichever GPU checks it and in whatever order."""
+    return (seed * 1_000_003 + layer_index * 65_537 + (0 if expert is None else expert + 1)) % (1 << 63)
+
+
 @dataclass
 class _Queued:
     """One slice's checks, queued on a GPU: statistics per batch (a [batches, 7] float64 GPU tensor: max |error|,
@@ -151,7 +157,6 @@ class GpuChecker:
         self.pending: list[_Queued] = []
         self.timing: list[tuple[str, object, object]] = []
         self.seconds: dict[str, float] = {}
-        self.slices = 0
         self._set_batches(batch_sizes)
 
     def _set_batches(self, batch_sizes: list[int]) -> None:
@@ -216,12 +221,11 @@ class GpuChecker:
             gpu.compute_stream.wait_event(uploaded)
             run_dtype, note = self._run_dtype(layer, host_scales, placed["s"])
             stats, workspace_left, errors = self._check(gpu, layer, arrays, zero_format, run_dtype,
-                                                        self.seed + self.slices, contiguous)
+                                                        slice_seed(self.seed, layer_index, expert), contiguous)
             done = self._event()
             done.record(gpu.compute_stream)
             gpu.compute_done[which] = done
         self.pending.append(_Queued((layer_index, expert), stats, workspace_left, errors, run_dtype, note))
-        self.slices += 1
 
     def _run_dtype(self, layer: MarlinLayer, host_scales, placed_s) -> tuple[str, str | None]:
         """CONTRACT D: scales of another 16-bit dtype are converted to the activations' only when exact."""

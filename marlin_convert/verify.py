@@ -43,6 +43,7 @@ import numpy as np
 from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
+from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
@@ -55,6 +56,8 @@ READ_CHUNK = 8 << 20
 #: staging slots for the workers when the kernel runs (plus two per GPU and a spare); 16 or 32 measured no faster on
 #: the H200 machine (16 cores, Llama-7B shapes)
 MAX_WORKER_SLOTS = 8
+#: seconds the driver waits for a staged slice at a time while it feeds the GPU processes
+_FEED_POLL = 0.002
 ACTIVATION_DTYPES = ("float16", "bfloat16")
 
 
@@ -448,20 +451,35 @@ def verify(
     """Verify ``out_dir`` (see the module docstring). ``gpus=None`` (or empty ``batch_sizes``) skips the kernel.
 
     Raises :class:`ManifestError` for a missing or malformed manifest, :class:`KernelUnavailableError` when the
-    kernel is asked for and cannot run; returns a report whose ``ok`` is False when anything failed.
-    ``progress(count)`` counts layer entries and listed files as they finish (``len(layers) + len(files)`` in
-    all).
+    kernel is asked for and cannot run, :class:`VerificationFailed` when a GPU's check process fails (a CUDA error,
+    a crash); returns a report whose ``ok`` is False when anything failed. ``progress(count)`` counts layer entries
+    and listed files as they finish (``len(layers) + len(files)`` in all).
     """
     start = time.perf_counter()
     timeline: dict[str, float] = {}
     started = _process_age()
     if started is not None:
         timeline["process start"] = -started
+    if not (gpus and batch_sizes):
+        return _verify(Path(out_dir), None, start, timeline, batch_sizes=batch_sizes, source_dir=source_dir, seed=seed,
+                       dtype=dtype, workers=workers, expect_manifest=expect_manifest, progress=progress)
+    try:
+        # first of all: torch's import and CUDA's start-up in the GPU processes overlap everything below
+        with GpuWorkers(list(gpus)) as gpu_workers:
+            timeline["GPU processes started"] = time.perf_counter() - start
+            return _verify(Path(out_dir), gpu_workers, start, timeline, batch_sizes=batch_sizes,
+                           source_dir=source_dir, seed=seed, dtype=dtype, workers=workers,
+                           expect_manifest=expect_manifest, progress=progress)
+    except KernelUnavailableError as exc:
+        skip = "'verify --skip-kernel' proves the conversion lossless without a GPU"
+        raise KernelUnavailableError(exc.message, hint=f"{exc.hint}; or {skip}" if exc.hint else skip) from exc
 
+
+def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timeline: dict[str, float], *,
+            batch_sizes, source_dir, seed, dtype, workers, expect_manifest, progress) -> VerifyReport:
     def mark(event: str) -> None:
         timeline[event] = time.perf_counter() - start
 
-    out_dir = Path(out_dir)
     manifest = load_manifest(out_dir)
     digest = manifest_digest(out_dir)
     checked = audit(out_dir, manifest)
@@ -469,7 +487,7 @@ def verify(
     if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
         problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
     source = _open_source(Path(source_dir), manifest) if source_dir is not None else None
-    use_kernel = bool(gpus) and bool(batch_sizes)
+    use_kernel = gpu_workers is not None
     act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
     per_entry = _results_skeleton(manifest, checked)
     kept = [KeptResult(entry["name"], entry["reason"], list(checked.kept_problems.get(entry["name"], [])))
@@ -494,7 +512,7 @@ def verify(
                           stage_size)
     if progress is not None:  # entries and files that cannot be checked are done already
         progress(len(manifest["layers"]) - len(usable) + len(manifest["files"]) - len(checked.files))
-    gpu_checker = None
+    checking = use_kernel and bool(usable)
     stage_seconds: dict[str, float] = {}
     counts = {"files": 0, "tensors": 0, "expected": 0, "received": 0}
     peaks: dict[int, int] = {}
@@ -503,37 +521,19 @@ def verify(
     pool = None
     finished = False
     try:
-        if use_kernel and usable:
-            # a slot per busy worker (at most 8: the GPU drains them faster than workers fill them), two per GPU in
+        if checking:
+            # a slot per busy worker (at most 8: the GPUs drain them faster than workers fill them), two per GPU in
             # flight, one spare
-            slot_count = min(max(1, workers), MAX_WORKER_SLOTS) + 2 * len(gpus) + 1
+            slot_count = min(max(1, workers), MAX_WORKER_SLOTS) + 2 * gpu_workers.count + 1
             context = multiprocessing.get_context("fork") if workers > 1 else None
-            _STATE.slots = mmap.mmap(-1, slot_count * stage_size)
+            _STATE.slots = gpu_workers.setup(slot_count, stage_size, list(batch_sizes), act_dtype, seed)
             _STATE.free_slots = context.Queue() if context else queue.Queue()
             _STATE.messages = context.Queue() if context else queue.Queue()
             for slot in range(slot_count):
                 _STATE.free_slots.put(slot)
         pool = _pool(workers)
-        # submitting forks the workers now, before CUDA is initialised in this process
         futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
         mark("workers started")
-        if use_kernel:
-            from .kernel import ensure_kernel
-
-            loading = time.perf_counter()
-            try:
-                devices = [ensure_kernel(gpu) for gpu in gpus]
-            except KernelUnavailableError as exc:
-                skip = "'verify --skip-kernel' proves the conversion lossless without a GPU"
-                raise KernelUnavailableError(exc.message,
-                                             hint=f"{exc.hint}; or {skip}" if exc.hint else skip) from exc
-            stage_seconds["kernel load"] = time.perf_counter() - loading
-            mark("kernel loaded")
-            if usable:
-                from .gpu_check import GpuChecker
-
-                gpu_checker = GpuChecker(devices, _STATE.slots, stage_size, list(batch_sizes), act_dtype, seed)
-                mark("GPU checker ready")
 
         def absorb(outcome) -> None:
             peaks[outcome.pid] = max(peaks.get(outcome.pid, 0), outcome.peak_rss)
@@ -563,65 +563,70 @@ def verify(
             if pending_sources[outcome.layer] == 0 and progress is not None:
                 progress(1)
 
-        def feed_gpu(block: bool) -> None:
-            """Hand staged slices to the GPU checker; give uploaded slots back to the workers."""
+        def feed_gpus(block: bool) -> None:
+            """Pass staged slices on to their GPU processes; give the slots they have uploaded back to the workers.
+            Raises when a GPU process failed (see GpuWorkers.poll)."""
             while True:
                 try:
-                    message = _STATE.messages.get(timeout=0.002) if block else _STATE.messages.get_nowait()
+                    message = _STATE.messages.get(timeout=_FEED_POLL) if block else _STATE.messages.get_nowait()
                 except queue.Empty:
                     break
                 counts["received"] += 1
                 layer_index, expert, slot, placed, zero_format = message
-                gpu_checker.submit(layer_index, checked.layers[layer_index], expert, slot, placed, zero_format)
+                gpu_workers.submit(layer_index, checked.layers[layer_index], expert, slot, placed, zero_format)
                 block = False
-            for slot in gpu_checker.uploaded_slots():
+            for slot in gpu_workers.poll():
                 _STATE.free_slots.put(slot)
 
-        if pool is None:  # no worker processes: the tasks run here, the GPU fed whenever a slot is needed
-            if gpu_checker is not None:
-                _STATE.wait_for_slot = lambda: feed_gpu(False)
+        if pool is None:  # no worker processes: the tasks run here, the GPUs fed whenever a slot is needed
+            if checking:
+                _STATE.wait_for_slot = lambda: feed_gpus(True)
             for task in tasks:
                 absorb(_run(task))
         waiting = set(futures)
-        while waiting or (gpu_checker is not None and counts["received"] < counts["expected"]):
-            if gpu_checker is not None:
-                feed_gpu(True)
+        while waiting or (checking and counts["received"] < counts["expected"]):
+            if checking:
+                feed_gpus(True)
                 done = {f for f in waiting if f.done()}
             else:
-                done, _ = wait(waiting, return_when=FIRST_COMPLETED)
+                done, _ = wait(waiting, timeout=_FEED_POLL * 50, return_when=FIRST_COMPLETED)
+                if gpu_workers is not None:
+                    gpu_workers.poll()  # a GPU that cannot run the kernel is reported now, not at the end
             for future in done:
                 waiting.discard(future)
                 absorb(future.result())
                 if not waiting:
                     mark("workers done")
-        if gpu_checker is not None:
-            for (layer_index, expert), (checks, note) in gpu_checker.finish().items():
-                result = per_entry[layer_index][expert or 0]
-                result.kernel, result.kernel_note = checks, note
-                result.device = gpu_checker.device_of(layer_index)
-            mark("GPU done")
-            stage_seconds.update(gpu_checker.seconds)
-            gpu_peaks = gpu_checker.peak_memory()
-            if not gpu_checker.pinned:
-                notes.append("the staging memory could not be pinned (cudaHostRegister failed): uploads ran "
-                             "synchronously")
+        if gpu_workers is not None:
+            outcomes = gpu_workers.finish()
+            loaded = gpu_workers.loaded_at()
+            if loaded is not None:
+                timeline["kernel loaded"] = loaded - start
+                stage_seconds["kernel load"] = loaded - gpu_workers.started_at
+            if outcomes:
+                timeline["GPU checkers ready"] = max(o.ready_at for o in outcomes) - start
+                mark("GPU done")
+            for outcome in outcomes:
+                for (layer_index, expert), (checks, note) in outcome.results.items():
+                    result = per_entry[layer_index][expert or 0]
+                    result.kernel, result.kernel_note, result.device = checks, note, outcome.device
+                for key, value in outcome.seconds.items():
+                    stage_seconds[key] = stage_seconds.get(key, 0.0) + value
+                gpu_peaks.update(outcome.peak_memory)
+                peaks[outcome.pid] = outcome.peak_rss
+                if not outcome.pinned:
+                    notes.append(f"{outcome.device}: the staging memory could not be pinned (cudaHostRegister "
+                                 "failed): uploads ran synchronously")
         finished = True
     finally:
         if pool is not None:
             if not finished:
                 kill_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)
-        if gpu_checker is not None:
-            gpu_checker.close()
         for channel in (_STATE.free_slots, _STATE.messages):
             if hasattr(channel, "cancel_join_thread"):  # a multiprocessing queue: what is left in it is not needed,
                 channel.close()                         # and joining its feeder thread at exit took 0.3 s each
                 channel.cancel_join_thread()
-        if _STATE.slots is not None:
-            try:
-                _STATE.slots.close()
-            except BufferError:  # a view is still referenced somewhere: the mapping goes with its last user
-                pass
         _STATE = None
 
     flat = [result for results in per_entry for result in results]
@@ -629,7 +634,8 @@ def verify(
     return VerifyReport(str(out_dir), digest, flat, kept, problems, counts["files"], counts["tensors"], use_kernel,
                         list(batch_sizes or []) if use_kernel else [], act_dtype, time.perf_counter() - start,
                         stage_seconds, sum(f.size for f in checked.files), sum(peaks.values()), gpu_peaks, notes,
-                        source_format=manifest["source"]["format"], timeline=timeline)
+                        source_format=manifest["source"]["format"],
+                        timeline=dict(sorted(timeline.items(), key=lambda item: item[1])))
 
 
 __all__ = ["VerifyReport", "LayerResult", "KeptResult", "verify", "parse_gpus", "activation_dtype",

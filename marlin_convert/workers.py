@@ -1,6 +1,6 @@
 """Worker processes that live and die with the converter.
 
-The converter forks its workers (:func:`worker_pool`). Each one, as it starts (:func:`_worker_started`):
+The converter forks its workers (:func:`worker_pool`). Each one, as it starts (:func:`worker_started`):
 
 - ignores SIGINT: a Ctrl-C at the terminal reaches the whole process group, and the parent alone decides
   what to do (it stops the workers and removes the partial output);
@@ -50,7 +50,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _worker_started(parent: int) -> None:
+def worker_started(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent(parent)
@@ -59,7 +59,7 @@ def _worker_started(parent: int) -> None:
 def worker_pool(workers: int) -> ProcessPoolExecutor:
     """A pool of ``workers`` forked processes set up as the module docstring says."""
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
-                               initializer=_worker_started, initargs=(os.getpid(),))
+                               initializer=worker_started, initargs=(os.getpid(),))
 
 
 def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:

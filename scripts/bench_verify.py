@@ -4,7 +4,7 @@
     python scripts/bench_verify.py                        # Llama-7B-shaped (3.9 GB, 4 shards): --skip-kernel,
                                                           # and the kernel check too where a CUDA GPU is visible
     python scripts/bench_verify.py --preset tiny          # seconds, for a smoke run
-    python scripts/bench_verify.py --gpu 0,1              # layers spread over two GPUs
+    python scripts/bench_verify.py --gpu 0 --gpu 0,1      # one GPU, then layers spread over two (same run)
 
 The GPTQ checkpoint is generated once into --dir and converted once (both kept between runs, reused when present).
 Then, with the converted files in the page cache (one untimed pass reads them first):
@@ -110,9 +110,11 @@ def _print_run(title: str, runs: list[tuple[float, int, dict]], total: int, sha_
             rows.append(("targets", f">= {TARGET_GPU_GBPS} GB/s: {verdict(rate >= TARGET_GPU_GBPS, preset)}; "
                                     f"whole command < {TARGET_GPU_WALL_SECONDS:.0f} s: "
                                     f"{verdict(seconds < TARGET_GPU_WALL_SECONDS, preset)}"))
-    for stage in ("read", "read + inverse", "hash", "upload", "reference", "kernel"):
+    for stage in ("read", "read + inverse", "hash", "upload", "reference", "kernel", "feed (host)"):
         if stage in stages:
-            where = "summed over workers" if stage in ("read", "read + inverse", "hash") else "GPU events, summed"
+            where = ("summed over workers" if stage in ("read", "read + inverse", "hash") else
+                     "host time queuing the GPU work, summed over the GPU processes" if stage == "feed (host)" else
+                     "GPU events, summed")
             rows.append((f"stage: {stage}", f"{stages[stage]:.2f} s ({where}), {rate_label(total, stages[stage])}"))
     if data.get("timeline"):
         rows.append(("timeline (s since verify began)",
@@ -132,7 +134,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "marlin-convert-bench")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--gpu", default=None, help="GPU list for the kernel run (default: 0 when CUDA is visible)")
+    parser.add_argument("--gpu", action="append", default=None,
+                        help="GPU list for a kernel run; repeat for several runs (default: 0 when CUDA is visible)")
     parser.add_argument("--skip-gpu", action="store_true", help="only the --skip-kernel run")
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
@@ -150,17 +153,18 @@ def main() -> None:
     workers = ["--workers", str(args.workers)]
     _print_run("verify --skip-kernel", _verify_runs(out, ["--skip-kernel", *workers], args.repeat, report), total,
                sha_seconds, args.preset)
-    gpu = args.gpu
-    if gpu is None and not args.skip_gpu:
+    gpu_lists = args.gpu
+    if gpu_lists is None and not args.skip_gpu:
         try:
             import torch
 
-            gpu = "0" if torch.cuda.is_available() else None
+            gpu_lists = ["0"] if torch.cuda.is_available() else None
         except ImportError:
-            gpu = None
-    if gpu is not None and not args.skip_gpu:
-        runs = _verify_runs(out, ["--gpu", gpu, *workers], args.repeat, report)
-        _print_run(f"verify --gpu {gpu} (batches 1, 16, 128)", runs, total, None, args.preset)
+            gpu_lists = None
+    if gpu_lists and not args.skip_gpu:
+        for gpu in gpu_lists:
+            runs = _verify_runs(out, ["--gpu", gpu, *workers], args.repeat, report)
+            _print_run(f"verify --gpu {gpu} (batches 1, 16, 128)", runs, total, None, args.preset)
     else:
         print("\n(no CUDA GPU here: the kernel run is skipped)")
 

@@ -1,0 +1,129 @@
+"""verify's GPU processes (marlin_convert.gpu_workers) on the CPU: the kernel checker replaced by the stand-ins of
+``gpu_standin`` (the real one runs in test_verify_gpu.py). What is under test is the plumbing: every slice reaches
+the process of its GPU with its own staged bytes, slots come back, a GPU that cannot run or a process that fails or
+dies ends verify with the right error, never a hang, and no GPU process outlives verify."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+from make_gptq_checkpoint import qwen3_moe, tiny_llama, write_checkpoint
+from safetensors.numpy import load_file
+
+from marlin_convert import gpu_workers
+from marlin_convert.cli.app import main
+from marlin_convert.convert import convert
+from marlin_convert.errors import KernelUnavailableError, VerificationFailed
+from marlin_convert.verify import verify
+
+
+def _use(monkeypatch, function: str) -> None:
+    monkeypatch.setattr(gpu_workers, "CHECKER", f"gpu_standin:{function}")
+
+
+def _children() -> set[int]:
+    """Live child processes of this process (Linux /proc)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def _source_crcs(src) -> dict[str, int]:
+    crcs = {}
+    for path in src.glob("*.safetensors"):
+        for name, array in load_file(str(path)).items():
+            if name.endswith(".qweight"):
+                crcs[name.removesuffix(".qweight")] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+    return crcs
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-processes")
+    src = write_checkpoint(root / "in", tiny_llama(num_layers=3, hidden=128, intermediate=256, group_size=64))
+    convert(src, root / "out", workers=1)
+    return src, root / "out"
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("gpus", [[0], [0, 1]])
+def test_every_slice_reaches_its_gpu_process_with_its_own_bytes(monkeypatch, llama, workers, gpus):
+    _use(monkeypatch, "passing")
+    src, out = llama
+    before = _children()
+    report = verify(out, gpus=gpus, batch_sizes=[1, 16], workers=workers)
+    assert report.ok and report.kernel_checked and len(report.results) == 21  # more slices than staging slots
+    crcs = _source_crcs(src)
+    for index, result in enumerate(report.results):
+        assert result.device == f"standin:{gpus[index % len(gpus)]}"  # round-robin by layer entry
+        assert [c.batch for c in result.kernel] == [1, 16]
+        assert {c.max_abs_error for c in result.kernel} == {float(crcs[result.name])}, result.name
+    pids = {r.kernel_note.split("pid ")[1] for r in report.results}
+    assert len(pids) == len(gpus) and str(os.getpid()) not in pids  # one process per GPU, none of them this one
+    assert set(report.gpu_peak_bytes) == {f"standin:{g}" for g in gpus}
+    assert {"manifest and audit", "workers started", "kernel loaded", "GPU done"} <= set(report.timeline)
+    assert list(report.timeline.values()) == sorted(report.timeline.values())
+    assert _children() <= before  # the GPU processes are gone
+
+
+def test_stacked_experts_each_reach_the_gpu(monkeypatch, tmp_path):
+    _use(monkeypatch, "passing")
+    spec = qwen3_moe(num_layers=1, num_experts=12, hidden=128, expert_intermediate=64, stacked=True, group_size=64)
+    src = write_checkpoint(tmp_path / "in", spec)
+    convert(src, tmp_path / "out", workers=1)
+    report = verify(tmp_path / "out", gpus=[0, 1], batch_sizes=[1], workers=2)
+    assert report.ok
+    experts = [r for r in report.results if r.expert is not None]
+    names = {r.name for r in experts}
+    assert len(names) >= 2 and len(experts) == 12 * len(names) and all(len(r.kernel) == 1 for r in experts)
+    assert {r.device for r in experts} == {"standin:0", "standin:1"}
+
+
+def test_a_gpu_that_cannot_run_the_kernel_stops_verify_with_its_reason(monkeypatch, llama):
+    _use(monkeypatch, "unavailable")
+    before = _children()
+    with pytest.raises(KernelUnavailableError) as caught:
+        verify(llama[1], gpus=[0], batch_sizes=[1], workers=2)
+    assert caught.value.message == "GPU 0 does not exist: 0 GPU(s) visible"
+    assert "check nvidia-smi" in caught.value.hint and "--skip-kernel" in caught.value.hint
+    assert _children() <= before
+
+
+@pytest.mark.parametrize("function, expected", [
+    ("raises_on_third_slice", "GPU 1: the kernel check stopped: RuntimeError: CUDA error: an illegal memory access"),
+    ("killed_on_third_slice", "GPU 1: the kernel check process ended before its result (killed by signal 9 "
+                              "(SIGKILL))"),
+])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_gpu_process_that_fails_or_dies_ends_verify_with_an_error_not_a_hang(monkeypatch, llama, function,
+                                                                                expected, workers):
+    _use(monkeypatch, function)
+    before = _children()
+    with pytest.raises(VerificationFailed) as caught:
+        verify(llama[1], gpus=[1], batch_sizes=[1], workers=workers)
+    assert caught.value.message.startswith(expected)
+    assert _children() <= before
+
+
+def test_the_cli_exits_1_when_a_gpu_process_fails(monkeypatch, llama, capsys):
+    _use(monkeypatch, "raises_on_third_slice")
+    assert main(["verify", str(llama[1]), "--gpu", "0", "--batch", "1", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "GPU 0: the kernel check stopped" in err and "Traceback" not in err.split("Hint")[0]
+
+
+def test_the_cli_exits_0_with_two_gpu_processes(monkeypatch, llama, capsys):
+    _use(monkeypatch, "passing")
+    assert main(["verify", str(llama[1]), "--gpu", "0,1", "--batch", "1,16"]) == 0
+    assert "21/21 passed" in capsys.readouterr().out
