@@ -960,6 +960,18 @@ int dispatch_kind(const Launch& L) {
     const int optin = smem_optin();
     const int tiles = L.n / 64;
     const bool one_wave = optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && tiles <= L.sms;
+    if constexpr (kBits == 4 && !kZp) {
+      // bf16 x 4-bit symmetric (fp16 has dispatch_fp16_int4): the 4-strip, 2-stage kernel where fp16 x 4-bit takes it,
+      // grouped with n / 64 > SMs and channelwise at m <= 8 with n / 256 >= SMs (there 8192 x 57344 m = 1 took
+      // 112.5 us against 90.6 for fp16 x 4-bit, 4096 x 12288 17.8 against 14.7 before; kernel/NOTES.md).
+      if constexpr (GROUPED) {
+        if (tiles > L.sms && optin >= Tile<1, 1, 4, 2, true, 4, false>::kSmemBytes)
+          return launch_small_kind<K, 4, true, true, 2>(L);
+      } else {
+        if (L.m <= 8 && L.n / 256 >= L.sms && optin >= Tile<1, 1, 4, 2, false, 4, false>::kSmemBytes)
+          return launch_config<K, 1, 1, 4, 2, false, 1>(L);
+      }
+    }
     if constexpr (kBits == 4) {
       // The splits over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md),
       // with the kernels this kind has: SMs / 2 < n / 64 <= SMs with long k or m > 8: 3 strips split in two;
