@@ -157,12 +157,18 @@ class CompressedTensorsConfig:
         """The global settings as written: the format, the config groups and the ignore list."""
         return {key: self.as_read.get(key) for key in ("format", "config_groups", "ignore")}
 
+    def resolved_defaults(self) -> dict:
+        """The global settings as ``inspect``'s plan shows them: as written (each layer's scheme is resolved from
+        its config group, not from a global default)."""
+        return self.defaults()
+
     def describe(self) -> str:
+        """One line for people: the format, each config group's scheme and targets, the ignore list."""
         groups = "; ".join(f"{group.name} ({group.weights.describe() if group.weights else 'no weights'}"
                            f"{', activations ' + group.activations if group.activations else ''}) -> "
                            f"{', '.join(group.targets)}" for group in self.groups)
         ignore = f"; ignore {', '.join(self.ignore)}" if self.ignore else ""
-        return f"compressed-tensors {self.format}: {groups}{ignore}"
+        return f"config: compressed-tensors {self.format}: {groups}{ignore}"
 
 
 def _present(value: dict, key: str, kind: type, where: str, default=None, *, null: bool = False):
