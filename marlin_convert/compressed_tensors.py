@@ -157,12 +157,18 @@ class CompressedTensorsConfig:
         """The global settings as written: the format, the config groups and the ignore list."""
         return {key: self.as_read.get(key) for key in ("format", "config_groups", "ignore")}
 
+    def resolved_defaults(self) -> dict:
+        """The global settings as ``inspect``'s plan shows them: as written (each layer's scheme is resolved from
+        its config group, not from a global default)."""
+        return self.defaults()
+
     def describe(self) -> str:
+        """One line for people: the format, each config group's scheme and targets, the ignore list."""
         groups = "; ".join(f"{group.name} ({group.weights.describe() if group.weights else 'no weights'}"
                            f"{', activations ' + group.activations if group.activations else ''}) -> "
                            f"{', '.join(group.targets)}" for group in self.groups)
         ignore = f"; ignore {', '.join(self.ignore)}" if self.ignore else ""
-        return f"compressed-tensors {self.format}: {groups}{ignore}"
+        return f"config: compressed-tensors {self.format}: {groups}{ignore}"
 
 
 def _present(value: dict, key: str, kind: type, where: str, default=None, *, null: bool = False):
@@ -223,25 +229,28 @@ def _regexes(entries: list, key: str, where: str) -> tuple[str, ...]:
     return tuple(entries)
 
 
-def detect(in_dir: Path) -> bool:
-    """True when ``in_dir/config.json`` says ``quant_method: "compressed-tensors"``. Anything else (no such file,
-    a file that does not parse) is left to the GPTQ reader, whose errors name the problem."""
+def detect(in_dir: Path) -> dict | None:
+    """``in_dir/config.json`` parsed, when it says ``quant_method: "compressed-tensors"`` (pass it on to
+    :func:`open_checkpoint`, which then does not read it again); else None. Anything else (no such file, a file
+    that does not parse) is left to the GPTQ reader, whose errors name the problem."""
     path = Path(in_dir) / CONFIG_FILE
     try:
         data = strict_json.loads(path.read_bytes()) if path.is_file() else None
     except (OSError, ValueError):
-        return False
+        return None
     section = data.get("quantization_config") if isinstance(data, dict) else None
     method = section.get("quant_method") if isinstance(section, dict) else None
-    return isinstance(method, str) and method.lower() == QUANT_METHOD
+    return data if isinstance(method, str) and method.lower() == QUANT_METHOD else None
 
 
-def load_config(in_dir: Path) -> tuple[CompressedTensorsConfig, dict]:
-    """Read and type-check ``config.json``'s compressed-tensors ``quantization_config``. Returns ``(config,
-    config_json)``. Raises :class:`InputError` naming the file and key, or what the checkpoint holds that this
-    reader does not read (another checkpoint-level format, sparsity, transforms, uncompressed weights)."""
+def load_config(in_dir: Path, config_json: dict | None = None) -> tuple[CompressedTensorsConfig, dict]:
+    """Read and type-check ``config.json``'s compressed-tensors ``quantization_config`` (``config_json``: the file
+    already parsed, as :func:`detect` returns it). Returns ``(config, config_json)``. Raises :class:`InputError`
+    naming the file and key, or what the checkpoint holds that this reader does not read (another checkpoint-level
+    format, sparsity, transforms, uncompressed weights)."""
     path = Path(in_dir) / CONFIG_FILE
-    config_json = read_json(path)
+    if config_json is None:
+        config_json = read_json(path)
     check_model_dtype(config_json, path)
     where = f"{path} (quantization_config)"
     section = typed(config_json["quantization_config"], dict, "quantization_config", str(path))
@@ -284,9 +293,10 @@ def load_config(in_dir: Path) -> tuple[CompressedTensorsConfig, dict]:
     return config, config_json
 
 
-def open_checkpoint(in_dir: Path) -> Checkpoint:
-    """Open the compressed-tensors checkpoint ``in_dir``: its config and every shard's header."""
-    config, config_json = load_config(in_dir)
+def open_checkpoint(in_dir: Path, config_json: dict | None = None) -> Checkpoint:
+    """Open the compressed-tensors checkpoint ``in_dir``: its config (``config_json``: config.json already parsed,
+    as :func:`detect` returns it) and every shard's header."""
+    config, config_json = load_config(in_dir, config_json)
     return open_shards(Path(in_dir), config, config_json, None)
 
 

@@ -665,14 +665,7 @@ def _kept_entry(layer: LayerPlan, digests: dict[str, str], out_shard: dict[str, 
 
 def _quantization_defaults(plan: ConversionPlan) -> dict:
     """The config's global settings exactly as read (null where absent): defaults, not any layer's truth."""
-    if plan.checkpoint.source_format == QUANT_METHOD:
-        return plan.checkpoint.config.defaults()
-    read = plan.checkpoint.config.as_read
-    keys = ("bits", "group_size", "desc_act", "sym", "checkpoint_format", "dynamic")
-    defaults = {key: read.get(key) for key in keys}
-    if defaults["checkpoint_format"] is None:
-        defaults["checkpoint_format"] = read.get("format")
-    return defaults
+    return plan.checkpoint.config.defaults()
 
 
 def _expert_groups(plan: ConversionPlan) -> list[dict]:

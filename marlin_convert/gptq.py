@@ -176,6 +176,27 @@ class QuantConfig:
                                       o.get("sym", self.sym), o.get("desc_act", self.desc_act), rule)
         return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act)
 
+    def defaults(self) -> dict:
+        """The global settings exactly as the files wrote them, null where absent (the manifest's
+        ``quantization_defaults``): ``checkpoint_format``, or GPTQModel's ``format`` where only that is written."""
+        keys = ("bits", "group_size", "desc_act", "sym", "checkpoint_format", "dynamic")
+        defaults = {key: self.as_read.get(key) for key in keys}
+        if defaults["checkpoint_format"] is None:
+            defaults["checkpoint_format"] = self.as_read.get("format")
+        return defaults
+
+    def resolved_defaults(self) -> dict:
+        """The global settings as this reader takes them, absent ones filled in (group size -1, desc_act false,
+        checkpoint_format "gptq"; ``sym`` stays null), and the ``dynamic`` rules by key (``inspect``'s plan)."""
+        return {"bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act, "sym": self.sym,
+                "checkpoint_format": self.checkpoint_format, "dynamic": [rule.key for rule in self.dynamic]}
+
+    def describe(self) -> str:
+        """One line for people: the global settings this reader takes."""
+        return (f"config defaults: {self.bits}-bit, group size {self.group_size}, desc_act {self.desc_act}, "
+                f"sym {'not stated' if self.sym is None else self.sym}"
+                + (f", {len(self.dynamic)} dynamic rule(s)" if self.dynamic else ""))
+
 
 def read_json(path: Path) -> dict:
     if path.is_symlink() and not path.exists():

@@ -34,8 +34,9 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
     in_dir = Path(in_dir)
     if not in_dir.is_dir():
         raise InputError(f"{in_dir}: {'not a directory' if in_dir.exists() else 'does not exist'}")
-    if compressed_tensors.detect(in_dir):
-        return compressed_tensors.open_checkpoint(in_dir)
+    config_json = compressed_tensors.detect(in_dir)
+    if config_json is not None:
+        return compressed_tensors.open_checkpoint(in_dir, config_json)
     return gptq.open_checkpoint(in_dir)
 
 

@@ -108,33 +108,39 @@ KIND_NAMES = {  # name -> (activation dtype, bits, zero points)
 TINYGEMM = "tinygemm"  # torch._weight_int4pack_mm: bf16 activations, 4-bit weights with scales and zeros, g 32..256
 
 
-def _operands(torch, kind: str, k: int, n: int, g: int, gen):
-    """Random operands of one kind (the kernel's time does not depend on the values; random, not zeros): a list of
-    weight copies (enough to exceed 4 x L2) and the bytes one call reads of them. Each copy is a tuple of the
-    arguments after A: Marlin (B, s, zp) or tinygemm (packed weight, scales_and_zeros)."""
+def operand_bytes(kind: str, k: int, n: int, g: int) -> int:
+    """The bytes one call of ``kind`` reads of its weight operands (see the bandwidth arithmetic above)."""
     rows = 1 if g == -1 else k // g
     if kind == TINYGEMM:
-        w_bytes = k * n // 2 + rows * n * 2 * 2
-        copies = max(2, math.ceil(ROTATE_BYTES / w_bytes))
-        out = []
-        for _ in range(copies):
-            packed = torch._convert_weight_to_int4pack(
-                torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen), 8)
-            sz = (torch.rand(rows, n, 2, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-            out.append((packed, sz))
-        return out, w_bytes
+        return k * n // 2 + rows * n * 2 * 2
+    _, bits, zp = KIND_NAMES[kind]
+    return k * n * bits // 8 + rows * n * 2 + (rows * n * bits // 8 if zp else 0)
+
+
+def operand_copy(torch, kind: str, k: int, n: int, g: int, gen) -> tuple:
+    """One random copy of the weight operands of ``kind`` (the kernel's time does not depend on the values; random,
+    not zeros), the arguments after A: Marlin (B, s, zp; zp None without zero points) or tinygemm (packed weight,
+    scales_and_zeros). Random Marlin words are valid codes for any bits."""
+    rows = 1 if g == -1 else k // g
+    if kind == TINYGEMM:
+        packed = torch._convert_weight_to_int4pack(
+            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen), 8)
+        sz = (torch.rand(rows, n, 2, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        return packed, sz
     dtype_name, bits, zp = KIND_NAMES[kind]
-    dtype = getattr(torch, dtype_name)
-    w_bytes = k * n * bits // 8 + rows * n * 2 + (rows * n * bits // 8 if zp else 0)
+    b = torch.randint(-2**31, 2**31 - 1, (k // 16, n * bits // 2), dtype=torch.int32, device="cuda", generator=gen)
+    sc = (torch.rand(rows, n, device="cuda", generator=gen) * 0.02 + 0.002).to(getattr(torch, dtype_name))
+    z = (torch.randint(-2**31, 2**31 - 1, (rows, n * bits // 32), dtype=torch.int32, device="cuda", generator=gen)
+         if zp else None)
+    return b, sc, z
+
+
+def _operands(torch, kind: str, k: int, n: int, g: int, gen):
+    """Weight copies of one kind (:func:`operand_copy`), enough to exceed 4 x L2, and the bytes one call reads of
+    them."""
+    w_bytes = operand_bytes(kind, k, n, g)
     copies = max(2, math.ceil(ROTATE_BYTES / w_bytes))
-    out = []
-    for _ in range(copies):
-        b = torch.randint(-2**31, 2**31 - 1, (k // 16, n * bits // 2), dtype=torch.int32, device="cuda", generator=gen)
-        sc = (torch.rand(rows, n, device="cuda", generator=gen) * 0.02 + 0.002).to(dtype)
-        z = (torch.randint(-2**31, 2**31 - 1, (rows, n * bits // 32), dtype=torch.int32, device="cuda", generator=gen)
-             if zp else None)
-        out.append((b, sc, z))
-    return out, w_bytes
+    return [operand_copy(torch, kind, k, n, g, gen) for _ in range(copies)], w_bytes
 
 
 def main(argv=None) -> int:

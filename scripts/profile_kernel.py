@@ -4,8 +4,9 @@
     ncu --kernel-name regex:marlin_gemm_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
         python3 scripts/profile_kernel.py --shape 8192x57344 --m 1 --group 128 --bits 4 [--cfg 10]
 
-Random Marlin words are valid codes for any bits, so B is random int32; scales are small random values. Three
-launches: the first two warm up (and build the kernel), ``--launch-skip 2`` profiles the third.
+The operands are bench_kernel.py's (one copy of them): B random int32 (random Marlin words are valid codes for
+any bits), small random scales, no zero points. Three launches: the first two warm up (and build the kernel),
+``--launch-skip 2`` profiles the third.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_kernel import KIND_NAMES, operand_copy  # noqa: E402
 
 
 def main() -> None:
@@ -36,13 +40,10 @@ def main() -> None:
 
     ensure_kernel(0)
     k, n = (int(v) for v in args.shape.lower().split("x"))
-    dtype = getattr(torch, args.dtype)
-    groups = 1 if args.group == -1 else k // args.group
+    kind = next(name for name, value in KIND_NAMES.items() if value == (args.dtype, args.bits, False))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    A = torch.randn(args.m, k, device="cuda", dtype=dtype, generator=gen)
-    B = torch.randint(-(2**31), 2**31 - 1, (k // 16, n * args.bits // 2), device="cuda", dtype=torch.int32,
-                      generator=gen)
-    s = (torch.rand(groups, n, device="cuda", generator=gen) * 0.01 + 0.001).to(dtype)
+    B, s, _ = operand_copy(torch, kind, k, n, args.group, gen)
+    A = torch.randn(args.m, k, device="cuda", dtype=s.dtype, generator=gen)
     workspace = torch.zeros(required_workspace_ints(n), device="cuda", dtype=torch.int32)
     for _ in range(3):
         marlin_gemm(A, B, s, workspace, bits=args.bits)

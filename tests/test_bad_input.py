@@ -12,6 +12,7 @@ import pytest
 from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, tiny_llama, write_checkpoint
 from safetensors.numpy import save_file
 
+from marlin_convert import strict_json
 from marlin_convert.cli.app import main
 from marlin_convert.safetensors_io import read_header, read_tensor
 
@@ -411,6 +412,24 @@ def test_nan_or_infinity_in_a_config_is_refused(capsys, tmp_path, src, name, con
     text = (src / name).read_text()
     (src / name).write_text(text.replace("{", f'{{"damp_percent": {constant}, ', 1))  # Python's json reads it
     _convert_fails(capsys, tmp_path, src, name, f"{constant} is not a JSON value")
+
+
+@pytest.mark.parametrize("raw", [
+    '{"k": "\\ud800"}', b'["ok", {"\\udfff": 1}]', b'"a \\ud83d b"', b'"\\ude00\\ud83d"',  # escapes, no pair
+    '"\ud800"',  # a str may hold a lone surrogate itself, without any escape
+    b'"\xed\xa0\x80"',  # one encoded in the bytes (not UTF-8)
+])
+def test_a_lone_surrogate_is_refused_with_or_without_an_escape(raw):
+    with pytest.raises(ValueError, match="lone surrogate|can't decode"):
+        strict_json.loads(raw)
+
+
+def test_text_without_a_unicode_escape_reads_as_json_reads_it_and_a_surrogate_pair_is_one_character():
+    text = '{"name": "gr\u00f6\u00dfe \u2713 \U0001f600", "list": [1, -2.5e3, true, false, null, "a\\"b\\n/"], "o": {}}'
+    assert "\\u" not in text  # so loads skips its walk over the strings
+    for raw in (text, text.encode()):
+        assert strict_json.loads(raw) == json.loads(text)
+    assert strict_json.loads(b'"\\ud83d\\ude00 \\u00e9"') == "\U0001f600 \u00e9"
 
 
 @pytest.mark.parametrize("name", ["config.json", "quantize_config.json", "model.safetensors.index.json"])

@@ -27,21 +27,11 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
     """The plan for people (a table of layers unless ``quiet``, then summary lines) and as JSON data."""
     config = plan.checkpoint.config
     source_format = plan.checkpoint.source_format
-    if source_format == "gptq":
-        defaults = {"bits": config.bits, "group_size": config.group_size, "desc_act": config.desc_act,
-                    "sym": config.sym, "checkpoint_format": config.checkpoint_format,
-                    "dynamic": [rule.key for rule in config.dynamic], "sources": config.sources}
-        described = (f"config defaults: {config.bits}-bit, group size {config.group_size}, desc_act {config.desc_act}, "
-                     f"sym {'not stated' if config.sym is None else config.sym}"
-                     + (f", {len(config.dynamic)} dynamic rule(s)" if config.dynamic else ""))
-    else:
-        defaults = {**config.defaults(), "sources": config.sources}
-        described = f"config: {config.describe()}"
     data = {
         "in_dir": str(plan.checkpoint.path),
         "source_format": source_format,
         "checkpoint_format": plan.checkpoint_format,
-        "quantization_defaults": defaults,
+        "quantization_defaults": {**config.resolved_defaults(), "sources": config.sources},
         "model_dtype": plan.checkpoint.model_dtype,
         "shards": [shard.file_name for shard in plan.shards],
         "layers": [layer_dict(layer) for layer in plan.layers],
@@ -62,7 +52,7 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
         counts_line(data["converted_layers"], data["marlin_entries"], data["kept_gptq"], FORM_NAMES[source_format],
                     data["passthrough_tensors"], data["kept_tensors"], len(plan.shards), done=False),
         f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
-        f"{described} (from {', '.join(config.sources)}); each layer's own settings are in the table",
+        f"{config.describe()} (from {', '.join(config.sources)}); each layer's own settings are in the table",
         *(f"note: {note}" for note in plan.notes),
     ]
     return output
