@@ -545,13 +545,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
 
   // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st`
   // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
-  // the 32 partial sums, except with zero points, which spilled): when all of a warp's strips of the stage lie in one
-  // group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to those once, in
-  // fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per strip);
-  // otherwise (a group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other kernels.
+  // the 32 partial sums, and with zero points only in the 1-block-per-SM ones: at 2 blocks per SM those spilled 4-36
+  // bytes; at 1, m = 16, group 128 on the H200: fp16 x 4-bit zp 4096 x 4096 12.6 -> 11.3 us, 11008 x 4096 23.9 ->
+  // 20.9, fp16 x 8-bit zp 28672 x 8192 102.5 -> 87.0, 8192 x 8192 32.5 -> 27.6): when all of a warp's strips of the
+  // stage lie in one group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to
+  // those once, in fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one
+  // per strip); otherwise (a group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other
+  // kernels.
   constexpr bool kF32Scale =
       GROUPED && !NO_F32_SCALE &&
-      (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= 2 && !ZP &&
+      (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= (ZP ? 1 : 2) &&
                      !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
   // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
   // derived from them where it is used (a few integer ops, fewer registers than holding four of them)

@@ -14,8 +14,10 @@ its forked workers and each GPU process. Messages, pickled, over one socket pair
 - GPU process -> parent: ``("ready", loaded_at)`` or ``("unavailable", message, hint)`` once the kernel is loaded
   (or cannot be); ``("free", [slot, ...])``: slots whose upload has finished, for the workers again;
   ``("done", GpuOutcome)`` after ``"end"``; ``("error", text)`` when anything else went wrong.
-- parent -> GPU process: ``("setup", GpuSetup)`` once; ``("slice", layer index, layer, expert, slot, placed,
-  zero format)`` per staged slice; ``("end",)`` when no more come.
+- parent -> GPU process: ``("gpu", index, CHECKER)`` once (the process imports torch before it knows its GPU, so
+  the console script can start one before its own imports: :func:`prestart`); ``("setup", GpuSetup)`` once;
+  ``("slice", layer index, layer, expert, slot, placed, zero format)`` per staged slice; ``("end",)`` when no
+  more come.
 
 A GPU process ignores SIGINT (Ctrl-C reaches the whole process group; the parent decides), dies with its parent
 (:mod:`marlin_convert.workers`), and leaves with ``os._exit`` once its outcome is sent: torch's teardown is not
@@ -142,15 +144,20 @@ def _serve(gpu: int, conn: Connection, stage_fd: int, checker: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m marlin_convert.gpu_workers GPU SOCKET_FD STAGE_FD PARENT_PID CHECKER`` (started by
-    :class:`GpuWorkers`, not by hand)."""
-    gpu, sock_fd, stage_fd, parent = (int(v) for v in argv[:4])
+    """``python -m marlin_convert.gpu_workers SOCKET_FD STAGE_FD PARENT_PID`` (started by :class:`GpuWorkers` or
+    :func:`prestart`, not by hand). Imports torch at once, then learns its GPU and checker from the parent."""
+    sock_fd, stage_fd, parent = (int(v) for v in argv[:3])
     from .workers import worker_started
 
     worker_started(parent)
     conn = Connection(sock_fd)
     try:
-        _serve(gpu, conn, stage_fd, argv[4])
+        try:
+            importlib.import_module("torch")  # the long part of the start-up, before the GPU is even known
+        except ImportError:  # the checker's loader says so, in its own words
+            pass
+        _, gpu, checker = conn.recv()  # ("gpu", index, CHECKER)
+        _serve(gpu, conn, stage_fd, checker)
     except BaseException:  # anything at all: the parent reports it (it cannot see this process's stderr)
         try:
             conn.send(("error", traceback.format_exc(limit=6)))
@@ -170,10 +177,10 @@ def main(argv: list[str]) -> None:
 
 @dataclass
 class _Process:
-    gpu: int
     popen: subprocess.Popen
     conn: Connection
     stderr: object
+    gpu: int = -1
     ready: bool = False
     loaded_at: float = 0.0
     outcome: GpuOutcome | None = None
@@ -198,31 +205,96 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _spawn(stage_fd: int) -> _Process:
+    """Start one GPU process (it imports torch, then waits to be told its GPU)."""
+    ours, theirs = socket.socketpair()
+    stderr = tempfile.TemporaryFile()
+    verbose = os.environ.get("MARLIN_CONVERT_VERBOSE_BUILD") == "1"  # the compiler's output, when asked for
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "marlin_convert.gpu_workers", str(theirs.fileno()), str(stage_fd), str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=None if verbose else subprocess.DEVNULL,
+            stderr=None if verbose else stderr, env=_child_env(), pass_fds=(theirs.fileno(), stage_fd), close_fds=True)
+    except BaseException:
+        ours.close()
+        stderr.close()
+        raise
+    finally:
+        theirs.close()
+    return _Process(popen, Connection(ours.detach()), stderr)
+
+
+#: (owner pid, time, stage fd, process) of :func:`prestart`, until a GpuWorkers of the same process takes it
+_prestarted: tuple[int, float, int, _Process] | None = None
+
+
+def prestart() -> None:
+    """Start the first GPU process now, before the caller imports the rest of what it needs: the console script calls
+    this first for a verify that will run the kernel (its own imports took 0.5 s on the H200 machine, without cached
+    bytecode; torch's import in the GPU process runs meanwhile). The next :class:`GpuWorkers` of this process takes
+    it; :func:`discard_prestarted` stops it if none does. Does nothing where GPU processes cannot run."""
+    global _prestarted
+    if _prestarted is not None or sys.platform == "win32":
+        return
+    started = time.perf_counter()
+    stage_fd = _shared_file()
+    try:
+        process = _spawn(stage_fd)
+    except OSError:
+        os.close(stage_fd)
+        return
+    _prestarted = (os.getpid(), started, stage_fd, process)
+
+
+def discard_prestarted() -> None:
+    """Stop a prestarted GPU process that no GpuWorkers took."""
+    global _prestarted
+    if _prestarted is not None:
+        owner, _, stage_fd, process = _prestarted
+        _prestarted = None
+        if owner == os.getpid():
+            _stop(process)
+            os.close(stage_fd)
+
+
+def _stop(process: _Process) -> None:
+    # one that sent its outcome is leaving on its own (os._exit): its CUDA teardown (0.2 s on the H200) is not waited
+    # for; any other is killed now
+    if process.outcome is None and process.popen.poll() is None:
+        process.popen.kill()
+        try:
+            process.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    process.conn.close()
+    process.stderr.close()
+
+
 class GpuWorkers:
     """The GPU processes of one verify run; see the module docstring. Use as a context manager (or call
     :meth:`close`): whatever happens, no GPU process outlives it."""
 
     def __init__(self, gpus: list[int]) -> None:
+        global _prestarted
         if sys.platform == "win32":
             raise KernelUnavailableError("verify's GPU check needs Linux (it shares staging memory with its "
                                          "GPU processes)")
-        self.started_at = time.perf_counter()
-        self.stage_fd = _shared_file()
         self.slots: mmap.mmap | None = None
         self.setup_sent = False
         self.processes: list[_Process] = []
-        env = _child_env()
+        if _prestarted is not None and _prestarted[0] == os.getpid():
+            _, self.started_at, self.stage_fd, first = _prestarted
+            _prestarted = None
+            self.processes.append(first)
+        else:
+            self.started_at = time.perf_counter()
+            self.stage_fd = _shared_file()
         try:
-            for gpu in gpus:
-                ours, theirs = socket.socketpair()
-                stderr = tempfile.TemporaryFile()
-                popen = subprocess.Popen(
-                    [sys.executable, "-m", "marlin_convert.gpu_workers", str(gpu), str(theirs.fileno()),
-                     str(self.stage_fd), str(os.getpid()), CHECKER],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
-                    pass_fds=(theirs.fileno(), self.stage_fd), close_fds=True)
-                theirs.close()
-                self.processes.append(_Process(gpu, popen, Connection(ours.detach()), stderr))
+            while len(self.processes) < len(gpus):
+                self.processes.append(_spawn(self.stage_fd))
+            for process, gpu in zip(self.processes, gpus):
+                process.gpu = gpu
+                self._send(process, ("gpu", gpu, CHECKER))
         except BaseException:
             self.close()
             raise
@@ -346,14 +418,7 @@ class GpuWorkers:
     def close(self) -> None:
         """Stop every GPU process still running and release the shared memory."""
         for process in self.processes:
-            if process.popen.poll() is None:
-                process.popen.kill()
-            try:
-                process.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            process.conn.close()
-            process.stderr.close()
+            _stop(process)
         self.processes = []
         if self.slots is not None:
             try:
@@ -366,7 +431,7 @@ class GpuWorkers:
             self.stage_fd = -1
 
 
-__all__ = ["GpuWorkers", "GpuOutcome", "GpuSetup", "kernel_checker", "CHECKER"]
+__all__ = ["GpuWorkers", "GpuOutcome", "GpuSetup", "kernel_checker", "prestart", "discard_prestarted", "CHECKER"]
 
 
 if __name__ == "__main__":  # run as a module: import this file under its own name, so pickled classes are found

@@ -5,6 +5,7 @@
                                                           # and the kernel check too where a CUDA GPU is visible
     python scripts/bench_verify.py --preset tiny          # seconds, for a smoke run
     python scripts/bench_verify.py --gpu 0 --gpu 0,1      # one GPU, then layers spread over two (same run)
+    python scripts/bench_verify.py --profile-gpu 0        # also: where each GPU process's host time goes (cProfile)
 
 The GPTQ checkpoint is generated once into --dir and converted once (both kept between runs, reused when present).
 Then, with the converted files in the page cache (one untimed pass reads them first):
@@ -80,10 +81,60 @@ def _prepare(args) -> Path:
 def _verify_runs(out: Path, extra: list[str], repeat: int, report: Path) -> list[tuple[float, int, dict]]:
     runs = []
     for _ in range(max(1, repeat)):
-        seconds, peak = measure([sys.executable, "-m", "marlin_convert.cli.app", "verify", str(out), "-q",
+        seconds, peak = measure([sys.executable, "-m", "marlin_convert.cli.launch", "verify", str(out), "-q",
                                  "--json", str(report), *extra])
         runs.append((seconds, peak, json.loads(report.read_text())))
     return runs
+
+
+#: where profiled_checker writes its statistics (set by --profile-gpu; the GPU processes inherit the environment)
+PROFILE_ENV = "MARLIN_BENCH_GPU_PROFILE"
+
+
+def profiled_checker(gpu: int):
+    """A GPU process's checker (``marlin_convert.gpu_workers.CHECKER``, for --profile-gpu): the real one, with its
+    host work (submit, and the slot polling) under cProfile, the statistics written to ``$MARLIN_BENCH_GPU_PROFILE``
+    + ``.gpu<N>`` at finish."""
+    import cProfile
+
+    from marlin_convert.gpu_workers import kernel_checker
+
+    make = kernel_checker(gpu)
+
+    def build(slots, setup):
+        checker = make(slots, setup)
+        profile = cProfile.Profile()
+        submit, uploaded, finish = checker.submit, checker.uploaded_slots, checker.finish
+
+        def finish_and_dump():
+            results = finish()
+            profile.dump_stats(f"{os.environ[PROFILE_ENV]}.gpu{gpu}")
+            return results
+
+        checker.submit = lambda *args: profile.runcall(submit, *args)
+        checker.uploaded_slots = lambda: profile.runcall(uploaded)
+        checker.finish = finish_and_dump
+        return checker
+
+    return build
+
+
+def _profile_gpu(out: Path, gpus: str, workers: int, directory: Path) -> None:
+    """One verify in this process, its GPU processes' host work profiled; prints the top functions per GPU."""
+    import pstats
+
+    from marlin_convert import gpu_workers
+    from marlin_convert.verify import parse_gpus, verify
+
+    os.environ[PROFILE_ENV] = str(directory / "gpu-feed.prof")
+    gpu_workers.CHECKER = "bench_verify:profiled_checker"
+    report = verify(out, gpus=parse_gpus(gpus), workers=workers)
+    print(f"\n== verify --gpu {gpus} in this process, GPU processes profiled: {'ok' if report.ok else 'FAILED'}; "
+          f"feed (host) {report.stage_seconds.get('feed (host)', 0.0):.2f} s")
+    for gpu in parse_gpus(gpus):
+        path = directory / f"gpu-feed.prof.gpu{gpu}"
+        print(f"-- GPU {gpu} ({path}): top 30 by own time")
+        pstats.Stats(str(path)).sort_stats("tottime").print_stats(30)
 
 
 def _print_run(title: str, runs: list[tuple[float, int, dict]], total: int, sha_seconds: float | None,
@@ -138,6 +189,8 @@ def main() -> None:
                         help="GPU list for a kernel run; repeat for several runs (default: 0 when CUDA is visible)")
     parser.add_argument("--skip-gpu", action="store_true", help="only the --skip-kernel run")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--profile-gpu", metavar="GPUS", default=None,
+                        help="after the timed runs, one verify --gpu GPUS with each GPU process's host work profiled")
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
 
@@ -167,6 +220,8 @@ def main() -> None:
             _print_run(f"verify --gpu {gpu} (batches 1, 16, 128)", runs, total, None, args.preset)
     else:
         print("\n(no CUDA GPU here: the kernel run is skipped)")
+    if args.profile_gpu is not None:
+        _profile_gpu(out, args.profile_gpu, args.workers, args.dir)
 
 
 if __name__ == "__main__":

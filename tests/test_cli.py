@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -445,51 +444,3 @@ def test_a_closed_stdout_loses_no_json_report_and_no_failed_verification(tmp_pat
     _closed_stdout(monkeypatch)
     assert main([str(odd), str(tmp_path / "never"), "--dry-run", "--json", str(tmp_path / "d.json")]) == 2
     assert json.loads((tmp_path / "d.json").read_text())["kept_gptq"] > 0
-
-
-@pytest.mark.parametrize("args, code, stream, text", [
-    (["--version"], 0, "stdout", "marlin-convert"),
-    (["verify", "/nonexistent-marlin-dir"], 2, "stderr", "nonexistent-marlin-dir"),
-])
-def test_console_script_exit_code_and_output_survive_the_fast_exit(tmp_path, args, code, stream, text):
-    """With torch loaded, the console script leaves through os._exit: the exit code and all output must survive it,
-    output still in Python's buffers included (stdout and stderr redirected to files: block-buffered)."""
-    pytest.importorskip("torch")
-    out, err = tmp_path / "out", tmp_path / "err"
-    with open(out, "w") as stdout, open(err, "w") as stderr:
-        done = subprocess.run([sys.executable, "-c", _run_script(args, unflushed=True)], stdout=stdout, stderr=stderr,
-                              env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})  # buffered
-    assert done.returncode == code
-    assert text in (out if stream == "stdout" else err).read_text()
-    assert "unflushed-out" in out.read_text() and "unflushed-err" in err.read_text()
-
-
-def _run_script(args: list[str], unflushed: bool = False) -> str:
-    """A Python program that runs the console script with torch imported (and, with ``unflushed``, a command that
-    leaves a line in each of Python's stdout and stderr buffers after its own output, which only run()'s flush
-    before os._exit can save)."""
-    wrap = ("import marlin_convert.cli.app as app\n"
-            "command = app.main\n"
-            "def main():\n"
-            "    code = command()\n"
-            "    sys.stdout.write('unflushed-out\\n'); sys.stderr.write('unflushed-err\\n')\n"
-            "    return code\n"
-            "app.main = main\n")
-    return ("import sys, torch\n"
-            + f"sys.argv = ['marlin-convert', *{args!r}]\n"
-            + (wrap if unflushed else "")
-            + "from marlin_convert.cli.app import run\n"
-            "run()\n")
-
-
-@pytest.mark.parametrize("closed_fd, args, code", [(1, ["--version"], 0), (2, ["verify", "/nonexistent-dir"], 2)])
-def test_console_script_fast_exit_with_a_closed_descriptor(tmp_path, closed_fd, args, code):
-    """Started with stdout or stderr closed (`>&-`: Python sets that stream to None), the fast exit keeps the exit
-    code (it flushed None before: AttributeError, exit 1)."""
-    pytest.importorskip("torch")
-    other = tmp_path / "other"
-    with open(other, "w") as sink:
-        done = subprocess.run([sys.executable, "-c", _run_script(args)], stdout=sink if closed_fd == 2 else None,
-                              stderr=sink if closed_fd == 1 else None, preexec_fn=lambda: os.close(closed_fd))
-    assert done.returncode == code
-    assert "Traceback" not in other.read_text()

@@ -6,6 +6,7 @@ dies ends verify with the right error, never a hang, and no GPU process outlives
 from __future__ import annotations
 
 import os
+import time
 import zlib
 
 import numpy as np
@@ -24,8 +25,18 @@ def _use(monkeypatch, function: str) -> None:
     monkeypatch.setattr(gpu_workers, "CHECKER", f"gpu_standin:{function}")
 
 
-def _children() -> set[int]:
-    """Live child processes of this process (Linux /proc)."""
+def _children(grace: float = 0.0) -> set[int]:
+    """Live child processes of this process (Linux /proc); with ``grace``, waits up to that many seconds for them to
+    be gone (a GPU process that has sent its outcome exits on its own, unwaited)."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = _live_children()
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.02)
+
+
+def _live_children() -> set[int]:
     me, found = os.getpid(), set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -74,7 +85,7 @@ def test_every_slice_reaches_its_gpu_process_with_its_own_bytes(monkeypatch, lla
     assert set(report.gpu_peak_bytes) == {f"standin:{g}" for g in gpus}
     assert {"manifest and audit", "workers started", "kernel loaded", "GPU done"} <= set(report.timeline)
     assert list(report.timeline.values()) == sorted(report.timeline.values())
-    assert _children() <= before  # the GPU processes are gone
+    assert _children(grace=10) <= before  # the GPU processes are gone
 
 
 def test_stacked_experts_each_reach_the_gpu(monkeypatch, tmp_path):
@@ -97,7 +108,7 @@ def test_a_gpu_that_cannot_run_the_kernel_stops_verify_with_its_reason(monkeypat
         verify(llama[1], gpus=[0], batch_sizes=[1], workers=2)
     assert caught.value.message == "GPU 0 does not exist: 0 GPU(s) visible"
     assert "check nvidia-smi" in caught.value.hint and "--skip-kernel" in caught.value.hint
-    assert _children() <= before
+    assert _children(grace=10) <= before
 
 
 @pytest.mark.parametrize("function, expected", [
@@ -113,7 +124,7 @@ def test_a_gpu_process_that_fails_or_dies_ends_verify_with_an_error_not_a_hang(m
     with pytest.raises(VerificationFailed) as caught:
         verify(llama[1], gpus=[1], batch_sizes=[1], workers=workers)
     assert caught.value.message.startswith(expected)
-    assert _children() <= before
+    assert _children(grace=10) <= before
 
 
 def test_the_cli_exits_1_when_a_gpu_process_fails(monkeypatch, llama, capsys):
@@ -127,3 +138,40 @@ def test_the_cli_exits_0_with_two_gpu_processes(monkeypatch, llama, capsys):
     _use(monkeypatch, "passing")
     assert main(["verify", str(llama[1]), "--gpu", "0,1", "--batch", "1,16"]) == 0
     assert "21/21 passed" in capsys.readouterr().out
+
+
+def test_a_prestarted_gpu_process_is_the_first_gpus(monkeypatch, llama):
+    """The console script starts the first GPU process before its own imports (gpu_workers.prestart); verify takes it
+    for its first GPU and starts the others."""
+    _use(monkeypatch, "passing")
+    gpu_workers.prestart()
+    first = gpu_workers._prestarted[3].popen.pid
+    report = verify(llama[1], gpus=[0, 1], batch_sizes=[1], workers=2)
+    assert report.ok and gpu_workers._prestarted is None
+    pids = {r.device: r.kernel_note.split("pid ")[1] for r in report.results}
+    assert pids["standin:0"] == str(first) and pids["standin:1"] != str(first)
+
+
+def test_a_prestarted_gpu_process_nobody_takes_is_stopped():
+    before = _children()
+    gpu_workers.prestart()
+    assert gpu_workers._prestarted is not None
+    gpu_workers.discard_prestarted()
+    assert gpu_workers._prestarted is None and _children(grace=10) <= before
+
+
+def test_the_console_script_without_a_gpu_says_why_and_leaves_nothing(llama, tmp_path):
+    """`marlin-convert verify OUT --gpu 0` through the console script's launcher (prestart included) on a machine
+    where the kernel cannot run: exit 2 with the reason; no process left."""
+    import subprocess
+    import sys
+
+    from marlin_convert.kernel import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None:
+        pytest.skip("the kernel can run here")
+    done = subprocess.run([sys.executable, "-m", "marlin_convert.cli.launch", "verify", str(llama[1]), "--gpu", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"Error: {reason}") and "--skip-kernel" in done.stderr

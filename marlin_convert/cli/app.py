@@ -12,7 +12,6 @@ exit code; set MARLIN_CONVERT_DEBUG=1 to see the traceback.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -125,25 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The console script: :func:`main`, then exit. Once torch is loaded (``verify`` with the kernel), the interpreter's
-    own teardown (torch's and CUDA's destructors) took about half a second after the last output, so this process
-    then leaves with ``os._exit`` once stdout and stderr are flushed: every file it wrote is closed by then, and the
-    worker processes are gone."""
-    code = main()
-    if "torch" in sys.modules:
-        for name in ("stdout", "stderr"):
-            stream = getattr(sys, name)
-            if stream is None:  # the descriptor was closed when Python started
-                continue
-            try:
-                stream.flush()
-            except BrokenPipeError:
-                if name == "stdout":
-                    code = code or EXIT_BROKEN_PIPE
-            except (OSError, ValueError):  # closed by now, or unwritable: nothing more can reach it
-                pass
-        os._exit(code)
-    sys.exit(code)
+    """The console script's command (after :func:`marlin_convert.cli.launch.run`): :func:`main`, then exit."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":
