@@ -16,9 +16,10 @@ namespace detail {
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
 //             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
 //             m <= 8 only (see dispatch below)
-//   m <= 32 : MB=2, WN=1, 2 strips, 4 stages
-//   m > 32  : MB=4 (64-row chunks); WN=2 (128-column tiles, A fragments shared by 2x the columns) when n % 128 == 0,
+//   m <= 64 : MB=2 (32-row chunks), WN=1, 2 strips, 4 stages, 2 blocks per SM
+//   m > 64  : MB=4 (64-row chunks); WN=2 (128-column tiles, A fragments shared by 2x the columns) when n % 128 == 0,
 //             else WN=1; 4 stages
+//   m > 16 where the shared memory per block is below those (sm_86 / sm_89): MB=2, 1 strip
 // each once with grouped and once with channelwise scales, plus the benchmark-only m <= 16 variants.
 // The other kinds: dispatch_kind in marlin_gemm_impl.cuh.
 // Benchmark-only switch for the m <= 16 configuration (MARLIN_CONVERT_SMALL_CFG, read per call; unset = the
@@ -127,9 +128,18 @@ int dispatch_fp16_int4(const Launch& L) {
     if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
     return launch_small<2, 4, GROUPED>(L, true, true);
   }
-  if (L.m <= 32) return launch_config<K, 2, 1, 2, 4, GROUPED>(L);
-  if (L.n % 128 == 0) return launch_config<K, 4, 2, 2, 4, GROUPED>(L);
-  return launch_config<K, 4, 1, 2, 4, GROUPED>(L);
+  // m = 17..64: 32-row chunks (MB = 2), 2 blocks per SM (min_blocks: <= 128 registers, 106.5 KB each). Against one
+  // block per SM (132 registers) and, for m = 33..64, the 64-row chunks below, on the H200 (`--m 32,64,128 --cfgs`,
+  // kernel/NOTES.md), geomean over the 8 shapes: m = 32 0.89x -> 1.02x at group 128 (channelwise 1.13x -> 1.16x),
+  // m = 64 0.61x -> 0.62x (0.67x -> 0.72x). At m = 128 the 64-row chunks stay ahead (0.42x against 0.39x), as does
+  // MB = 2 with 128-column tiles nowhere.
+  const int optin = smem_optin();
+  if (L.m <= 64 && optin >= Tile<2, 1, 2, 4, GROUPED>::kSmemBytes) return launch_config<K, 2, 1, 2, 4, GROUPED>(L);
+  if (L.n % 128 == 0 && optin >= Tile<4, 2, 2, 4, GROUPED>::kSmemBytes)
+    return launch_config<K, 4, 2, 2, 4, GROUPED>(L);
+  if (optin >= Tile<4, 1, 2, 4, GROUPED>::kSmemBytes) return launch_config<K, 4, 1, 2, 4, GROUPED>(L);
+  // less shared memory per block (sm_86 / sm_89: 99 KB): one strip per warp and stage, as the other kinds
+  return launch_config<K, 2, 1, 1, 4, GROUPED>(L);
 }
 
 int launch_fp16_int4_sym(const Launch& L) {

@@ -381,11 +381,14 @@ struct Tile {
 // The swapped one-batch-block kernels likewise take the 1 / 2 limits (their fp32 group partial sums need registers).
 // 8-bit kernels (twice the B bytes per strip) take at most the blocks their shared memory fits on a multiprocessor;
 // grouped zero-point kernels and grouped unswapped 8-bit kernels at most 2 (at 3 blocks = 80 registers they spilled
-// 8-48 bytes, the latter on sm_80).
+// 8-48 bytes, the latter on sm_80). The 4-bit 32-row kernels (MB = 2) 2: they took 132 registers, one block per SM;
+// at 128 they do not spill, and fp16 x 4-bit m = 32 went from 0.89x to 1.02x of torch (H200, group 128). The 64-row
+// ones (128 accumulators) stay at 1.
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
-  constexpr int by_strips = MB != 1 ? 1 : SWAP == 0 ? 3 : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
-                                         : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
+  constexpr int by_strips = MB == 2 && WN <= 2 && BITS == 4 ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
+                         : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
+                         : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
   constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;
   constexpr int by_smem = BITS == 4 ? by_strips : (fit < 1 ? 1 : fit < by_strips ? fit : by_strips);
   return GROUPED && (ZP || (BITS == 8 && SWAP == 0)) && by_smem > 2 ? 2 : by_smem;
