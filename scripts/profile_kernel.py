@@ -5,8 +5,8 @@
         python3 scripts/profile_kernel.py --shape 8192x57344 --m 1 --group 128 --bits 4 [--cfg 10]
 
 The operands are bench_kernel.py's (one copy of them): B random int32 (random Marlin words are valid codes for
-any bits), small random scales, no zero points. Three launches: the first two warm up (and build the kernel),
-``--launch-skip 2`` profiles the third.
+any bits), small random scales, random zero points with --zp. Three launches: the first two warm up (and build the
+kernel), ``--launch-skip 2`` profiles the third.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=128, help="-1 = channelwise")
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--zp", action="store_true", help="with zero points (random, as bench_kernel.py's)")
     parser.add_argument("--cfg", type=int, default=None, help="MARLIN_CONVERT_SMALL_CFG (fp16 4-bit, m <= 16)")
     args = parser.parse_args()
     if args.cfg is not None:
@@ -40,13 +41,13 @@ def main() -> None:
 
     ensure_kernel(0)
     k, n = (int(v) for v in args.shape.lower().split("x"))
-    kind = next(name for name, value in KIND_NAMES.items() if value == (args.dtype, args.bits, False))
+    kind = next(name for name, value in KIND_NAMES.items() if value == (args.dtype, args.bits, args.zp))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    B, s, _ = operand_copy(torch, kind, k, n, args.group, gen)
+    B, s, zp = operand_copy(torch, kind, k, n, args.group, gen)
     A = torch.randn(args.m, k, device="cuda", dtype=s.dtype, generator=gen)
     workspace = torch.zeros(required_workspace_ints(n), device="cuda", dtype=torch.int32)
     for _ in range(3):
-        marlin_gemm(A, B, s, workspace, bits=args.bits)
+        marlin_gemm(A, B, s, workspace, zp=zp, bits=args.bits)
     torch.cuda.synchronize()
 
 
