@@ -194,6 +194,15 @@ int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* 
     set_error(err, errlen, "sms = %d: the number of multiprocessors must be >= 1", sms);
     return MARLIN_BAD_SHAPE;
   }
+  // the kernel addresses A and B with 32-bit offsets in 16-byte units (see [G2S] in marlin_gemm_impl.cuh); A rows are
+  // counted up to the last 64-row chunk
+  const long long a_int4 = ((long long)m + 64) * (k / 8);
+  const long long b_int4 = (long long)(k / 16) * n * bits / 8;
+  if (a_int4 >= (1LL << 32) || b_int4 >= (1LL << 32)) {
+    set_error(err, errlen, "m = %d, n = %d, k = %d: A or B has 2^32 or more 16-byte units (%lld, %lld), more than "
+              "the kernel's 32-bit offsets address", m, n, k, a_int4, b_int4);
+    return MARLIN_BAD_SHAPE;
+  }
   // ---- workspace
   const long need = marlin_required_workspace_ints(n);
   if (workspace == nullptr || workspace_ints < need) {

@@ -382,11 +382,11 @@ struct Tile {
 // 8-bit kernels (twice the B bytes per strip) take at most the blocks their shared memory fits on a multiprocessor;
 // grouped zero-point kernels and grouped unswapped 8-bit kernels at most 2 (at 3 blocks = 80 registers they spilled
 // 8-48 bytes, the latter on sm_80). The 4-bit 32-row kernels (MB = 2) 2: they took 132 registers, one block per SM;
-// at 128 they do not spill, and fp16 x 4-bit m = 32 went from 0.89x to 1.02x of torch (H200, group 128). The 64-row
-// ones (128 accumulators) stay at 1.
+// at 128 they do not spill, and fp16 x 4-bit m = 32 went from 0.89x to 1.02x of torch (H200, group 128); except the
+// grouped zero-point ones (4 bytes of spill on sm_80). The 64-row ones (128 accumulators) stay at 1.
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
-  constexpr int by_strips = MB == 2 && WN <= 2 && BITS == 4 ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
+  constexpr int by_strips = MB == 2 && WN <= 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
                          : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
                          : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
   constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;
@@ -466,6 +466,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     for (int i = 0; i < kWords; ++i) zconst[i] = __ldg(z32 + ((col0 / 64 + wn) * 8 + (lane >> 2)) * kWords + i);
   }
 
+  // ---- [G2S] per-thread constants of the B copies. A stage's B tile is kStageStrips strips of kBPiece int4 (the
+  // WN 64-column pieces side by side, as they lie in B); thread tid's copy j is int4 tid + j * kThreads of it:
+  // strip b_strip + j * kBStripsPerPass, int4 tid % kBPiece of that strip. Its global offset (int4, from B) is
+  // b_first + st * b_stage + j * b_pass: 32-bit offsets (the host checks that B has fewer than 2^32 int4), so a
+  // stage's copies cost an add and an address each, not the 64-bit index arithmetic of every copy from scratch
+  // (ncu, H200, 8192 x 10240 m = 1 g128: about 45 of the ~390 instructions per warp and stage went to that).
+  constexpr int kBPiece = WN * T::kPieceInt4;
+  static_assert(kThreads % kBPiece == 0, "one pass of the threads covers whole strips of the B tile");
+  constexpr int kBStripsPerPass = kThreads / kBPiece;
+  const int b_strip = tid / kBPiece;
+  const uint32_t b_first = (uint32_t)b_strip * (uint32_t)b_row_int4 + (uint32_t)(ntile * kBPiece + tid % kBPiece);
+  const uint32_t b_pass = (uint32_t)kBStripsPerPass * (uint32_t)b_row_int4;
+  const uint32_t b_stage = (uint32_t)T::kStageStrips * (uint32_t)b_row_int4;
+  // The A copies likewise where one pass of the threads covers whole rows of the A tile (kAChunks divides kThreads;
+  // the 3-strip kernels' 48 chunks per row do not): copy j is row a_row + j * kARowsPerPass, chunk a_ch, at int4
+  // a_first + k0 / 8 + j * a_pass of A (32-bit: the host checks (m + 64) * k / 8 < 2^32).
+  constexpr bool kAPasses = kThreads % T::kAChunks == 0;
+  constexpr int kARowsPerPass = kAPasses ? kThreads / T::kAChunks : 1;
+  const int a_row = tid / T::kAChunks;
+  const int a_ch = tid % T::kAChunks;
+  const uint32_t a_first = (uint32_t)(row0 + a_row) * (uint32_t)(k / 8) + (uint32_t)a_ch;
+  const uint32_t a_pass = (uint32_t)kARowsPerPass * (uint32_t)(k / 8);
+
   // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) into shared slot `slot`
   auto load_stage = [&](int slot, int st) {
     unsigned char* base = smem + slot * T::kStageBytes;
@@ -487,7 +510,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       const bool ok = grow < m && gcol < k;
       cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((size_t)grow * k + gcol) / 8, ok);
     };
-    if constexpr (SWAP == 1) {
+    if constexpr (kAPasses) {
+      const uint32_t at = a_first + (uint32_t)(k0 / 8);
+      const bool col_ok = k0 + a_ch * 8 < k;
+      const int rows = m - row0;  // rows of A from this chunk on
+#pragma unroll
+      for (int j = 0; j < T::kRows * T::kAChunks / kThreads; ++j) {
+        const int r = a_row + j * kARowsPerPass;
+        if (SWAP == 1 && r >= rows) break;  // m <= 8: only the rows < m are visited (as below)
+        cp_async16(sA + r * T::kStageK + ((a_ch ^ (r & 7)) * 8), A + (at + (uint32_t)j * a_pass), col_ok && r < rows);
+      }
+    } else if constexpr (SWAP == 1) {
       // m <= 8 (one batch block): only the rows < m are visited. At m = 1 that is 1 / 16 of the tile, and the
       // predicated-off copies of the others cost as many instructions as real ones (H200, m = 1: 8192 x 8192
       // 22.4 -> 19.5 us, kernel/NOTES.md). a_chunks is computed here: kept live across the main loop it made one
@@ -508,14 +541,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // 8-bit version stored int4 2l, 2l + 1 at l and 32 + l for conflict-free reads; ncu showed that this scatter
     // split every cp.async into one-sector L2 requests, each sector requested twice: L2 86.7 % busy, 60 % hits,
     // kernel/NOTES.md. The reads in strips() avoid the bank conflicts instead.)
+    {
+      const uint32_t at = b_first + (uint32_t)st * b_stage;
+      const int strips_left = k_strips - strip0 - b_strip;  // copy j's strip is inside k: j * kBStripsPerPass < this
 #pragma unroll
-    for (int j = 0; j < STRIPS * BITS / 4; ++j) {
-      const int i = tid + j * kThreads;
-      const int strip = i / (WN * T::kPieceInt4);
-      const int w = i % (WN * T::kPieceInt4);
-      const int gstrip = strip0 + strip;
-      cp_async16(sB + i, B + (size_t)gstrip * b_row_int4 + (size_t)ntile * WN * T::kPieceInt4 + w,
-                 gstrip < k_strips);
+      for (int j = 0; j < STRIPS * BITS / 4; ++j)
+        cp_async16(sB + tid + j * kThreads, B + (at + (uint32_t)j * b_pass), j * kBStripsPerPass < strips_left);
     }
     // Scales and zero points (grouped): the distinct rows k0 / g .. (last k of the stage) / g, kTN values each.
     if constexpr (GROUPED) {
