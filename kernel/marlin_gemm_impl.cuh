@@ -488,6 +488,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   const int a_ch = tid % T::kAChunks;
   const uint32_t a_first = (uint32_t)(row0 + a_row) * (uint32_t)(k / 8) + (uint32_t)a_ch;
   const uint32_t a_pass = (uint32_t)kARowsPerPass * (uint32_t)(k / 8);
+  // The grouped scale rows (kSPer int4 each) and zero-point rows (kZInt4) of a stage, at most kStageStrips of each.
+  constexpr int kSPer = WN * 8;
+  constexpr int kZInt4 = WN * BITS / 2;  // int4 of one zero-point row of the tile (64 columns: 8 * BITS bytes)
+  constexpr int kSRowsPerPass = kThreads / kSPer, kZRowsPerPass = kThreads / kZInt4;
+  constexpr int kSPasses = (T::kStageStrips + kSRowsPerPass - 1) / kSRowsPerPass;
+  constexpr int kZPasses = (T::kStageStrips + kZRowsPerPass - 1) / kZRowsPerPass;
+  const int s_r = tid / kSPer, z_r = tid / kZInt4;
+  const uint32_t s_first = (uint32_t)s_r * (uint32_t)s_row_int4 + (uint32_t)(ntile * kSPer + tid % kSPer);
+  const uint32_t z_first = (uint32_t)z_r * (uint32_t)z_row_int4 + (uint32_t)(ntile * kZInt4 + tid % kZInt4);
 
   // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) into shared slot `slot`
   auto load_stage = [&](int slot, int st) {
@@ -553,18 +562,19 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       const int kend = min(k0 + T::kStageK, k);
       const int r0 = group_of(k0);
       const int nrows = group_of(kend - 1) - r0 + 1;  // <= kStageStrips since group_size >= 16
-      for (int i = tid; i < nrows * WN * 8; i += kThreads) {
-        const int r = i / (WN * 8);
-        const int c = i % (WN * 8);
-        cp_async16(sS + i, S + (size_t)(r0 + r) * s_row_int4 + (size_t)ntile * WN * 8 + c, true);
-      }
+      // as the B copies: thread tid copies int4 tid + p * kThreads of the stage's rows (row s_r + p * kSRowsPerPass),
+      // at a per-thread 32-bit offset plus r0 rows (the scales and zero points are far smaller than B)
+      const uint32_t s_at = s_first + (uint32_t)r0 * (uint32_t)s_row_int4;
+#pragma unroll
+      for (int p = 0; p < kSPasses; ++p)
+        if (s_r + p * kSRowsPerPass < nrows)
+          cp_async16(sS + tid + p * kThreads, S + (s_at + (uint32_t)(p * kSRowsPerPass * s_row_int4)), true);
       if constexpr (ZP) {
-        constexpr int kZInt4 = WN * BITS / 2;  // int4 of one zero-point row of the tile (64 columns: 8 * BITS bytes)
-        for (int i = tid; i < nrows * kZInt4; i += kThreads) {
-          const int r = i / kZInt4;
-          const int c = i % kZInt4;
-          cp_async16(sZ + i, Z + (size_t)(r0 + r) * z_row_int4 + (size_t)ntile * kZInt4 + c, true);
-        }
+        const uint32_t z_at = z_first + (uint32_t)r0 * (uint32_t)z_row_int4;
+#pragma unroll
+        for (int p = 0; p < kZPasses; ++p)
+          if (z_r + p * kZRowsPerPass < nrows)
+            cp_async16(sZ + tid + p * kThreads, Z + (z_at + (uint32_t)(p * kZRowsPerPass * z_row_int4)), true);
       }
     }
   };
