@@ -14,14 +14,16 @@
      hashed against the digests the converter recorded from the source: equal digests prove the conversion
      lossless. With a source directory, the rebuilt tensors are also compared with the originals byte for byte.
 
-4. **The kernel** (GPU, :mod:`marlin_convert.gpu_check`): each slice's Marlin tensors and rebuilt GPTQ tensors
-   travel in one pinned upload; the reference ``W = (q - z) * s`` is built on the GPU in fp32 from the GPTQ
+4. **The kernel** (GPU, :mod:`marlin_convert.gpu_check`, in one process per GPU started first:
+   :mod:`marlin_convert.gpu_workers`): each slice's Marlin tensors and rebuilt GPTQ tensors travel in one pinned
+   upload; the reference ``W = (q - z) * s`` is built on the GPU in fp32 from the GPTQ
    integers with plain torch ops, one fp32 GEMM per slice covers every batch size; the kernel runs per batch size
    into NaN-poisoned outputs. Pass when ``mean|C - C_ref| / mean|C_ref| < 1e-3`` and every output is written.
 
 Memory: each worker holds one slice (one layer or expert) and an 8 MiB read buffer; with the kernel, slices
 travel through ``min(workers, 8) + 2 * GPUs + 1`` shared staging slots of the largest slice, and each GPU holds two
-slices plus one slice's fp32 reference.
+slices plus one slice's fp32 reference. A GPU process that fails (a CUDA error) or dies ends verify with
+:class:`VerificationFailed` naming the GPU and the cause.
 """
 
 from __future__ import annotations
