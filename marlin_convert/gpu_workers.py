@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib
 import mmap
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -197,11 +196,16 @@ def _shared_file() -> int:
     return fd
 
 
+#: the folder that holds this package: the GPU processes run there (``python -m`` puts the working directory first
+#: on the import path, so a ``marlin_convert`` folder where verify was started must not be the one they import)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
 def _child_env() -> dict[str, str]:
     """The environment, with this process's import path (so the GPU process imports this same code)."""
     env = dict(os.environ)
-    paths = [p for p in sys.path if p and Path(p).is_dir()]
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *paths])
+    paths = [str(Path(p).resolve()) for p in sys.path if p and Path(p).is_dir()]
+    env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *paths])
     return env
 
 
@@ -214,7 +218,8 @@ def _spawn(stage_fd: int) -> _Process:
         popen = subprocess.Popen(
             [sys.executable, "-m", "marlin_convert.gpu_workers", str(theirs.fileno()), str(stage_fd), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=None if verbose else subprocess.DEVNULL,
-            stderr=None if verbose else stderr, env=_child_env(), pass_fds=(theirs.fileno(), stage_fd), close_fds=True)
+            stderr=None if verbose else stderr, env=_child_env(), pass_fds=(theirs.fileno(), stage_fd), close_fds=True,
+            cwd=_PACKAGE_ROOT)
     except BaseException:
         ours.close()
         stderr.close()
@@ -268,6 +273,10 @@ def _stop(process: _Process) -> None:
             pass
     process.conn.close()
     process.stderr.close()
+
+
+class _ChildTraceback(Exception):
+    """A GPU process's traceback, as text (the cause of the error raised for it)."""
 
 
 class GpuWorkers:
@@ -380,8 +389,8 @@ class GpuWorkers:
                 message = process.conn.recv()
             except (EOFError, OSError):
                 self._died(process)
-            except pickle.UnpicklingError as exc:
-                raise VerificationFailed(f"GPU {process.gpu}: unreadable message from its check process ({exc})")
+            except Exception as exc:  # a message that does not unpickle here: not the same code on both sides
+                raise self._failure(process, f"unreadable message from its check process ({exc})") from None
             kind = message[0]
             if kind == "free":
                 freed += message[1]
@@ -391,13 +400,21 @@ class GpuWorkers:
                 process.outcome = message[1]
             elif kind == "unavailable":
                 raise KernelUnavailableError(message[1], hint=message[2])
-            else:  # "error"
-                last = message[1].strip().splitlines()[-1] if message[1].strip() else "no details"
-                raise VerificationFailed(f"GPU {process.gpu}: the kernel check stopped: {last}",
-                                         hint=f"its traceback:\n{message[1].rstrip()}")
+            else:  # "error": one line here; the process's traceback is the exception's cause (MARLIN_CONVERT_DEBUG=1)
+                text = message[1].strip()
+                last = text.splitlines()[-1] if text else "no details"
+                raise self._failure(process, f"the kernel check stopped: {last}") from _ChildTraceback(text)
         if process.outcome is None and process.popen.poll() is not None and not process.conn.poll():
             self._died(process)
         return freed
+
+    @staticmethod
+    def _failure(process: _Process, what: str):
+        """The error for a GPU process that failed: before its kernel was ready, the kernel cannot run here
+        (KernelUnavailableError, exit 2); after, the check of its layers failed (VerificationFailed, exit 1)."""
+        if not process.ready:
+            return KernelUnavailableError(f"GPU {process.gpu}: {what}")
+        return VerificationFailed(f"GPU {process.gpu}: {what}")
 
     def _died(self, process: _Process):
         code = process.popen.wait()
@@ -412,8 +429,7 @@ class GpuWorkers:
             tail = f"; its stderr ends: {text.splitlines()[-1]}" if text else ""
         except (OSError, ValueError):
             pass
-        raise VerificationFailed(f"GPU {process.gpu}: the kernel check process ended before its result "
-                                 f"({how}){tail}")
+        raise self._failure(process, f"the kernel check process ended before its result ({how}){tail}")
 
     def close(self) -> None:
         """Stop every GPU process still running and release the shared memory."""

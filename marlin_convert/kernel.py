@@ -178,7 +178,11 @@ def _build(capability: tuple[int, int], verbose: bool = False):
     build_dir.mkdir(parents=True, exist_ok=True)
     arch_list = ";".join(f"{a[0]}.{a[1:]}" for a in archs)
     try:
-        with _arch_list_env(arch_list):
+        with _build_lock(build_dir), _arch_list_env(arch_list):
+            built = _import_built(name, build_dir)  # another process may have finished it while we waited
+            if built is not None:
+                _modules[key] = built
+                return built
             module = cpp_extension.load(
                 name=name,
                 sources=[str(KERNEL_DIR / "binding.cpp"), *(str(p) for p in kernel_sources())],
@@ -188,18 +192,38 @@ def _build(capability: tuple[int, int], verbose: bool = False):
                 build_directory=str(build_dir),
                 verbose=verbose,
             )
+            (build_dir / BUILT_MARKER).write_text(name + "\n")  # written last: the .so beside it is complete
     except Exception as exc:  # compiler output is in the exception text; keep its end
         text = str(exc)
         raise KernelUnavailableError(
             f"building the kernel failed (build folder {build_dir}): {text[-2000:]}",
             hint="run with MARLIN_CONVERT_VERBOSE_BUILD=1 for the full compiler output") from exc
-    (build_dir / BUILT_MARKER).write_text(name + "\n")  # written last: the .so beside it is complete
     _modules[key] = module
     return module
 
 
 #: file written into a build folder once its extension built and loaded (the fast path imports only then)
 BUILT_MARKER = "built"
+#: our lock file in a build folder (torch's own is "lock", see _build_lock)
+BUILD_LOCK = "marlin-convert.lock"
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an exclusive ``flock`` on the build folder while building in it. torch's JIT build marks a folder busy
+    with a plain file ("lock") that it removes in a ``finally``: a build killed with SIGKILL (verify's GPU process
+    when its parent stops it, or dies) leaves that file behind, and every later build would wait for it forever.
+    Every build of this folder holds this lock first, so a "lock" file found while holding it is such a leftover,
+    and is removed. The kernel releases a flock when its holder dies, whatever the way."""
+    import fcntl
+
+    with open(build_dir / BUILD_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _import_built(name: str, build_dir: Path):

@@ -23,7 +23,8 @@
 Memory: each worker holds one slice (one layer or expert) and an 8 MiB read buffer; with the kernel, slices
 travel through ``min(workers, 8) + 2 * GPUs + 1`` shared staging slots of the largest slice, and each GPU holds two
 slices plus one slice's fp32 reference. A GPU process that fails (a CUDA error) or dies ends verify with
-:class:`VerificationFailed` naming the GPU and the cause.
+:class:`VerificationFailed` naming the GPU and the cause (:class:`KernelUnavailableError` before its kernel is
+loaded).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Each GPU process imports this module by name (``gpu_standin:<function>``) and calls the function with its GPU index.
 The stand-in checks no kernel: per slice it reports one passing check per batch size whose ``max_abs_error`` carries
-the CRC-32 of the slice's staged ``qweight`` bytes as the process found them in its shared slot, so a test can tell
-that every slice reached the right process with its own bytes (a slot reused too early would show). Slots are given
-back a few milliseconds after their slice arrived, as an upload would. Some variants misbehave on purpose.
+the CRC-32 of the slice's staged ``qweight`` bytes, read from its shared slot a few milliseconds after the slice
+arrived, just before the slot is given back (as an asynchronous upload reads it), so a test can tell that every slice
+reached the right process with its own bytes and that no worker refilled a slot still being read. Some variants
+misbehave on purpose.
 """
 
 from __future__ import annotations
@@ -36,21 +37,25 @@ class StandInChecker:
             if self.how == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        offset, dtype, shape = placed["qweight"]
-        start = slot * self.setup.stage_size + offset
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        crc = zlib.crc32(self.slots[start:start + nbytes])
-        checks = [KernelCheck(m, float(crc), 0.0, True) for m in self.setup.batch_sizes]
-        self.results[(layer_index, expert)] = (checks, f"gpu {self.gpu} pid {os.getpid()}")
-        self.uploads.append((time.perf_counter(), slot))
+        if self.how == "slow":
+            time.sleep(0.05)
+        self.results[(layer_index, expert)] = None  # filled when the "upload" finishes
+        self.uploads.append((time.perf_counter(), slot, (layer_index, expert), placed["qweight"]))
 
     def uploaded_slots(self) -> list[int]:
         now = time.perf_counter()
-        done = [slot for at, slot in self.uploads if now - at >= UPLOAD_SECONDS]
-        self.uploads = [(at, slot) for at, slot in self.uploads if now - at < UPLOAD_SECONDS]
-        return done
+        done = [u for u in self.uploads if now - u[0] >= UPLOAD_SECONDS]
+        self.uploads = [u for u in self.uploads if now - u[0] < UPLOAD_SECONDS]
+        for _, slot, key, (offset, dtype, shape) in done:
+            start = slot * self.setup.stage_size + offset
+            crc = zlib.crc32(self.slots[start:start + int(np.prod(shape)) * np.dtype(dtype).itemsize])
+            checks = [KernelCheck(m, float(crc), 0.0, True) for m in self.setup.batch_sizes]
+            self.results[key] = (checks, f"gpu {self.gpu} pid {os.getpid()}")
+        return [slot for _, slot, _, _ in done]
 
     def finish(self) -> dict:
+        time.sleep(UPLOAD_SECONDS)
+        self.uploaded_slots()  # the uploads still in flight finish
         return self.results
 
     def device_of(self, _index: int) -> str:
@@ -74,3 +79,12 @@ def raises_on_third_slice(gpu: int):
 
 def killed_on_third_slice(gpu: int):
     return lambda slots, setup: StandInChecker(gpu, slots, setup, fail_at=2, how="killed")
+
+
+def slow(gpu: int):
+    """50 ms per slice: long enough for a test to interrupt verify while the GPU processes work."""
+    return lambda slots, setup: StandInChecker(gpu, slots, setup, how="slow")
+
+
+def cuda_fails_to_start(gpu: int):
+    raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")

@@ -43,3 +43,20 @@ def test_a_marker_without_its_library_or_an_unloadable_one_is_no_build(tmp_path)
 
 def test_missing_build_folder_is_no_build(tmp_path):
     assert kernel._import_built("marlin_convert_kernel_x", tmp_path / "absent") is None
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_ours_is_exclusive(tmp_path):
+    """torch's JIT marks a build folder busy with a "lock" file it removes in a finally; a GPU process killed while
+    building leaves it, and every later build would wait forever. Our flock, held by every build, clears it; a
+    second holder waits until the first lets go (the kernel drops a flock when its holder dies)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "lock").write_text("")
+    with kernel._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        probe = ("import fcntl, sys\n"
+                 f"f = open({str(tmp_path / kernel.BUILD_LOCK)!r}, 'a')\n"
+                 "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n    sys.exit(7)\n")
+        assert subprocess.run([sys.executable, "-c", probe]).returncode == 7  # held: another builder would wait
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0  # released

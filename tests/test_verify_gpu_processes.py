@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,8 +37,9 @@ def _children(grace: float = 0.0) -> set[int]:
         time.sleep(0.02)
 
 
-def _live_children() -> set[int]:
-    me, found = os.getpid(), set()
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process (Linux /proc)."""
+    table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -45,18 +47,33 @@ def _live_children() -> set[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                found.add(int(entry))
-    return found
+            table[int(entry)] = (int(fields[1]), fields[0])
+    return table
 
 
-def _source_crcs(src) -> dict[str, int]:
+def _live_children() -> set[int]:
+    return {pid for pid, (parent, state) in _processes().items() if parent == os.getpid() and state != "Z"}
+
+
+def _source_crcs(src) -> dict[tuple[str, int | None], int]:
+    """(layer name, expert or None) -> CRC-32 of its source qweight (each expert's slice of a stacked one)."""
     crcs = {}
     for path in src.glob("*.safetensors"):
         for name, array in load_file(str(path)).items():
             if name.endswith(".qweight"):
-                crcs[name.removesuffix(".qweight")] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+                layer = name.removesuffix(".qweight")
+                if array.ndim == 3:
+                    for e in range(array.shape[0]):
+                        crcs[layer, e] = zlib.crc32(np.ascontiguousarray(array[e]).tobytes())
+                else:
+                    crcs[layer, None] = zlib.crc32(np.ascontiguousarray(array).tobytes())
     return crcs
+
+
+def _assert_own_bytes(report, src) -> None:
+    crcs = _source_crcs(src)
+    for result in report.results:
+        assert {c.max_abs_error for c in result.kernel} == {float(crcs[result.name, result.expert])}, result.label
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +92,14 @@ def test_every_slice_reaches_its_gpu_process_with_its_own_bytes(monkeypatch, lla
     before = _children()
     report = verify(out, gpus=gpus, batch_sizes=[1, 16], workers=workers)
     assert report.ok and report.kernel_checked and len(report.results) == 21  # more slices than staging slots
-    crcs = _source_crcs(src)
+    _assert_own_bytes(report, src)
     for index, result in enumerate(report.results):
         assert result.device == f"standin:{gpus[index % len(gpus)]}"  # round-robin by layer entry
         assert [c.batch for c in result.kernel] == [1, 16]
-        assert {c.max_abs_error for c in result.kernel} == {float(crcs[result.name])}, result.name
     pids = {r.kernel_note.split("pid ")[1] for r in report.results}
     assert len(pids) == len(gpus) and str(os.getpid()) not in pids  # one process per GPU, none of them this one
     assert set(report.gpu_peak_bytes) == {f"standin:{g}" for g in gpus}
     assert {"manifest and audit", "workers started", "kernel loaded", "GPU done"} <= set(report.timeline)
-    assert list(report.timeline.values()) == sorted(report.timeline.values())
     assert _children(grace=10) <= before  # the GPU processes are gone
 
 
@@ -99,6 +114,7 @@ def test_stacked_experts_each_reach_the_gpu(monkeypatch, tmp_path):
     names = {r.name for r in experts}
     assert len(names) >= 2 and len(experts) == 12 * len(names) and all(len(r.kernel) == 1 for r in experts)
     assert {r.device for r in experts} == {"standin:0", "standin:1"}
+    _assert_own_bytes(report, src)  # each expert's own slice of the stacked tensors
 
 
 def test_a_gpu_that_cannot_run_the_kernel_stops_verify_with_its_reason(monkeypatch, llama):
@@ -131,7 +147,17 @@ def test_the_cli_exits_1_when_a_gpu_process_fails(monkeypatch, llama, capsys):
     _use(monkeypatch, "raises_on_third_slice")
     assert main(["verify", str(llama[1]), "--gpu", "0", "--batch", "1", "-q"]) == 1
     err = capsys.readouterr().err
-    assert "GPU 0: the kernel check stopped" in err and "Traceback" not in err.split("Hint")[0]
+    assert err.startswith("Error: GPU 0: the kernel check stopped: RuntimeError: CUDA error") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1  # one line (the process's traceback only with MARLIN_CONVERT_DEBUG=1)
+
+
+def test_a_gpu_process_that_fails_before_its_kernel_is_ready_means_no_kernel_here(monkeypatch, llama, capsys):
+    """A CUDA error while the GPU process starts (a busy device, say) is 'the kernel cannot run here': exit 2."""
+    _use(monkeypatch, "cuda_fails_to_start")
+    assert main(["verify", str(llama[1]), "--gpu", "0", "--batch", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: GPU 0: the kernel check stopped: RuntimeError: CUDA error: CUDA-capable device")
+    assert "--skip-kernel" in err
 
 
 def test_the_cli_exits_0_with_two_gpu_processes(monkeypatch, llama, capsys):
@@ -171,7 +197,60 @@ def test_the_console_script_without_a_gpu_says_why_and_leaves_nothing(llama, tmp
     reason = unavailable_reason()
     if reason is None:
         pytest.skip("the kernel can run here")
+    before = _children()
     done = subprocess.run([sys.executable, "-m", "marlin_convert.cli.launch", "verify", str(llama[1]), "--gpu", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"Error: {reason}") and "--skip-kernel" in done.stderr
+    assert _children(grace=10) <= before
+
+
+_DRIVER = """
+import sys
+import marlin_convert.gpu_workers as gpu_workers
+gpu_workers.CHECKER = "gpu_standin:slow"
+from marlin_convert.cli.app import main
+sys.exit(main(["verify", sys.argv[1], "--gpu", "0,1", "--batch", "1", "-q"]))
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    table, found, todo = _processes(), set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, (ppid, _) in table.items():
+            if ppid == parent and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_while_the_gpu_processes_work_ends_verify_cleanly(llama, signal_name, code):
+    """SIGINT or SIGTERM to verify while its GPU processes check slices (the stand-in takes 50 ms a slice): exit
+    130 / 143 with one line, and no process of it left."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    process = subprocess.Popen([sys.executable, "-c", _DRIVER, str(llama[1])], stderr=subprocess.PIPE, text=True,
+                               env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_descendants(process.pid)) < 3:  # workers and GPU processes up
+        time.sleep(0.02)
+    time.sleep(0.3)  # into the checks
+    family = _descendants(process.pid)
+    process.send_signal(getattr(signal, signal_name))
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == code, err
+    assert err.strip().splitlines()[-1] in ("Error: interrupted", "Error: terminated")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in family):
+        time.sleep(0.05)
+    assert not [pid for pid in family if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    entry = _processes().get(pid)
+    return entry is not None and entry[1] != "Z"

@@ -18,12 +18,19 @@ _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
 def run() -> None:
     args = sys.argv[1:]
     early = args[:1] == ["verify"] and not _NO_KERNEL & set(args)
-    if early:
-        from ..gpu_workers import prestart
+    try:
+        if early:
+            from ..gpu_workers import prestart
 
-        prestart()
-    from .app import run as run_app
+            prestart()
+        from .app import run as run_app
+    except KeyboardInterrupt:  # Ctrl-C during the imports: the same one line as later on
+        if early:
+            from ..gpu_workers import discard_prestarted
 
+            discard_prestarted()
+        print("Error: interrupted", file=sys.stderr)
+        sys.exit(130)
     try:
         run_app()
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
