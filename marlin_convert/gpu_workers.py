@@ -204,7 +204,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 def _child_env() -> dict[str, str]:
     """The environment, with this process's import path (so the GPU process imports this same code)."""
     env = dict(os.environ)
-    paths = [str(Path(p).resolve()) for p in sys.path if p and Path(p).is_dir()]
+    # ("" on the path is this process's working directory: the GPU processes run elsewhere, so it is spelled out)
+    paths = [str(Path(p or os.getcwd()).resolve()) for p in sys.path if Path(p or os.getcwd()).is_dir()]
     env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *paths])
     return env
 

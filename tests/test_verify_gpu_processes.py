@@ -254,3 +254,18 @@ def test_a_signal_while_the_gpu_processes_work_ends_verify_cleanly(llama, signal
 def _alive(pid: int) -> bool:
     entry = _processes().get(pid)
     return entry is not None and entry[1] != "Z"
+
+
+def test_the_callers_working_directory_on_its_import_path_reaches_the_gpu_processes(llama):
+    """A program run from a folder imports its modules through '' on sys.path; the GPU processes run in the
+    package's root, so '' is passed on as that folder (here: the stand-in checker, importable only from tests/)."""
+    import subprocess
+    import sys
+
+    driver = ("import sys\nimport marlin_convert.gpu_workers as g\ng.CHECKER = 'gpu_standin:passing'\n"
+              "from marlin_convert.cli.app import main\n"
+              "sys.exit(main(['verify', sys.argv[1], '--gpu', '0', '--batch', '1', '-q']))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", driver, str(llama[1])], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
