@@ -265,7 +265,7 @@ def test_the_callers_working_directory_on_its_import_path_reaches_the_gpu_proces
     driver = ("import sys\nimport marlin_convert.gpu_workers as g\ng.CHECKER = 'gpu_standin:passing'\n"
               "from marlin_convert.cli.app import main\n"
               "sys.exit(main(['verify', sys.argv[1], '--gpu', '0', '--batch', '1', '-q']))\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))  # the package, not tests/
     done = subprocess.run([sys.executable, "-c", driver, str(llama[1])], cwd=Path(__file__).parent, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
