@@ -224,8 +224,9 @@ def _format_label(merged: dict, origin: dict[str, str]) -> str:
                                               origin["is_marlin_format"]):
         labels["is_marlin_format"] = "marlin"
     if any(label in MARLIN_LABELS for label in labels.values()):
-        raise InputError(f"{origin[next(iter(labels))]}: already in Marlin format "
-                         f"({', '.join(f'{k}: {v}' for k, v in labels.items())})")
+        stated = ", ".join(f"{k}: {json.dumps(merged[k])}" for k in labels)  # as the file has them
+        raise InputError(f"{origin[next(iter(labels))]}: already in Marlin format ({stated})",
+                         hint="give the GPTQ checkpoint it was converted from")
     if len(set(labels.values())) > 1:
         raise InputError(f"{', '.join(sorted({origin[k] for k in labels}))}: format keys disagree: "
                          + ", ".join(f"{k} is {json.dumps(v)}" for k, v in labels.items()))

@@ -189,7 +189,8 @@ def test_verify_skip_kernel_passes_on_a_fresh_conversion(tmp_path, src, capsys):
     assert main([str(src), str(out), "-q"]) == 0
     assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q", "--json",
                  str(tmp_path / "v.json")]) == 0
-    assert "7/7 passed" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "7/7 passed" in printed and f"rebuilt quantized tensors compared with {src}'s byte for byte" in printed
     result = json.loads((tmp_path / "v.json").read_text())
     assert result["ok"] is True and result["kernel_checked"] is False and result["layers_checked"] == 7
 
@@ -205,10 +206,11 @@ def test_a_flipped_bit_makes_verify_fail_on_that_layer(tmp_path, src, capsys, te
     data[info.begin + info.nbytes // 2] ^= 0x10
     shard.write_bytes(bytes(data))
     capsys.readouterr()
-    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 1
+    assert main(["verify", str(out), "--skip-kernel"]) == 1
     captured = capsys.readouterr()
     assert "1 layer(s) failed verification: model.layers.0.mlp.up_proj" in captured.err
     assert "digest mismatch" in captured.out
+    assert "Verification FAILED" in captured.out and "Verified" not in captured.out  # the heading says so too
 
 
 def test_verify_on_a_directory_without_manifest(tmp_path, src, capsys):
@@ -223,6 +225,11 @@ def test_verify_rejects_bad_gpu_and_batch_lists(tmp_path, src, capsys):
     assert "--gpu 'zero'" in capsys.readouterr().err
     assert main(["verify", str(out), "--batch", "1,0"]) == 2
     assert "--batch '1,0'" in capsys.readouterr().err
+    # refused with --skip-kernel too, not ignored
+    assert main(["verify", str(out), "--skip-kernel", "--gpu", "abc"]) == 2
+    assert "--gpu 'abc'" in capsys.readouterr().err
+    assert main(["verify", str(out), "--skip-kernel", "--dtype", "foo"]) == 2
+    assert "--dtype 'foo'" in capsys.readouterr().err
 
 
 def test_verify_without_a_gpu_says_why(tmp_path, src, capsys):

@@ -24,6 +24,7 @@ from ..verify import (
     DEFAULT_WORKERS,
     RELATIVE_ERROR_BOUND,
     LayerResult,
+    activation_dtype,
     parse_gpus,
     verify as run_verify,
 )
@@ -101,7 +102,11 @@ def verify(
     check_json_path(json_file)
     batches = _parse_batches(batch)
     manifest_sha256 = _parse_digest(manifest_sha256)
-    gpus = None if skip_kernel else parse_gpus(gpu)
+    gpus = parse_gpus(gpu)  # checked with --skip-kernel too: a bad argument is refused, not ignored
+    if dtype is not None:
+        activation_dtype({}, dtype)  # likewise (raises InputError naming the value)
+    if skip_kernel:
+        gpus = None
     if workers < 1:
         raise InputError(f"--workers {workers}: expected at least 1")
     manifest = load_manifest(out_dir)
@@ -111,7 +116,7 @@ def verify(
                             seed=seed, dtype=dtype, workers=workers, expect_manifest=manifest_sha256,
                             progress=advance)
     data = report.to_dict()
-    output = Output(f"Verified {out_dir}", data)
+    output = Output(f"Verified {out_dir}" if report.ok else f"Verification FAILED: {out_dir}", data)
     output.columns = ["layer", "K x N", "kind", "lossless"]
     if report.kernel_checked:
         output.columns += [f"m={m} max / rel err" for m in report.batch_sizes] + ["time", "status"]
@@ -154,6 +159,8 @@ def verify(
                     f"error {worst:.2e} ({bound})" if worst is not None else f"; kernel on GPU {gpu}: no layer ran")
     else:
         summary += "; kernel not run (--skip-kernel)"
+    if source is not None:
+        summary += f"; rebuilt quantized tensors compared with {source}'s byte for byte"
     output.lines.append(summary)
     output.lines.append(f"manifest {report.manifest_sha256}")
     output.write_json(json_file)  # first: a closed stdout must not lose it
