@@ -47,8 +47,8 @@ from .errors import KernelUnavailableError, VerificationFailed
 CHECKER = "marlin_convert.gpu_workers:kernel_checker"
 #: seconds between a GPU process's checks for finished uploads while some are in flight
 _UPLOAD_POLL = 0.0005
-#: seconds the parent waits for messages at a time while it has nothing else to do
-_PARENT_POLL = 0.002
+#: seconds the parent waits for a GPU process's message at a time (it checks that they are alive in between)
+_PARENT_WAIT = 0.05
 #: the last bytes of a dead GPU process's stderr quoted in the error
 _STDERR_TAIL = 600
 
@@ -67,7 +67,6 @@ class GpuOutcome:
     """What one GPU process reports at the end: ``results`` maps ``(layer index, expert)`` to ``([KernelCheck],
     note)``."""
 
-    gpu: int
     device: str
     results: dict
     seconds: dict[str, float]
@@ -75,8 +74,7 @@ class GpuOutcome:
     pinned: bool
     pid: int
     peak_rss: int
-    ready_at: float = 0.0
-    slices: int = 0
+    ready_at: float
 
 
 def kernel_checker(gpu: int):
@@ -117,7 +115,7 @@ def _serve(gpu: int, conn: Connection, stage_fd: int, checker: str) -> None:
     slots = mmap.mmap(stage_fd, setup.slot_count * setup.stage_size)
     checker_ = make(slots, setup)
     ready_at = time.perf_counter()
-    feeding, slices = 0.0, 0
+    feeding = 0.0
     while True:
         # block while nothing is uploading (a slot is freed only once its upload is done); poll while something is
         if conn.poll(_UPLOAD_POLL if checker_.uploads else None):
@@ -128,7 +126,6 @@ def _serve(gpu: int, conn: Connection, stage_fd: int, checker: str) -> None:
             began = time.perf_counter()
             checker_.submit(layer_index, layer, expert, slot, placed, zero_format)
             feeding += time.perf_counter() - began
-            slices += 1
         freed = checker_.uploaded_slots()
         if freed:
             conn.send(("free", freed))
@@ -137,8 +134,8 @@ def _serve(gpu: int, conn: Connection, stage_fd: int, checker: str) -> None:
     seconds["feed (host)"] = feeding
     import resource
 
-    outcome = GpuOutcome(gpu, checker_.device_of(0), results, seconds, checker_.peak_memory(), checker_.pinned,
-                         os.getpid(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, ready_at, slices)
+    outcome = GpuOutcome(checker_.device_of(0), results, seconds, checker_.peak_memory(), checker_.pinned, os.getpid(),
+                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, ready_at)
     conn.send(("done", outcome))  # then os._exit (main): unregistering, synchronising, torch's teardown not needed
 
 
@@ -183,7 +180,6 @@ class _Process:
     ready: bool = False
     loaded_at: float = 0.0
     outcome: GpuOutcome | None = None
-    sent: int = 0
 
 
 def _shared_file() -> int:
@@ -335,7 +331,6 @@ class GpuWorkers:
         """Hand one staged slice to the GPU process of its layer."""
         process = self.processes[layer_index % len(self.processes)]
         self._send(process, ("slice", layer_index, layer, expert, slot, placed, zero_format))
-        process.sent += 1
 
     def poll(self) -> list[int]:
         """Read what the GPU processes have said (without waiting); returns the slots they freed. Raises
@@ -346,12 +341,11 @@ class GpuWorkers:
             freed += self._read(process)
         return freed
 
-    def wait_ready(self) -> list[float]:
-        """Wait until every GPU process has loaded the kernel (raising as :meth:`poll` does); their load times."""
+    def wait_ready(self) -> None:
+        """Wait until every GPU process has loaded the kernel (raising as :meth:`poll` does)."""
         while not all(p.ready for p in self.processes):
             self._wait_any()
             self.poll()
-        return [p.loaded_at for p in self.processes]
 
     def finish(self) -> list[GpuOutcome]:
         """Tell every GPU process that no more slices come and collect their outcomes (raising as :meth:`poll`)."""
@@ -372,7 +366,7 @@ class GpuWorkers:
     def _wait_any(self) -> None:
         from multiprocessing.connection import wait
 
-        wait([p.conn for p in self.processes if p.outcome is None], timeout=_PARENT_POLL * 25)
+        wait([p.conn for p in self.processes if p.outcome is None], timeout=_PARENT_WAIT)
 
     def _send(self, process: _Process, message) -> None:
         try:

@@ -24,15 +24,11 @@ def run() -> None:
 
             prestart()
         from .app import run as run_app
-    except KeyboardInterrupt:  # Ctrl-C during the imports: the same one line as later on
-        if early:
-            from ..gpu_workers import discard_prestarted
 
-            discard_prestarted()
+        run_app()
+    except KeyboardInterrupt:  # Ctrl-C during the imports (later, main() turns it into the same line and exit code)
         print("Error: interrupted", file=sys.stderr)
         sys.exit(130)
-    try:
-        run_app()
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
         if early:
             from ..gpu_workers import discard_prestarted
