@@ -50,7 +50,7 @@ from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
-from .workers import kill_workers, worker_pool
+from .workers import shutdown_pool, worker_pool
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
 DEFAULT_WORKERS = max(1, os.cpu_count() or 1)
@@ -623,9 +623,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
         finished = True
     finally:
         if pool is not None:
-            if not finished:
-                kill_workers(pool)
-            pool.shutdown(wait=True, cancel_futures=True)
+            shutdown_pool(pool, finished)
         for channel in (_STATE.free_slots, _STATE.messages):
             if hasattr(channel, "cancel_join_thread"):  # a multiprocessing queue: what is left in it is not needed,
                 channel.close()                         # and joining its feeder thread at exit took 0.3 s each

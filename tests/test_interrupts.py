@@ -206,3 +206,23 @@ def test_out_dir_that_is_a_symlink_is_refused(tmp_path, src, capsys):
     assert "is a symbolic link" in line and str(target) in line
     assert (tmp_path / "link").is_symlink() and list(target.iterdir()) == []
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_pool_caught_half_started_does_not_replace_the_interrupt(finished):
+    """An interrupt inside ProcessPoolExecutor.submit can leave its manager thread created but not started; its
+    shutdown then raises RuntimeError. While an interrupt unwinds, that must not replace it (exit 3 instead of 130);
+    after finished work, a failing shutdown is still an error."""
+    from marlin_convert.workers import shutdown_pool
+
+    class HalfStarted:
+        _processes = {}
+
+        def shutdown(self, wait, cancel_futures):
+            raise RuntimeError("cannot join thread before it is started")
+
+    if finished:
+        with pytest.raises(RuntimeError):
+            shutdown_pool(HalfStarted(), finished=True)
+    else:
+        shutdown_pool(HalfStarted(), finished=False)  # no error
