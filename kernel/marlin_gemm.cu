@@ -134,6 +134,21 @@ int dispatch_fp16_int4(const Launch& L) {
   // m = 64 0.61x -> 0.62x (0.67x -> 0.72x). At m = 128 the 64-row chunks stay ahead (0.42x against 0.39x), as does
   // MB = 2 with 128-column tiles nowhere.
   const int optin = smem_optin();
+  // Benchmark only (issue #11, m > 16): wider tiles (A read once per 256 columns instead of 64 / 128) and more strips
+  // per stage; n must divide by the tile width, otherwise the default below.
+  const bool big_n_or_k = L.n >= 10240 || L.k >= 16384;
+  switch (small_cfg()) {
+    case 50: if (L.n % 128 == 0 && optin >= Tile<4, 2, 4, 3, GROUPED>::kSmemBytes) return launch_config<K, 4, 2, 4, 3, GROUPED>(L); break;
+    case 55: if (L.n % 128 == 0 && optin >= Tile<4, 2, 4, 4, GROUPED>::kSmemBytes) return launch_config<K, 4, 2, 4, 4, GROUPED>(L); break;
+    case 56: if (L.n % 128 == 0 && optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes) return launch_config<K, 4, 2, 8, 2, GROUPED>(L); break;
+    case 57: if (L.m <= 64 && optin >= Tile<2, 1, 4, 2, GROUPED>::kSmemBytes) return launch_config<K, 2, 1, 4, 2, GROUPED>(L); break;
+    case 58: if (L.m <= 64 && optin >= Tile<2, 2, 4, 3, GROUPED>::kSmemBytes) return launch_config<K, 2, 2, 4, 3, GROUPED>(L); break;
+    case 59:
+      if ((L.m > 64 || (L.m > 32 && big_n_or_k)) && L.n % 128 == 0 && optin >= Tile<4, 2, 4, 3, GROUPED>::kSmemBytes)
+        return launch_config<K, 4, 2, 4, 3, GROUPED>(L);
+      break;
+    default: break;
+  }
   if (L.m <= 64 && optin >= Tile<2, 1, 2, 4, GROUPED>::kSmemBytes) return launch_config<K, 2, 1, 2, 4, GROUPED>(L);
   if (L.n % 128 == 0 && optin >= Tile<4, 2, 2, 4, GROUPED>::kSmemBytes)
     return launch_config<K, 4, 2, 2, 4, GROUPED>(L);

@@ -346,6 +346,11 @@ struct Dequant<__nv_bfloat16, 8> {
 
 // ------------------------------------------------------------------------------------------------ the kernel
 
+// How a warp's strips of one stage take their grouped scales and zero points (the kernel's strips()).
+constexpr int kPerStrip = 0;     // each strip its own scale row and zero points
+constexpr int kOneGroupF32 = 1;  // all in one group: unscaled B, fp32 partial sums scaled once (kF32Scale)
+constexpr int kOneGroupB = 2;    // all in one group: scale row and zero points read once, scales on B in 16 bits
+
 // Compile-time shape of one configuration.
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int BITS = 4, bool ZP = false>
 struct Tile {
@@ -386,7 +391,7 @@ struct Tile {
 // grouped zero-point ones (4 bytes of spill on sm_80). The 64-row ones (128 accumulators) stay at 1.
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
-  constexpr int by_strips = MB == 2 && WN <= 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
+  constexpr int by_strips = MB == 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
                          : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
                          : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
   constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;
@@ -600,6 +605,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       GROUPED && !NO_F32_SCALE &&
       (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= (ZP ? 1 : 2) &&
                      !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
+  // The other grouped kernels (scales on B in 16 bits): when all of a warp's strips of the stage lie in one group,
+  // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
+  // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
+  constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
   // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
   // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
   auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
@@ -614,11 +623,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       zw[0] = sZ[at];
     }
   };
-  // strips(tag, d): this warp's strips of the stage into accumulators d. tag::value: all of them lie in one group
-  // (the caller checked): leave B unscaled (the caller scales d) and read the zero points once.
-  auto strips = [&](auto one_group_tag, float (&d)[MB][8][4], int slot, int st) {
-    constexpr bool kOneGroup = decltype(one_group_tag)::value;
-    constexpr bool kScaleB = GROUPED && !kOneGroup;
+  // strips(mode, d): this warp's strips of the stage into accumulators d. mode::value (an StripMode):
+  //   kPerStrip     grouped: each strip reads its own scale row (and zero points); channelwise: no scales here
+  //   kOneGroupF32  all of them lie in one group (the caller checked): leave B unscaled (the caller scales the fp32
+  //                 partial sums d) and read the zero points once
+  //   kOneGroupB    all of them lie in one group: the scales go onto B in 16 bits as in kPerStrip, but the scale row
+  //                 and the zero points are read, and the zeros derived, once for all the strips
+  auto strips = [&](auto mode_tag, float (&d)[MB][8][4], int slot, int st) {
+    constexpr int kMode = decltype(mode_tag)::value;
+    constexpr bool kOneGroup = kMode != kPerStrip;
+    constexpr bool kScaleB = GROUPED && kMode != kOneGroupF32;
     const unsigned char* base = smem + slot * T::kStageBytes;
     const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
     const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
@@ -627,8 +641,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     uint32_t zw[kWords];  // this lane's zero-point words (ZP)
 #pragma unroll
     for (int i = 0; i < kWords; ++i) zw[i] = zconst[i];
-    if constexpr (ZP && GROUPED && kOneGroup)
-      zero_row(slot, group_of((strip0 + wk * STRIPS) * 16) - group_of(st * T::kStageK), zw);
+    // the one scale row of this warp's strips (the one-group modes)
+    const int srow_once = kOneGroup ? group_of((strip0 + wk * STRIPS) * 16) - group_of(st * T::kStageK) : 0;
+    if constexpr (ZP && GROUPED && kOneGroup) zero_row(slot, srow_once, zw);
+    int4 sc_once = make_int4(0, 0, 0, 0);
+    if constexpr (GROUPED && kMode == kOneGroupB) sc_once = sS[srow_once * WN * 8 + wn * 8 + (lane >> 2)];
     // Zero points that hold for every strip here (channelwise, or the warp's strips in one group): the four tiles'
     // Zero values once, not once per strip.
     constexpr bool kZeroOnce = ZP && (!GROUPED || kOneGroup);
@@ -642,7 +659,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       const int strip = wk * STRIPS + ls;  // strip inside the stage
       // (the one-group path's first strip is always there: compute_stage checked it; there the mma starts the
       // partial sums from zero instead of adding to zeroed registers)
-      const bool first = kOneGroup && ls == 0;  // a constant once the loop is unrolled
+      const bool first = kMode == kOneGroupF32 && ls == 0;  // a constant once the loop is unrolled
       if (first || strip0 + strip < k_strips) {  // warp-uniform
         // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
         uint32_t bw[4 * kWords];
@@ -671,8 +688,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
         // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
         // scheduled it so that two sm_80 kernels spilled.)
-        int4 sc = make_int4(0, 0, 0, 0);
-        if constexpr (kScaleB) {
+        int4 sc = sc_once;
+        if constexpr (kScaleB && !kOneGroup) {
           const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
           sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
           if constexpr (ZP) zero_row(slot, srow, zw);
@@ -739,7 +756,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       // share one group, and the per-stage comparison is skipped)
       if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
         float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
-        strips(std::true_type{}, part, slot, st);
+        strips(std::integral_constant<int, kOneGroupF32>{}, part, slot, st);
         // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
         // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
         const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
@@ -760,7 +777,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         return;
       }
     }
-    strips(std::false_type{}, acc, slot, st);
+    if constexpr (kHoistOneGroup) {
+      const int first = st * T::kStageStrips + wk * STRIPS;  // as above
+      if (first >= k_strips) return;
+      if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
+        strips(std::integral_constant<int, kOneGroupB>{}, acc, slot, st);
+        return;
+      }
+    }
+    strips(std::integral_constant<int, kPerStrip>{}, acc, slot, st);
   };
 
   // ---- main loop: STAGES - 1 stages in flight, one barrier per stage
@@ -1064,6 +1089,11 @@ int dispatch_kind(const Launch& L) {
       // 8192 x 10240 35.1 -> 28.5, 4096 x 12288 19.5 -> 16.2 (m = 16: 6-9 % faster), bf16 alike; 2 strips at 4
       // stages were 10-40 % slower.
       if (optin >= Tile<1, 1, 4, 2, GROUPED, 4, true>::kSmemBytes) return launch_small_kind<K, 4, GROUPED, true, 2>(L);
+    }
+    if constexpr (kBits == 4 && kZp && !GROUPED) {
+      // channelwise zero points, n / 64 > SMs: the same 4-strip, 2-stage kernel
+      if (tiles > L.sms && optin >= Tile<1, 1, 4, 2, false, 4, true>::kSmemBytes)
+        return launch_small_kind<K, 4, false, true, 2>(L);
     }
     if constexpr (kBits == 4) {
       if (optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes && (kZp || L.n / 64 <= 2 * L.sms))
