@@ -16,9 +16,9 @@ namespace detail {
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
 //             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
 //             m <= 8 only (see dispatch below)
-//   m <= 64 : MB=2 (32-row chunks), WN=1, 2 strips, 4 stages, 2 blocks per SM
-//   m > 64  : MB=4 (64-row chunks); WN=2 (128-column tiles, A fragments shared by 2x the columns) when n % 128 == 0,
-//             else WN=1; 4 stages
+//   m > 64, and 33..64 with k >= 16384 or n >= 32768, n % 128 == 0: MB=4 (64-row chunks), WN=2 (128-column tiles,
+//             A fragments shared by 2x the columns), 8 strips, 2 stages (208 KB), one block per SM
+//   otherwise: MB=2 (32-row chunks), WN=1, 4 strips, 2 stages (104 KB), 2 blocks per SM
 //   m > 16 where the shared memory per block is below those (sm_86 / sm_89): MB=2, 1 strip
 // each once with grouped and once with channelwise scales, plus the benchmark-only m <= 16 variants.
 // The other kinds: dispatch_kind in marlin_gemm_impl.cuh.
@@ -128,31 +128,22 @@ int dispatch_fp16_int4(const Launch& L) {
     if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
     return launch_small<2, 4, GROUPED>(L, true, true);
   }
-  // m = 17..64: 32-row chunks (MB = 2), 2 blocks per SM (min_blocks: <= 128 registers, 106.5 KB each). Against one
-  // block per SM (132 registers) and, for m = 33..64, the 64-row chunks below, on the H200 (`--m 32,64,128 --cfgs`,
-  // kernel/NOTES.md), geomean over the 8 shapes: m = 32 0.89x -> 1.02x at group 128 (channelwise 1.13x -> 1.16x),
-  // m = 64 0.61x -> 0.62x (0.67x -> 0.72x). At m = 128 the 64-row chunks stay ahead (0.42x against 0.39x), as does
-  // MB = 2 with 128-column tiles nowhere.
+  // m > 16: more strips per stage (fewer barriers, half the per-stage bookkeeping per mma), measured on the H200
+  // against the previous kernels (2 strips at 4 stages: MB = 2 for m <= 64, MB = 4 with 128-column tiles above;
+  // `--m 32,64,128 --cfgs`, kernel/NOTES.md), geomean over the 8 shapes, group 128 / channelwise:
+  //   m > 64, and m = 33..64 with long k or wide n: 64-row chunks, 128-column tiles, 8 strips at 2 stages (208 KB,
+  //     one block per SM): m = 128 0.56x -> 0.65x / 0.59x -> 0.64x; m = 64 8192 x 57344 275.8 -> 218.1 us,
+  //     28672 x 8192 135.7 -> 99.7 (g128);
+  //   otherwise 32-row chunks (MB = 2), 4 strips at 2 stages (104 KB, 2 blocks per SM, as the 2-strip, 4-stage one it
+  //     replaces): m = 32 1.32x -> 1.47x / 1.45x -> 1.56x, m = 64 0.84x -> 0.94x / 0.94x -> 1.01x, faster on every
+  //     shape at m = 32.
+  // Wider tiles (256 columns: A read once per 256 columns) were slower at every m (0.47-0.65x at m = 128).
   const int optin = smem_optin();
-  // Benchmark only (issue #11, m > 16): wider tiles (A read once per 256 columns instead of 64 / 128) and more strips
-  // per stage; n must divide by the tile width, otherwise the default below.
-  const bool big_n_or_k = L.n >= 10240 || L.k >= 16384;
-  switch (small_cfg()) {
-    case 50: if (L.n % 128 == 0 && optin >= Tile<4, 2, 4, 3, GROUPED>::kSmemBytes) return launch_config<K, 4, 2, 4, 3, GROUPED>(L); break;
-    case 55: if (L.n % 128 == 0 && optin >= Tile<4, 2, 4, 4, GROUPED>::kSmemBytes) return launch_config<K, 4, 2, 4, 4, GROUPED>(L); break;
-    case 56: if (L.n % 128 == 0 && optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes) return launch_config<K, 4, 2, 8, 2, GROUPED>(L); break;
-    case 57: if (L.m <= 64 && optin >= Tile<2, 1, 4, 2, GROUPED>::kSmemBytes) return launch_config<K, 2, 1, 4, 2, GROUPED>(L); break;
-    case 58: if (L.m <= 64 && optin >= Tile<2, 2, 4, 3, GROUPED>::kSmemBytes) return launch_config<K, 2, 2, 4, 3, GROUPED>(L); break;
-    case 59:
-      if ((L.m > 64 || (L.m > 32 && big_n_or_k)) && L.n % 128 == 0 && optin >= Tile<4, 2, 4, 3, GROUPED>::kSmemBytes)
-        return launch_config<K, 4, 2, 4, 3, GROUPED>(L);
-      break;
-    default: break;
-  }
-  if (L.m <= 64 && optin >= Tile<2, 1, 2, 4, GROUPED>::kSmemBytes) return launch_config<K, 2, 1, 2, 4, GROUPED>(L);
-  if (L.n % 128 == 0 && optin >= Tile<4, 2, 2, 4, GROUPED>::kSmemBytes)
-    return launch_config<K, 4, 2, 2, 4, GROUPED>(L);
-  if (optin >= Tile<4, 1, 2, 4, GROUPED>::kSmemBytes) return launch_config<K, 4, 1, 2, 4, GROUPED>(L);
+  const bool long_k_or_wide_n = L.k >= 16384 || L.n >= 32768;
+  if ((L.m > 64 || (L.m > 32 && long_k_or_wide_n)) && L.n % 128 == 0 &&
+      optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes)
+    return launch_config<K, 4, 2, 8, 2, GROUPED>(L);
+  if (optin >= Tile<2, 1, 4, 2, GROUPED>::kSmemBytes) return launch_config<K, 2, 1, 4, 2, GROUPED>(L);
   // less shared memory per block (sm_86 / sm_89: 99 KB): one strip per warp and stage, as the other kinds
   return launch_config<K, 2, 1, 1, 4, GROUPED>(L);
 }

@@ -1019,8 +1019,10 @@ int launch_small_kind(const Launch& L) {
 //   4-bit symmetric, larger n: 2 strips, 3 blocks per SM (72 KB), swapped for m <= 8 only;
 //   8-bit, larger n: 4 strips at 2 stages, 2 blocks per SM (104-108 KB; 2 strips at 4 stages where that does not
 //          fit);
-//   m > 16, and m <= 16 where the shared memory is too small for the above (sm_86 / sm_89: ~100 KB): MB = 2, 1 strip
-//   (52 / 68 KB).
+//   m > 16: 4-bit, 64-row chunks at 8 strips x 2 stages (m > 64, or 33..64 with k >= 16384 or n >= 32768), else
+//          32-row chunks at 4 strips x 2 stages (104 KB); 8-bit grouped the latter (136 KB);
+//   8-bit channelwise m > 16, and every kind where the shared memory is too small for the above (sm_86 / sm_89:
+//   ~100 KB): MB = 2, 1 strip (52 / 68 KB).
 // Benchmark-only configuration switch (MARLIN_CONVERT_SMALL_CFG; marlin_gemm.cu): -1 when unset.
 int small_cfg();
 
@@ -1103,6 +1105,23 @@ int dispatch_kind(const Launch& L) {
       }
     } else {
       if (optin >= Tile<1, 1, 2, 4, GROUPED, 8, kZp>::kSmemBytes) return launch_small_kind<K, 2, GROUPED, true>(L);
+    }
+  }
+  if (L.m > 16) {
+    // The m > 16 kernels of fp16 x 4-bit symmetric (dispatch_fp16_int4): 4-bit, 64-row chunks at 8 strips x 2 stages
+    // for m > 64 and for m = 33..64 with long k or wide n, else 32-row chunks at 4 strips x 2 stages; 8-bit grouped the
+    // latter. Against the 1-strip, 4-stage kernel below, on the H200 (`--m 32,64,128 --cfgs`, kernel/NOTES.md), group
+    // 128 geomean m = 32 / 64 / 128: bf16-int4 1.13 / 0.71 / 0.46x -> 1.43 / 0.92 / 0.63x, fp16-int4-zp 1.02 / 0.59 /
+    // 0.34x -> 1.29 / 0.77 / 0.63x, fp16-int8 0.93 / 0.54 / 0.31x -> 1.21 / 0.74 / 0.44x; 8-bit channelwise lost
+    // there (1.28 -> 1.22x at m = 32: the 136 KB kernel runs one block per SM) and keeps the 1-strip kernel.
+    const int optin = smem_optin();
+    if constexpr (kBits == 4) {
+      if ((L.m > 64 || (L.m > 32 && (L.k >= 16384 || L.n >= 32768))) && L.n % 128 == 0 &&
+          optin >= Tile<4, 2, 8, 2, GROUPED, 4, kZp>::kSmemBytes)
+        return launch_config<K, 4, 2, 8, 2, GROUPED>(L);
+    }
+    if (kBits == 4 || GROUPED) {
+      if (optin >= Tile<2, 1, 4, 2, GROUPED, kBits, kZp>::kSmemBytes) return launch_config<K, 2, 1, 4, 2, GROUPED>(L);
     }
   }
   return launch_config<K, 2, 1, 1, 4, GROUPED>(L);

@@ -146,6 +146,15 @@ CASES = [
     (100, 4096, 1024, 128, True),
     (8, 1040, 128, -1, False),  # k = 65 strips: a partial last stage
     (3, 1040, 128, 16, False),
+    # m > 16: 32-row chunks at 4 strips x 2 stages; 64-row chunks at 8 strips x 2 stages (m > 64, or 33..64 with
+    # k >= 16384 or n >= 32768): partial last stages, group 16 (strips of one warp cross groups), group 48 (not a
+    # power of two: a division), act-order, n % 128 != 0
+    (20, 1040, 192, 16, False),
+    (40, 16400, 256, 16, False),
+    (48, 2048, 32768, -1, False),
+    (129, 1536, 256, 48, False),
+    (72, 2048, 320, 32, True),
+    (96, 1040, 384, 16, True),
 ]
 
 
@@ -381,6 +390,8 @@ KIND_SHAPES = [  # (m, k, n, group, act_order)
     (37, 1024, 320, 32, True),     # m > 16, act-order, n % 128 != 0
     (70, 512, 384, 128, False),    # m > 16, grouped, two row chunks
     (130, 768, 192, -1, False),    # m > 16, channelwise, a partial row chunk
+    (40, 16400, 256, 16, False),   # 4-bit m = 33..64 with long k: 64-row chunks, 8 strips x 2 stages, group 16
+    (96, 1040, 256, 16, True),     # 4-bit m > 64: the same, act-order, a partial last stage; 8-bit grouped: MB = 2
 ]
 
 
