@@ -155,6 +155,9 @@ CASES = [
     (129, 1536, 256, 48, False),
     (72, 2048, 320, 32, True),
     (96, 1040, 384, 16, True),
+    # more tiles than one wave at one / two blocks per SM (132 SMs)
+    (70, 4096, 10240, 128, False),
+    (40, 8192, 10240, -1, False),
 ]
 
 
@@ -392,6 +395,7 @@ KIND_SHAPES = [  # (m, k, n, group, act_order)
     (130, 768, 192, -1, False),    # m > 16, channelwise, a partial row chunk
     (40, 16400, 256, 16, False),   # 4-bit m = 33..64 with long k: 64-row chunks, 8 strips x 2 stages, group 16
     (96, 1040, 256, 16, True),     # 4-bit m > 64: the same, act-order, a partial last stage; 8-bit grouped: MB = 2
+    (50, 8192, 10240, 64, False),  # m > 16 with more tiles than one wave
 ]
 
 
