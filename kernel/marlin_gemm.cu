@@ -116,12 +116,18 @@ int dispatch_fp16_int4(const Launch& L) {
     //     8192 x 10240 m = 1 32.0 -> 27.3 us, m = 16 42.3 -> 37.8;
     //   SMs / 2 < n / 64 <= SMs (the 4-strip kernel has no room to split): the 3-strip kernel (2 blocks per SM)
     //     split in two, for long k or m > 8: 28672 x 8192 m = 16 91.6 -> 73.9 us, m = 1 59.4 -> 57.6,
-    //     8192 x 8192 m = 16 27.9 -> 26.0 (at m = 1 there 19.5 -> 20.7, hence not for short k at m <= 8).
+    //     8192 x 8192 m = 16 27.9 -> 26.0 (at m = 1 there 19.5 -> 20.7, hence not for short k at m <= 8); at m = 9..16
+    //     the 4-strip, 2-stage kernel (2 blocks per SM too) split in two instead: a warp's 64 rows never straddle a
+    //     group of 64 / 128 (the 3-strip kernel's 48 do, and those warps take the per-strip 16-bit scales),
+    //     28672 x 8192 m = 16 63.9 -> 50.7 us (g128), 50.9 -> 48.0 (channelwise); 8192 x 8192 23.1 -> 20.0, 19.4 ->
+    //     19.1 (this session's NOTES.md).
     const int tiles = L.n / 64;
     Launch split_two = L;
     split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
     if (two_wave && 2 * tiles <= 3 * L.sms && optin >= Tile<1, 1, 2, 4, GROUPED>::kSmemBytes)
       return launch_small<2, 4, GROUPED>(split_two, true);
+    if (one_wave && 2 * tiles > L.sms && L.m > 8 && optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
+      return launch_small<4, 2, GROUPED>(split_two, true);
     if (one_wave && 2 * tiles > L.sms && (L.k >= 16384 || L.m > 8))
       return launch_small<3, 4, GROUPED>(split_two, true);
     if (one_wave) return launch_small<4, 4, GROUPED>(L, true);

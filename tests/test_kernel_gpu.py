@@ -155,6 +155,9 @@ CASES = [
     (129, 1536, 256, 48, False),
     (72, 2048, 320, 32, True),
     (96, 1040, 384, 16, True),
+    # m = 9..16, SMs / 2 < n / 64 <= SMs: 4 strips x 2 stages split in two over k (a partial last stage)
+    (13, 2048, 8192, 128, False),
+    (16, 1040, 6400, -1, False),
     # more tiles than one wave at one / two blocks per SM (132 SMs)
     (70, 4096, 10240, 128, False),
     (40, 8192, 10240, -1, False),
