@@ -1052,6 +1052,10 @@ int dispatch_kind(const Launch& L) {
       // symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two.
       Launch split_two = L;
       split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
+      // m = 9..16 there: the 4-strip, 2-stage kernel split in two, as fp16 x 4-bit (its 64-row warps never straddle
+      // a group of 64 / 128; the 3-strip kernel's 48 do)
+      if (one_wave && 2 * tiles > L.sms && L.m > 8 && optin >= Tile<1, 1, 4, 2, GROUPED, 4, kZp>::kSmemBytes)
+        return launch_small_kind<K, 4, GROUPED, true, 2>(split_two);
       if (one_wave && 2 * tiles > L.sms && (L.k >= 16384 || L.m > 8) &&
           optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 3, GROUPED, true>(split_two);

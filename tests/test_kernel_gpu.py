@@ -389,7 +389,8 @@ KIND_SHAPES = [  # (m, k, n, group, act_order)
     (4, 256, 10240, 128, False),   # 4-bit, SMs < n / 64 <= 2 SMs: 3 strips
     (14, 256, 10240, -1, False),   # ... two batch blocks
     (3, 2048, 10240, 128, False),  # 4-bit symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two
-    (12, 1024, 4288, 64, False),   # 4-bit, SMs / 2 < n / 64 <= SMs (132 SMs), m > 8: 3 strips split in two
+    (12, 1024, 4288, 64, False),   # 4-bit, SMs / 2 < n / 64 <= SMs (132 SMs), m > 8: 4 strips x 2 stages split in two
+    (16, 2048, 8192, -1, False),   # ... channelwise
     (9, 1040, 10240, 16, False),   # 4-bit zero points, grouped, n / 64 > SMs: 4 strips x 2 stages, group 16 (straddling)
     (2, 1024, 17408, 64, True),    # ... act-order
     (2, 1024, 512, 64, True),      # act-order, m <= 8
