@@ -1124,7 +1124,7 @@ int dispatch_kind(const Launch& L) {
           optin >= Tile<4, 2, 8, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_config<K, 4, 2, 8, 2, GROUPED>(L);
     }
-    if (kBits == 4 || GROUPED) {
+    if constexpr (kBits == 4 || GROUPED) {
       if (optin >= Tile<2, 1, 4, 2, GROUPED, kBits, kZp>::kSmemBytes) return launch_config<K, 2, 1, 4, 2, GROUPED>(L);
     }
   }
