@@ -59,6 +59,20 @@ def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_json_dash_prints_one_json_document_on_stdout_and_writes_no_file(tmp_path, src, capsys, monkeypatch, command):
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+        capsys.readouterr()
+    monkeypatch.chdir(tmp_path)  # a file named "-" would land here
+    args = {"convert": [str(src), str(out)], "inspect": [str(src)], "verify": [str(out), "--skip-kernel"]}[command]
+    assert main([command, *args, "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)  # the whole of stdout is the JSON document: no table around it
+    assert isinstance(data, dict) and data
+    assert not (tmp_path / "-").exists()
+
+
 def test_convert_reports_the_manifest_digest_that_verify_checks(tmp_path, src, capsys):
     report_path = tmp_path / "report.json"
     assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0

@@ -112,6 +112,11 @@ class Output:
             raise error
 
     def write_json(self, path: Path | None) -> None:
+        """Write the data as JSON to ``path``; ``-`` means stdout: then :meth:`render` prints the JSON instead of the
+        table (a pipe gets one JSON document, nothing else)."""
+        if is_stdout(path):
+            self.as_json = True
+            return
         if path is not None:
             try:
                 Path(path).write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
@@ -119,9 +124,14 @@ class Output:
                 raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
 
 
+def is_stdout(path: Path | None) -> bool:
+    """Whether a ``--json`` argument is ``-`` (stdout)."""
+    return path is not None and str(path) == "-"
+
+
 def check_json_path(path: Path | None) -> None:
     """Refuse a ``--json`` file that cannot be written, before the command does any work. Creates nothing."""
-    if path is None:
+    if path is None or is_stdout(path):
         return
     path = Path(path)
     parent = path.parent
