@@ -18,7 +18,9 @@ import contextlib
 import hashlib
 import os
 import shutil
+import sysconfig
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import KernelError, KernelUnavailableError
@@ -138,15 +140,32 @@ def check_build_tools() -> None:
 
 
 def unavailable_reason(device_index: int = 0) -> str | None:
-    """``None`` when the kernel can be built and run here, else the reason (used by the GPU tests to skip)."""
+    """``None`` when the kernel can be loaded (a finished build in the cache) or built (nvcc, ninja) and run here,
+    else the reason (used by the GPU tests to skip)."""
     try:
-        check_environment(device_index)
+        capability = check_environment(device_index, build_tools=False)
+        if not _is_built(_build_spec(capability)):
+            check_build_tools()
     except KernelUnavailableError as exc:
         return exc.message
     return None
 
 
-def _build(capability: tuple[int, int], verbose: bool = False):
+@dataclass(frozen=True)
+class _BuildSpec:
+    """One build of the extension: cache key, module name, build folder, target architectures, nvcc flags."""
+
+    key: str
+    name: str
+    build_dir: Path
+    archs: tuple[str, ...]
+    cuda_flags: list[str] = field(hash=False)
+
+
+def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
+    """What a build for a GPU of this compute capability is: its cache key (sources, architectures, flags, torch
+    and CUDA versions, and the Python ABI, since the extension is a CPython module), module name, build folder and
+    nvcc flags."""
     import torch
 
     arch = f"{capability[0]}{capability[1]}"
@@ -162,12 +181,26 @@ def _build(capability: tuple[int, int], verbose: bool = False):
         flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     cuda_flags = [*CUDA_FLAGS, *flags]
     key_text = "|".join([source_hash(), "sm" + arch, ",".join(archs), torch.__version__, str(torch.version.cuda),
-                         " ".join(CXX_FLAGS), " ".join(cuda_flags)])
+                         str(sysconfig.get_config_var("SOABI")), " ".join(CXX_FLAGS), " ".join(cuda_flags)])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    name = f"marlin_convert_kernel_{key}"
+    return _BuildSpec(key, name, cache_root() / f"kernel-{key}", tuple(archs), cuda_flags)
+
+
+def _is_built(spec: _BuildSpec) -> bool:
+    """Whether the build folder of ``spec`` holds a finished build (its marker and library)."""
+    try:
+        return ((spec.build_dir / BUILT_MARKER).read_text().strip() == spec.name
+                and (spec.build_dir / f"{spec.name}.so").is_file())
+    except OSError:
+        return False
+
+
+def _build(capability: tuple[int, int], verbose: bool = False):
+    spec = _build_spec(capability)
+    key, name, build_dir, archs, cuda_flags = spec.key, spec.name, spec.build_dir, spec.archs, spec.cuda_flags
     if key in _modules:
         return _modules[key]
-    name = f"marlin_convert_kernel_{key}"
-    build_dir = cache_root() / f"kernel-{key}"
     built = _import_built(name, build_dir)
     if built is not None:
         _modules[key] = built

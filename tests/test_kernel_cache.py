@@ -60,3 +60,28 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_ours_is_exclusive(tm
                  "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n    sys.exit(7)\n")
         assert subprocess.run([sys.executable, "-c", probe]).returncode == 7  # held: another builder would wait
     assert subprocess.run([sys.executable, "-c", probe]).returncode == 0  # released
+
+
+def test_the_cache_key_covers_the_python_abi(monkeypatch):
+    """The extension is a CPython module: a build for another interpreter must not be picked up."""
+    first = kernel._build_spec((9, 0))
+    real = kernel.sysconfig.get_config_var
+    monkeypatch.setattr(kernel.sysconfig, "get_config_var",
+                        lambda name: "cpython-399-other" if name == "SOABI" else real(name))
+    other = kernel._build_spec((9, 0))
+    assert first.key != other.key and first.build_dir != other.build_dir
+    assert kernel._build_spec((8, 0)).key != first.key  # and the GPU architecture, as before
+
+
+def test_a_cached_build_needs_no_compiler(tmp_path, monkeypatch):
+    """unavailable_reason: with a finished build in the cache, no nvcc is needed; without one, its absence is the
+    reason (the GPU itself is stood in for: this runs without one)."""
+    monkeypatch.setenv("MARLIN_CONVERT_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel, "check_environment", lambda device_index=0, build_tools=True: (9, 0))
+    monkeypatch.setattr(kernel, "_find_nvcc", lambda: None)
+    assert "nvcc" in kernel.unavailable_reason(0)
+    spec = kernel._build_spec((9, 0))
+    spec.build_dir.mkdir(parents=True)
+    (spec.build_dir / f"{spec.name}.so").write_bytes(b"\x7fELF")
+    (spec.build_dir / kernel.BUILT_MARKER).write_text(spec.name + "\n")
+    assert kernel.unavailable_reason(0) is None
