@@ -80,7 +80,8 @@ int dispatch_fp16_int4(const Launch& L) {
       case 6:
         if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
         return big_smem ? launch_small<3, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);
-      case 7:  // the previous default (HEAD bc9a8c1)
+      case 7:  // the previous default (HEAD bc9a8c1; its zero-point-free 16-bit scale path now reads the scale row
+               // once per stage where a warp's strips share a group, kOneGroupB)
         return one_wave ? launch_small<4, 4, GROUPED>(L, true, true, true)
                         : launch_small<2, 4, GROUPED>(L, true, true, true);
       case 8: return one_wave ? launch_small<4, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true, true);
@@ -128,8 +129,7 @@ int dispatch_fp16_int4(const Launch& L) {
       return launch_small<2, 4, GROUPED>(split_two, true);
     if (one_wave && 2 * tiles > L.sms && L.m > 8 && optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
       return launch_small<4, 2, GROUPED>(split_two, true);
-    if (one_wave && 2 * tiles > L.sms && (L.k >= 16384 || L.m > 8))
-      return launch_small<3, 4, GROUPED>(split_two, true);
+    if (one_wave && 2 * tiles > L.sms && L.k >= 16384) return launch_small<3, 4, GROUPED>(split_two, true);  // m <= 8
     if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
     if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
     return launch_small<2, 4, GROUPED>(L, true, true);
@@ -149,6 +149,10 @@ int dispatch_fp16_int4(const Launch& L) {
   if ((L.m > 64 || (L.m > 32 && long_k_or_wide_n)) && L.n % 128 == 0 &&
       optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes)
     return launch_config<K, 4, 2, 8, 2, GROUPED>(L);
+  // (the 208 KB of that kernel do not fit an A100's 163 KB: there m > 64 keeps the previous 64-row kernel, 2 strips x
+  // 4 stages, 104 KB; not measured on an A100 either way)
+  if (L.m > 64 && L.n % 128 == 0 && optin >= Tile<4, 2, 2, 4, GROUPED>::kSmemBytes)
+    return launch_config<K, 4, 2, 2, 4, GROUPED>(L);
   if (optin >= Tile<2, 1, 4, 2, GROUPED>::kSmemBytes) return launch_config<K, 2, 1, 4, 2, GROUPED>(L);
   // less shared memory per block (sm_86 / sm_89: 99 KB): one strip per warp and stage, as the other kinds
   return launch_config<K, 2, 1, 1, 4, GROUPED>(L);

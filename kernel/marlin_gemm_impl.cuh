@@ -623,7 +623,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       zw[0] = sZ[at];
     }
   };
-  // strips(mode, d): this warp's strips of the stage into accumulators d. mode::value (an StripMode):
+  // strips(mode, d): this warp's strips of the stage into accumulators d. mode::value (kPerStrip, kOneGroupF32 or
+  // kOneGroupB, the constants above the Tile struct):
   //   kPerStrip     grouped: each strip reads its own scale row (and zero points); channelwise: no scales here
   //   kOneGroupF32  all of them lie in one group (the caller checked): leave B unscaled (the caller scales the fp32
   //                 partial sums d) and read the zero points once
@@ -1048,15 +1049,15 @@ int dispatch_kind(const Launch& L) {
     }
     if constexpr (kBits == 4) {
       // The splits over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md),
-      // with the kernels this kind has: SMs / 2 < n / 64 <= SMs with long k or m > 8: 3 strips split in two;
-      // symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two.
+      // with the kernels this kind has: SMs / 2 < n / 64 <= SMs, m = 9..16: 4 strips x 2 stages split in two (below),
+      // m <= 8 with long k: 3 strips split in two; symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two.
       Launch split_two = L;
       split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
       // m = 9..16 there: the 4-strip, 2-stage kernel split in two, as fp16 x 4-bit (its 64-row warps never straddle
       // a group of 64 / 128; the 3-strip kernel's 48 do)
       if (one_wave && 2 * tiles > L.sms && L.m > 8 && optin >= Tile<1, 1, 4, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 4, GROUPED, true, 2>(split_two);
-      if (one_wave && 2 * tiles > L.sms && (L.k >= 16384 || L.m > 8) &&
+      if (one_wave && 2 * tiles > L.sms && L.k >= 16384 &&
           optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 3, GROUPED, true>(split_two);
       if constexpr (!kZp) {

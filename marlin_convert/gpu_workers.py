@@ -212,9 +212,9 @@ def _spawn(stage_fd: int) -> _Process:
     stderr = tempfile.TemporaryFile()
     verbose = os.environ.get("MARLIN_CONVERT_VERBOSE_BUILD") == "1"  # the compiler's output, when asked for
     try:
-        popen = subprocess.Popen(
+        popen = subprocess.Popen(  # (its stdout, when shown, goes to our stderr: stdout may be `--json -`'s report)
             [sys.executable, "-m", "marlin_convert.gpu_workers", str(theirs.fileno()), str(stage_fd), str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=None if verbose else subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, stdout=2 if verbose else subprocess.DEVNULL,
             stderr=None if verbose else stderr, env=_child_env(), pass_fds=(theirs.fileno(), stage_fd), close_fds=True,
             cwd=_PACKAGE_ROOT)
     except BaseException:

@@ -144,7 +144,8 @@ def unavailable_reason(device_index: int = 0) -> str | None:
     else the reason (used by the GPU tests to skip)."""
     try:
         capability = check_environment(device_index, build_tools=False)
-        if not _is_built(_build_spec(capability)):
+        spec = _build_spec(capability)
+        if not _is_built(spec.name, spec.build_dir):
             check_build_tools()
     except KernelUnavailableError as exc:
         return exc.message
@@ -187,11 +188,11 @@ def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
     return _BuildSpec(key, name, cache_root() / f"kernel-{key}", tuple(archs), cuda_flags)
 
 
-def _is_built(spec: _BuildSpec) -> bool:
-    """Whether the build folder of ``spec`` holds a finished build (its marker and library)."""
+def _is_built(name: str, build_dir: Path) -> bool:
+    """Whether ``build_dir`` holds a finished build of extension ``name``: its marker names it and the library is
+    there (whether the library loads is only known by loading it: :func:`_import_built`)."""
     try:
-        return ((spec.build_dir / BUILT_MARKER).read_text().strip() == spec.name
-                and (spec.build_dir / f"{spec.name}.so").is_file())
+        return (build_dir / BUILT_MARKER).read_text().strip() == name and (build_dir / f"{name}.so").is_file()
     except OSError:
         return False
 
@@ -265,13 +266,9 @@ def _import_built(name: str, build_dir: Path):
     build does not need: the cache key already covers the sources, flags' inputs, GPU architecture and torch."""
     import importlib.util
 
-    marker, library = build_dir / BUILT_MARKER, build_dir / f"{name}.so"
-    try:
-        if marker.read_text().strip() != name or not library.is_file():
-            return None
-    except OSError:
+    if not _is_built(name, build_dir):
         return None
-    spec = importlib.util.spec_from_file_location(name, library)
+    spec = importlib.util.spec_from_file_location(name, build_dir / f"{name}.so")
     if spec is None or spec.loader is None:
         return None
     try:  # an extension is loaded (dlopen) by module_from_spec and initialised by exec_module

@@ -73,6 +73,21 @@ def test_json_dash_prints_one_json_document_on_stdout_and_writes_no_file(tmp_pat
     assert not (tmp_path / "-").exists()
 
 
+def test_json_dash_is_not_checked_as_a_file_and_dot_slash_dash_is_a_file(tmp_path, src, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    readable = os.access
+    monkeypatch.setattr("marlin_convert.cli._output.os.access",  # nothing is writable (also as root)
+                        lambda path, mode, **kw: False if mode & os.W_OK else readable(path, mode, **kw))
+    assert main(["inspect", str(src), "--json", "report.json"]) == 2  # a real file is refused before any work
+    assert "not writable" in capsys.readouterr().err
+    assert main(["inspect", str(src), "--json", "-"]) == 0  # stdout is not a file to check
+    assert json.loads(capsys.readouterr().out)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", str(src), "--json", "./-"]) == 0  # the usual way to name a file called "-"
+    assert json.loads((tmp_path / "-").read_text()) and "Plan for" in capsys.readouterr().out
+
+
 def test_convert_reports_the_manifest_digest_that_verify_checks(tmp_path, src, capsys):
     report_path = tmp_path / "report.json"
     assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0

@@ -155,9 +155,14 @@ CASES = [
     (129, 1536, 256, 48, False),
     (72, 2048, 320, 32, True),
     (96, 1040, 384, 16, True),
-    # m = 9..16, SMs / 2 < n / 64 <= SMs: 4 strips x 2 stages split in two over k (a partial last stage)
+    # m = 9..16, SMs / 2 < n / 64 <= SMs on a 132-SM GPU (any GPU: test_split_in_two_for_long_k_or_two_batch_blocks):
+    # 4 strips x 2 stages split in two over k (a partial last stage)
     (13, 2048, 8192, 128, False),
     (16, 1040, 6400, -1, False),
+    # the m > 16 kernels' one-group stages (a warp's 128 / 64 rows inside one group of 128) with a partial last stage,
+    # and group 80 (not a power of two; some warps' 64 rows straddle two groups, others do not)
+    (70, 1152, 256, 128, False),
+    (24, 1040, 192, 80, False),
     # more tiles than one wave at one / two blocks per SM (132 SMs)
     (70, 4096, 10240, 128, False),
     (40, 8192, 10240, -1, False),
@@ -360,9 +365,10 @@ def test_split_in_two_when_tiles_exceed_the_sms(torch, m, group):
     _run_case(torch, m, 1024, 64 * (sms + sms // 4), group, False, seed=800 + m)
 
 
-@pytest.mark.parametrize("m,k,group,act_order", [(12, 1024, 128, False), (2, 16384, 64, True)])
+@pytest.mark.parametrize("m,k,group,act_order", [(12, 1024, 128, False), (16, 1040, -1, False), (2, 16384, 64, True)])
 def test_split_in_two_for_long_k_or_two_batch_blocks(torch, m, k, group, act_order):
-    """SMs / 2 < n / 64 <= SMs with k >= 16384 or m > 8: the 3-strip kernel with a split of 2."""
+    """SMs / 2 < n / 64 <= SMs: m = 9..16 the 4-strip, 2-stage kernel with a split of 2 (a partial last stage at
+    k = 1040); m <= 8 with k >= 16384 the 3-strip kernel with a split of 2."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     _run_case(torch, m, k, 64 * (sms // 2 + 1), group, act_order, seed=900 + m)
 

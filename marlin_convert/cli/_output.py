@@ -111,9 +111,9 @@ class Output:
         if error is not None:
             raise error
 
-    def write_json(self, path: Path | None) -> None:
+    def write_json(self, path: str | Path | None) -> None:
         """Write the data as JSON to ``path``; ``-`` means stdout: then :meth:`render` prints the JSON instead of the
-        table (a pipe gets one JSON document, nothing else)."""
+        table (a pipe gets one JSON document, nothing else). A file named ``-`` is ``./-``."""
         if is_stdout(path):
             self.as_json = True
             return
@@ -124,12 +124,13 @@ class Output:
                 raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
 
 
-def is_stdout(path: Path | None) -> bool:
-    """Whether a ``--json`` argument is ``-`` (stdout)."""
-    return path is not None and str(path) == "-"
+def is_stdout(path: str | Path | None) -> bool:
+    """Whether a ``--json`` argument, as given on the command line (a string: ``Path("./-")`` would read ``-``), is
+    ``-`` (stdout)."""
+    return isinstance(path, str) and path == "-"
 
 
-def check_json_path(path: Path | None) -> None:
+def check_json_path(path: str | Path | None) -> None:
     """Refuse a ``--json`` file that cannot be written, before the command does any work. Creates nothing."""
     if path is None or is_stdout(path):
         return

@@ -42,7 +42,7 @@ StackOpt = Annotated[bool, typer.Option(
 DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run", help="Show the plan (like 'inspect') and write nothing; exits 2 where the same command without "
     "--dry-run would stop before writing (OUT_DIR not usable, layers with no Marlin form).")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
+JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", min=1, metavar="N", help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
 QuietOpt = Annotated[bool, typer.Option(

@@ -19,7 +19,7 @@ from ._output import Output, check_json_path, human_bytes
 from ._render import add_layer_rows, counts_line, layer_dict
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the plan as JSON to this file ('-': print it on stdout instead of the table).")]
+JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the plan as JSON to this file ('-': print it on stdout instead of the table).")]
 JsonStdoutOpt = Annotated[bool, typer.Option("--json-stdout", help="Print the plan as JSON instead of a table.")]
 
 

@@ -39,7 +39,7 @@ SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
     "--source", metavar="IN_DIR", help="The original GPTQ or compressed-tensors directory: also compare rebuilt tensors with it byte for byte.")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
+JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random activations.")]
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar, and the table shows failing layers only (then the summary line).")]
