@@ -145,9 +145,7 @@ int dispatch_fp16_int4(const Launch& L) {
   //     shape at m = 32.
   // Wider tiles (256 columns: A read once per 256 columns) were slower at every m (0.47-0.65x at m = 128).
   const int optin = smem_optin();
-  const bool long_k_or_wide_n = L.k >= 16384 || L.n >= 32768;
-  if ((L.m > 64 || (L.m > 32 && long_k_or_wide_n)) && L.n % 128 == 0 &&
-      optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes)
+  if (wants_64_row_chunks(L) && optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes)
     return launch_config<K, 4, 2, 8, 2, GROUPED>(L);
   // (the 208 KB of that kernel do not fit an A100's 163 KB: there m > 64 keeps the previous 64-row kernel, 2 strips x
   // 4 stages, 104 KB; not measured on an A100 either way)

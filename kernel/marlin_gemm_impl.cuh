@@ -750,39 +750,35 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   };
   const bool strips_share_group = GROUPED && group_size % (16 * STRIPS) == 0;
   auto compute_stage = [&](int slot, int st) {
-    if constexpr (kF32Scale) {
+    if constexpr (kF32Scale || kHoistOneGroup) {
       const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
       if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
       // (a warp's strips start at a multiple of 16 * STRIPS rows: with group_size a multiple of that, they always
       // share one group, and the per-stage comparison is skipped)
       if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
-        float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
-        strips(std::integral_constant<int, kOneGroupF32>{}, part, slot, st);
-        // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
-        // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
-        const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
-        const int srow = group_of(first * 16) - group_of(st * T::kStageK);
-        const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
-        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+        if constexpr (kF32Scale) {
+          float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
+          strips(std::integral_constant<int, kOneGroupF32>{}, part, slot, st);
+          // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
+          // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
+          const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
+          const int srow = group_of(first * 16) - group_of(st * T::kStageK);
+          const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+          const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 s01 = Ops::to_float2(sw[j]);
+          for (int j = 0; j < 4; ++j) {
+            const float2 s01 = Ops::to_float2(sw[j]);
 #pragma unroll
-          for (int h = 0; h < SWAP; ++h) {
-            acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
-            acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
-            acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
-            acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+            for (int h = 0; h < SWAP; ++h) {
+              acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
+              acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
+              acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
+              acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+            }
           }
+        } else {
+          strips(std::integral_constant<int, kOneGroupB>{}, acc, slot, st);
         }
-        return;
-      }
-    }
-    if constexpr (kHoistOneGroup) {
-      const int first = st * T::kStageStrips + wk * STRIPS;  // as above
-      if (first >= k_strips) return;
-      if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
-        strips(std::integral_constant<int, kOneGroupB>{}, acc, slot, st);
         return;
       }
     }
@@ -924,6 +920,13 @@ struct Launch {
   int errlen;
 };
 
+// m > 16: whether the 64-row, 128-column, 8 strips x 2 stages kernel takes the batch (m > 64, and m = 33..64 with long
+// k or wide n; measured on fp16 x 4-bit, dispatch_fp16_int4) rather than the 32-row one; its shared memory is checked
+// by the caller.
+inline bool wants_64_row_chunks(const Launch& L) {
+  return (L.m > 64 || (L.m > 32 && (L.k >= 16384 || L.n >= 32768))) && L.n % 128 == 0;
+}
+
 // Pick the split over k, then launch one instantiation.
 template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
 int launch_config(const Launch& L) {
@@ -1031,8 +1034,8 @@ template <class K, bool GROUPED>
 int dispatch_kind(const Launch& L) {
   constexpr bool kZp = K::kZp;
   constexpr int kBits = K::kBits;
+  const int optin = smem_optin();
   if (L.m <= 16) {
-    const int optin = smem_optin();
     const int tiles = L.n / 64;
     const bool one_wave = optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && tiles <= L.sms;
     if constexpr (kBits == 4 && !kZp) {
@@ -1119,10 +1122,8 @@ int dispatch_kind(const Launch& L) {
     // 128 geomean m = 32 / 64 / 128: bf16-int4 1.13 / 0.71 / 0.46x -> 1.43 / 0.92 / 0.63x, fp16-int4-zp 1.02 / 0.59 /
     // 0.34x -> 1.29 / 0.77 / 0.63x, fp16-int8 0.93 / 0.54 / 0.31x -> 1.21 / 0.74 / 0.44x; 8-bit channelwise lost
     // there (1.28 -> 1.22x at m = 32: the 136 KB kernel runs one block per SM) and keeps the 1-strip kernel.
-    const int optin = smem_optin();
     if constexpr (kBits == 4) {
-      if ((L.m > 64 || (L.m > 32 && (L.k >= 16384 || L.n >= 32768))) && L.n % 128 == 0 &&
-          optin >= Tile<4, 2, 8, 2, GROUPED, 4, kZp>::kSmemBytes)
+      if (wants_64_row_chunks(L) && optin >= Tile<4, 2, 8, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_config<K, 4, 2, 8, 2, GROUPED>(L);
     }
     if constexpr (kBits == 4 || GROUPED) {
