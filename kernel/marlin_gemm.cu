@@ -22,6 +22,13 @@ namespace detail {
 //   m > 16 where the shared memory per block is below those (sm_86 / sm_89): MB=2, 1 strip
 // each once with grouped and once with channelwise scales, plus the benchmark-only m <= 16 variants.
 // The other kinds: dispatch_kind in marlin_gemm_impl.cuh.
+// Benchmark-only switch for the stream-K schedule (MARLIN_CONVERT_STREAM_K, read per call: 0 = split-K, N = stream-K
+// at <= N blocks per SM; unset = launch_config's choice). Used by scripts/bench_kernel.py --stream-k.
+int stream_k_per_sm() {
+  const char* v = getenv("MARLIN_CONVERT_STREAM_K");
+  return (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : -1;
+}
+
 // Benchmark-only switch for the m <= 16 configuration (MARLIN_CONVERT_SMALL_CFG, read per call; unset = the
 // default below). Used by scripts/bench_kernel.py --cfgs; see kernel/README.md for the measurements.
 int small_cfg() {
@@ -104,7 +111,11 @@ int dispatch_fp16_int4(const Launch& L) {
     // 4096 x 12288 17.4 -> 14.9 / 21.6 -> 19.7 us, 8192 x 57344 93.3 -> 87.5 / 143.0 -> 121.6, 4096 x 22016 25.1 ->
     // 24.0 / 33.6 -> 32.0, 8192 x 10240 27.2 -> 25.4 / 35.9 -> 35.5; channelwise 8192 x 57344 m = 1 87.2 -> 75.6 (other
     // channelwise shapes and m = 9..16 mixed, so not there); n / 64 <= SMs slower (the one-wave kernels stay).
-    if (((GROUPED && L.n / 64 > L.sms) || (!GROUPED && L.m <= 8 && L.n / 256 >= L.sms)) &&
+    // Channelwise with SMs < n / 64 <= 2 SMs likewise (this session, kernel/NOTES.md; it had the 2-strip kernel split in
+    // two at n / 64 <= 1.5 SMs, m <= 8, else the 3-strip one): 4096 x 12288 m = 1 14.8 -> 12.9 us, m = 16 16.8 -> 15.6;
+    // 8192 x 10240 m = 16 24.8 -> 22.5 (with the stream-K schedule launch_config picks there).
+    if (((GROUPED && L.n / 64 > L.sms) || (!GROUPED && L.m <= 8 && L.n / 256 >= L.sms) ||
+         (!GROUPED && L.n / 64 > L.sms && L.n / 64 <= 2 * L.sms)) &&
         optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
       return launch_small<4, 2, GROUPED>(L, true);
     // (The 256-column tiles, cfg 11, were the default for m <= 8 with n / 256 >= SMs: 8192 x 57344 m = 1 119 -> 100 us;
@@ -121,15 +132,15 @@ int dispatch_fp16_int4(const Launch& L) {
     //     the 4-strip, 2-stage kernel (2 blocks per SM too) split in two instead: a warp's 64 rows never straddle a
     //     group of 64 / 128 (the 3-strip kernel's 48 do, and those warps take the per-strip 16-bit scales),
     //     28672 x 8192 m = 16 63.9 -> 50.7 us (g128), 50.9 -> 48.0 (channelwise); 8192 x 8192 23.1 -> 20.0, 19.4 ->
-    //     19.1 (this session's NOTES.md).
+    //     19.1 (kernel/NOTES.md); and at m <= 8 with long k too (a later session): 28672 x 8192 m = 1 52.6 -> 42.2 us
+    //     (g128), 42.5 -> 40.2 (channelwise).
     const int tiles = L.n / 64;
     Launch split_two = L;
     split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
     if (two_wave && 2 * tiles <= 3 * L.sms && optin >= Tile<1, 1, 2, 4, GROUPED>::kSmemBytes)
       return launch_small<2, 4, GROUPED>(split_two, true);
-    if (one_wave && 2 * tiles > L.sms && L.m > 8 && optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
+    if (one_wave && 2 * tiles > L.sms && (L.m > 8 || L.k >= 16384) && optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
       return launch_small<4, 2, GROUPED>(split_two, true);
-    if (one_wave && 2 * tiles > L.sms && L.k >= 16384) return launch_small<3, 4, GROUPED>(split_two, true);  // m <= 8
     if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
     if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
     return launch_small<2, 4, GROUPED>(L, true, true);

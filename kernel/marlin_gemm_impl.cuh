@@ -57,6 +57,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -410,6 +411,8 @@ __host__ __device__ constexpr int min_blocks() {
 //   SWAP       0: C = A W (A = mma A operand); 1: C^T = W^T A^T with one 8-row batch block (m <= 8 per chunk);
 //              2: C^T = W^T A^T with two 8-row batch blocks (rows 0-7 and 8-15 of the 16-row chunk, m <= 16)
 //   NO_F32_SCALE  benchmark only: grouped scales always on B in 16-bit (the previous kernel, see kF32Scale)
+//   SEGMENTS   false: each block works on one tile (split-K, units_per_block divides tile_units); true: a block may
+//              work on several (stream-K), with the next segment's first stages copied during the reduction
 // Arguments:
 //   A          ActT [m, k] row-major (as int4 = 8 values), act-order already gathered
 //   B          int32 [k / 16, n * BITS / 2] Marlin tiles (as int4: row stride n * BITS / 8 int4)
@@ -417,16 +420,19 @@ __host__ __device__ constexpr int min_blocks() {
 //   Z          int32 [scale_rows, n * BITS / 32] zero points in the Marlin order (as int4: row stride n * BITS / 128
 //              int4); only read when ZP
 //   C          ActT [m, n] row-major output
-//   locks      int32 workspace, zero on entry and on exit; one int per (ntile, mchunk) when splits > 1
+//   locks      int32 workspace, zero on entry and on exit; one int per (ntile, mchunk) of a tile with > 1 contributor
 //   m, n, k    problem size; group_size = k / scale_rows (only read when GROUPED)
 //   group_shift log2(group_size) when it is a power of two (then k / g is a shift), else -1 (division)
-//   splits     number of k ranges; stages_per_split = k stages per range (the last one may be shorter)
-template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, bool NO_F32_SCALE = false>
+//   tile_units, units_per_block   the work of block blockIdx.x / m_chunks (see "which rows, which tiles" below):
+//              split-K over `splits` ranges of stages_per_split stages: splits * stages_per_split, stages_per_split;
+//              stream-K: the k stages of one tile, the stages each block takes (across tile boundaries)
+template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, bool NO_F32_SCALE = false,
+          bool SEGMENTS = false>
 __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, GROUPED, NO_F32_SCALE ? 0 : SWAP,
                                                        K::kBits, K::kZp>())
     marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
                        const int4* __restrict__ Z, typename K::ActT* __restrict__ C, int* __restrict__ locks, int m,
-                       int n, int k, int group_size, int group_shift, int splits, int stages_per_split) {
+                       int n, int k, int group_size, int group_shift, int tile_units, int units_per_block) {
   static_assert(SWAP >= 0 && SWAP <= 2 && (SWAP == 0 || MB == 1), "the swapped (W^T x A^T) path serves m <= 16 only");
   constexpr int BITS = K::kBits;
   constexpr bool ZP = K::kZp;
@@ -442,20 +448,21 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   const int wn = warp % WN;  // this warp's 64 columns inside the tile
   const int wk = warp / WN;  // this warp's k-slot inside a stage
 
-  // ---- which tile, which rows, which k range
+  // ---- which rows, which tiles and k ranges. Block `blk` owns the units [units_lo, units_hi) of the flattened
+  // (n-tile, k-stage) space, unit = ntile * tile_units + stage (stages >= total_stages of a tile are padding, skipped).
+  // Split-K: tile_units = splits * stages_per_split and units_per_block = stages_per_split, so block
+  // ntile * splits + split owns stages [split * stages_per_split, ...) of tile ntile. Stream-K: tile_units =
+  // total_stages and units_per_block = (all units) / grid, so every block gets the same number of stages and a block
+  // may end one tile and start the next (two or more segments). Each tile's contributors add their partial sums into
+  // C in block order, through the tile's lock ([RED] below).
   const int m_chunks = (m + T::kRows - 1) / T::kRows;
-  int bid = blockIdx.x;
-  const int mchunk = bid % m_chunks;
-  bid /= m_chunks;
-  const int split = bid % splits;
-  const int ntile = bid / splits;
+  const int mchunk = blockIdx.x % m_chunks;
+  const int blk = blockIdx.x / m_chunks;
   const int row0 = mchunk * T::kRows;
-  const int col0 = ntile * T::kTN;
   const int k_strips = k / 16;
   const int total_stages = (k_strips + T::kStageStrips - 1) / T::kStageStrips;
-  const int stage_begin = split * stages_per_split;
-  const int stage_end = min(stage_begin + stages_per_split, total_stages);
-  const int n_stages = stage_end - stage_begin;  // >= 1: the host never makes an empty split
+  const int units_lo = blk * units_per_block;
+  const int units_hi = min(units_lo + units_per_block, (n / T::kTN) * tile_units);
 
   // group of a k index: a shift for the power-of-two group sizes (all GPTQ uses), a division otherwise
   auto group_of = [&](int kk) { return group_shift >= 0 ? (kk >> group_shift) : (kk / group_size); };
@@ -463,25 +470,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   const int s_row_int4 = n / 8;           // scale row: n 16-bit values
   const int z_row_int4 = n * BITS / 128;  // zero-point row: n * BITS / 32 words
 
-  // Channelwise zero points (one row, constant over k): this lane's words, read once.
-  uint32_t zconst[kWords] = {};
-  if constexpr (ZP && !GROUPED) {
-    const uint32_t* z32 = reinterpret_cast<const uint32_t*>(Z);
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) zconst[i] = __ldg(z32 + ((col0 / 64 + wn) * 8 + (lane >> 2)) * kWords + i);
-  }
-
-  // ---- [G2S] per-thread constants of the B copies. A stage's B tile is kStageStrips strips of kBPiece int4 (the
-  // WN 64-column pieces side by side, as they lie in B); thread tid's copy j is int4 tid + j * kThreads of it:
-  // strip b_strip + j * kBStripsPerPass, int4 tid % kBPiece of that strip. Its global offset (int4, from B) is
-  // b_first + st * b_stage + j * b_pass: 32-bit offsets (the host checks that B has fewer than 2^32 int4), so a
-  // stage's copies cost an add and an address each, not the 64-bit index arithmetic of every copy from scratch
-  // (ncu, H200, 8192 x 10240 m = 1 g128: about 45 of the ~390 instructions per warp and stage went to that).
+  // ---- [G2S] per-thread constants of the copies. A stage's B tile is kStageStrips strips of kBPiece int4 (the WN
+  // 64-column pieces side by side, as they lie in B); thread tid's copy j is int4 tid + j * kThreads of it: strip
+  // b_strip + j * kBStripsPerPass, int4 tid % kBPiece of that strip. Its global offset (int4, from B) is
+  // b_thread + ntile * kBPiece + st * b_stage + j * b_pass: 32-bit offsets (the host checks that B has fewer than 2^32
+  // int4), so a stage's copies cost an add and an address each, not the 64-bit index arithmetic of every copy from
+  // scratch (ncu, H200, 8192 x 10240 m = 1 g128: about 45 of the ~390 instructions per warp and stage went to that).
   constexpr int kBPiece = WN * T::kPieceInt4;
   static_assert(kThreads % kBPiece == 0, "one pass of the threads covers whole strips of the B tile");
   constexpr int kBStripsPerPass = kThreads / kBPiece;
   const int b_strip = tid / kBPiece;
-  const uint32_t b_first = (uint32_t)b_strip * (uint32_t)b_row_int4 + (uint32_t)(ntile * kBPiece + tid % kBPiece);
+  const uint32_t b_thread = (uint32_t)b_strip * (uint32_t)b_row_int4 + (uint32_t)(tid % kBPiece);
   const uint32_t b_pass = (uint32_t)kBStripsPerPass * (uint32_t)b_row_int4;
   const uint32_t b_stage = (uint32_t)T::kStageStrips * (uint32_t)b_row_int4;
   // The A copies likewise where one pass of the threads covers whole rows of the A tile (kAChunks divides kThreads;
@@ -500,11 +499,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   constexpr int kSPasses = (T::kStageStrips + kSRowsPerPass - 1) / kSRowsPerPass;
   constexpr int kZPasses = (T::kStageStrips + kZRowsPerPass - 1) / kZRowsPerPass;
   const int s_r = tid / kSPer, z_r = tid / kZInt4;
-  const uint32_t s_first = (uint32_t)s_r * (uint32_t)s_row_int4 + (uint32_t)(ntile * kSPer + tid % kSPer);
-  const uint32_t z_first = (uint32_t)z_r * (uint32_t)z_row_int4 + (uint32_t)(ntile * kZInt4 + tid % kZInt4);
+  const uint32_t s_thread = (uint32_t)s_r * (uint32_t)s_row_int4 + (uint32_t)(tid % kSPer);  // + ntile * kSPer
+  const uint32_t z_thread = (uint32_t)z_r * (uint32_t)z_row_int4 + (uint32_t)(tid % kZInt4);  // + ntile * kZInt4
 
-  // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) into shared slot `slot`
-  auto load_stage = [&](int slot, int st) {
+
+  // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) of n-tile `ntile` into shared slot `slot`
+  auto load_stage = [&](int slot, int ntile, int st) {
     unsigned char* base = smem + slot * T::kStageBytes;
     uint16_t* sA = reinterpret_cast<uint16_t*>(base);
     int4* sB = reinterpret_cast<int4*>(base + T::kABytes);
@@ -556,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // split every cp.async into one-sector L2 requests, each sector requested twice: L2 86.7 % busy, 60 % hits,
     // kernel/NOTES.md. The reads in strips() avoid the bank conflicts instead.)
     {
-      const uint32_t at = b_first + (uint32_t)st * b_stage;
+      const uint32_t at = b_thread + (uint32_t)(ntile * kBPiece) + (uint32_t)st * b_stage;
       const int strips_left = k_strips - strip0 - b_strip;  // copy j's strip is inside k: j * kBStripsPerPass < this
 #pragma unroll
       for (int j = 0; j < STRIPS * BITS / 4; ++j)
@@ -569,13 +569,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       const int nrows = group_of(kend - 1) - r0 + 1;  // <= kStageStrips since group_size >= 16
       // as the B copies: thread tid copies int4 tid + p * kThreads of the stage's rows (row s_r + p * kSRowsPerPass),
       // at a per-thread 32-bit offset plus r0 rows (the scales and zero points are far smaller than B)
-      const uint32_t s_at = s_first + (uint32_t)r0 * (uint32_t)s_row_int4;
+      const uint32_t s_at = s_thread + (uint32_t)(ntile * kSPer) + (uint32_t)r0 * (uint32_t)s_row_int4;
 #pragma unroll
       for (int p = 0; p < kSPasses; ++p)
         if (s_r + p * kSRowsPerPass < nrows)
           cp_async16(sS + tid + p * kThreads, S + (s_at + (uint32_t)(p * kSRowsPerPass * s_row_int4)), true);
       if constexpr (ZP) {
-        const uint32_t z_at = z_first + (uint32_t)r0 * (uint32_t)z_row_int4;
+        const uint32_t z_at = z_thread + (uint32_t)(ntile * kZInt4) + (uint32_t)r0 * (uint32_t)z_row_int4;
 #pragma unroll
         for (int p = 0; p < kZPasses; ++p)
           if (z_r + p * kZRowsPerPass < nrows)
@@ -584,314 +584,374 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     }
   };
 
-  float acc[MB][8][4];
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-    for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
-
-  // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st`
-  // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
-  // the 32 partial sums, and with zero points only in the 1-block-per-SM ones: at 2 blocks per SM those spilled 4-36
-  // bytes; at 1, m = 16, group 128 on the H200: fp16 x 4-bit zp 4096 x 4096 12.6 -> 11.3 us, 11008 x 4096 23.9 ->
-  // 20.9, fp16 x 8-bit zp 28672 x 8192 102.5 -> 87.0, 8192 x 8192 32.5 -> 27.6): when all of a warp's strips of the
-  // stage lie in one group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to
-  // those once, in fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one
-  // per strip); otherwise (a group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other
-  // kernels.
-  constexpr bool kF32Scale =
-      GROUPED && !NO_F32_SCALE &&
-      (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= (ZP ? 1 : 2) &&
-                     !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
-  // The other grouped kernels (scales on B in 16 bits): when all of a warp's strips of the stage lie in one group,
-  // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
-  // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
-  constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
-  // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
-  // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
-  auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
-    const uint32_t* sZ = reinterpret_cast<const uint32_t*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes +
-                                                           T::kSBytes);
-    const int at = ((srow * WN + wn) * 8 + (lane >> 2)) * kWords;
-    if constexpr (kWords == 2) {
-      const uint2 v = *reinterpret_cast<const uint2*>(sZ + at);
-      zw[0] = v.x;
-      zw[1] = v.y;
-    } else {
-      zw[0] = sZ[at];
-    }
+  // ---- the block's segments (one per tile it touches), last first: a block's last segment is the head (stage 0 on) of
+  // its tile, whose contributor 0 never waits for the lock, so it is done early; the first segment, a tile's tail,
+  // waits for the blocks before it, which by then have finished theirs (each takes its last segment first too).
+  struct Segment {
+    int ntile, stage_begin, n_stages;
   };
-  // strips(mode, d): this warp's strips of the stage into accumulators d. mode::value (kPerStrip, kOneGroupF32 or
-  // kOneGroupB, the constants above the Tile struct):
-  //   kPerStrip     grouped: each strip reads its own scale row (and zero points); channelwise: no scales here
-  //   kOneGroupF32  all of them lie in one group (the caller checked): leave B unscaled (the caller scales the fp32
-  //                 partial sums d) and read the zero points once
-  //   kOneGroupB    all of them lie in one group: the scales go onto B in 16 bits as in kPerStrip, but the scale row
-  //                 and the zero points are read, and the zeros derived, once for all the strips
-  auto strips = [&](auto mode_tag, float (&d)[MB][8][4], int slot, int st) {
-    constexpr int kMode = decltype(mode_tag)::value;
-    constexpr bool kOneGroup = kMode != kPerStrip;
-    constexpr bool kScaleB = GROUPED && kMode != kOneGroupF32;
-    const unsigned char* base = smem + slot * T::kStageBytes;
-    const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
-    const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
-    const int4* sS = reinterpret_cast<const int4*>(base + T::kABytes + T::kBBytes);
-    const int strip0 = st * T::kStageStrips;
-    uint32_t zw[kWords];  // this lane's zero-point words (ZP)
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) zw[i] = zconst[i];
-    // the one scale row of this warp's strips (the one-group modes)
-    const int srow_once = kOneGroup ? group_of((strip0 + wk * STRIPS) * 16) - group_of(st * T::kStageK) : 0;
-    if constexpr (ZP && GROUPED && kOneGroup) zero_row(slot, srow_once, zw);
-    int4 sc_once = make_int4(0, 0, 0, 0);
-    if constexpr (GROUPED && kMode == kOneGroupB) sc_once = sS[srow_once * WN * 8 + wn * 8 + (lane >> 2)];
-    // Zero points that hold for every strip here (channelwise, or the warp's strips in one group): the four tiles'
-    // Zero values once, not once per strip.
-    constexpr bool kZeroOnce = ZP && (!GROUPED || kOneGroup);
-    typename DQ::Zero zero_once[4] = {};
-    if constexpr (kZeroOnce) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) zero_once[j] = DQ::zero(zw, j);
-    }
-#pragma unroll
-    for (int ls = 0; ls < STRIPS; ++ls) {
-      const int strip = wk * STRIPS + ls;  // strip inside the stage
-      // (the one-group path's first strip is always there: compute_stage checked it; there the mma starts the
-      // partial sums from zero instead of adding to zeroed registers)
-      const bool first = kMode == kOneGroupF32 && ls == 0;  // a constant once the loop is unrolled
-      if (first || strip0 + strip < k_strips) {  // warp-uniform
-        // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
-        uint32_t bw[4 * kWords];
-        const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
-        int4 bq[kWords];
-        if constexpr (kWords == 1) {
-          bq[0] = piece[lane];
-        } else {
-          // 8-bit: the lane's 32 bytes are int4 2l, 2l + 1. A 16-byte shared load is served 8 lanes at a time; lanes
-          // 4..7 of every 8 read their second int4 first, so the 8 addresses of each phase (16-byte units 0 2 4 6 9 11
-          // 13 15, then 1 3 5 7 8 10 12 14, modulo 8) fall in 8 distinct groups of 4 banks: no conflict.
-          const int swap = (lane >> 2) & 1;
-          const int4 read0 = piece[2 * lane + swap];
-          const int4 read1 = piece[2 * lane + (swap ^ 1)];
-          bq[0] = swap ? read1 : read0;
-          bq[1] = swap ? read0 : read1;
-        }
-#pragma unroll
-        for (int h = 0; h < kWords; ++h) {
-          bw[4 * h] = (uint32_t)bq[h].x;
-          bw[4 * h + 1] = (uint32_t)bq[h].y;
-          bw[4 * h + 2] = (uint32_t)bq[h].z;
-          bw[4 * h + 3] = (uint32_t)bq[h].w;
-        }
-        // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
-        // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
-        // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
-        // scheduled it so that two sm_80 kernels spilled.)
-        int4 sc = sc_once;
-        if constexpr (kScaleB && !kOneGroup) {
-          const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
-          sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
-          if constexpr (ZP) zero_row(slot, srow, zw);
-        }
-        // A fragments. Unswapped (the mma A operand): matrix q = lane / 8 is rows 8 (q % 2) .., chunk q / 2, so
-        // a = {(rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)}. Swapped (the mma B
-        // operand, one pair per batch block): matrix q is rows 8 (q / 2) .., chunk q % 2, so each batch block's pair
-        // is two consecutive registers, {a0, a1} and {a2, a3} (with the other order the compiler copied the pair
-        // into fresh registers for every mma: 8 moves per strip, kernel/NOTES.md).
-        uint32_t a[MB][4];
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-          const int q = lane >> 3;
-          const int r = mb * 16 + (lane & 7) + (SWAP != 0 ? (q >> 1) : (q & 1)) * 8;
-          const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
-          ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
-        }
-        const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
-          uint32_t f[4];
-          typename DQ::Zero zero{};
-          if constexpr (kZeroOnce) zero = zero_once[j];
-          else if constexpr (ZP) zero = DQ::zero(zw, j);
-          DQ::template run<ZP>(&bw[j * kWords], zero, f);
-          if constexpr (kScaleB) {
-            const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
-            const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
-            f[0] = Ops::mul2(f[0], s0);
-            f[1] = Ops::mul2(f[1], s0);
-            f[2] = Ops::mul2(f[2], s1);
-            f[3] = Ops::mul2(f[3], s1);
-          }
-          if constexpr (SWAP != 0) {
-            // C^T = W^T A^T: the tile's 4 fragments are exactly the mma A fragment of W^T (rows = 16 columns n,
-            // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
-            // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 1 (A rows 0-7, k 0-7 / 8-15, above); with
-            // SWAP == 2 the second batch block (A rows 8-15) is matrices 2 and 3, accumulated in d[0][4 + j].
-            const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
-            if (first) {
-              Ops::mma_first(d[0][j], wa, a[0][0], a[0][1]);
-              if constexpr (SWAP == 2) Ops::mma_first(d[0][4 + j], wa, a[0][2], a[0][3]);
-            } else {
-              Ops::mma(d[0][j], wa, a[0][0], a[0][1]);
-              if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][2], a[0][3]);
-            }
-          } else {
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb) {
-              Ops::mma(d[mb][2 * j], a[mb], f[0], f[1]);
-              Ops::mma(d[mb][2 * j + 1], a[mb], f[2], f[3]);
-            }
-          }
-        }
+  int seg_end = units_hi;  // the units before this are still to do
+  auto next_segment = [&](Segment& sg) {
+    while (seg_end > units_lo) {
+      const int ntile = (seg_end - 1) / tile_units;
+      const int tile_lo = ntile * tile_units;
+      const int stage_begin = max(units_lo, tile_lo) - tile_lo;
+      const int stage_end = min(seg_end - tile_lo, total_stages);
+      seg_end = tile_lo + stage_begin;
+      if (stage_begin < stage_end) {  // (else padding units only: split-K never makes such a block)
+        sg = Segment{ntile, stage_begin, stage_end - stage_begin};
+        return true;
       }
     }
+    return false;
   };
-  const bool strips_share_group = GROUPED && group_size % (16 * STRIPS) == 0;
-  auto compute_stage = [&](int slot, int st) {
-    if constexpr (kF32Scale || kHoistOneGroup) {
-      const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
-      if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
-      // (a warp's strips start at a multiple of 16 * STRIPS rows: with group_size a multiple of that, they always
-      // share one group, and the per-stage comparison is skipped)
-      if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
-        if constexpr (kF32Scale) {
-          float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
-          strips(std::integral_constant<int, kOneGroupF32>{}, part, slot, st);
-          // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
-          // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
-          const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
-          const int srow = group_of(first * 16) - group_of(st * T::kStageK);
-          const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
-          const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+  // Pipeline slots: stage j of a segment (j = 0 .. n_stages - 1) lives in slot (j + 1) % STAGES, so the first STAGES -
+  // 1 stages of a segment never use slot 0. Where the [RED] area (from the start of shared memory) fits in slot 0
+  // (kOverlapNext), the next segment's first stages are copied while this one's partial sums are reduced, so a block
+  // with several segments waits for memory once, not once per segment.
+  // (The one-segment kernels keep slot j % STAGES.)
+  constexpr bool kOverlapNext = SEGMENTS && T::kRedBytes <= T::kStageBytes;
+  auto slot_of = [](int j) { return (j + (SEGMENTS ? 1 : 0)) % STAGES; };
+  auto prologue = [&](const Segment& sg) {  // the copies of the segment's first STAGES - 1 stages
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 s01 = Ops::to_float2(sw[j]);
-#pragma unroll
-            for (int h = 0; h < SWAP; ++h) {
-              acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
-              acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
-              acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
-              acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
-            }
-          }
-        } else {
-          strips(std::integral_constant<int, kOneGroupB>{}, acc, slot, st);
-        }
-        return;
-      }
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < sg.n_stages) load_stage(slot_of(s), sg.ntile, sg.stage_begin + s);
+      cp_async_commit();  // always commit (possibly empty) so the group count stays aligned
     }
-    strips(std::integral_constant<int, kPerStrip>{}, acc, slot, st);
   };
+  Segment seg{0, 0, 0};
+  bool have_seg = next_segment(seg);
+  if (have_seg) prologue(seg);
+  while (have_seg) {
+    const int ntile = seg.ntile;
+    const int stage_begin = seg.stage_begin;
+    const int n_stages = seg.n_stages;
+    // this tile's contributors are blocks tile_lo / units_per_block .. (its last real unit) / units_per_block
+    const int tile_lo = ntile * tile_units;
+    const int split = blk - tile_lo / units_per_block;
+    const int splits = (tile_lo + total_stages - 1) / units_per_block - tile_lo / units_per_block + 1;
+    const int col0 = ntile * T::kTN;
 
-  // ---- main loop: STAGES - 1 stages in flight, one barrier per stage
+    // Channelwise zero points (one row, constant over k): this lane's words, read once.
+    uint32_t zconst[kWords] = {};
+    if constexpr (ZP && !GROUPED) {
+      const uint32_t* z32 = reinterpret_cast<const uint32_t*>(Z);
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_stages) load_stage(s, stage_begin + s);
-    cp_async_commit();  // always commit (possibly empty) so the group count stays aligned
-  }
-  for (int it = 0; it < n_stages; ++it) {
-    cp_async_wait<STAGES - 2>();  // stage `it` has landed (for this thread)
-    __syncthreads();              // ... for all threads; and everyone is done computing stage it - 1
-    const int next = it + STAGES - 1;
-    if (next < n_stages) load_stage(next % STAGES, stage_begin + next);  // refills the slot of stage it - 1
-    cp_async_commit();
-    compute_stage(it % STAGES, stage_begin + it);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the pipeline's shared memory is now free for the reduction
-
-  // ---- [RED] across blocks: wait for our turn on this tile's lock
-  int* lock = locks + ntile * m_chunks + mchunk;
-  if (splits > 1) {
-    if (tid == 0) {
-      int v;
-      do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(lock) : "memory");
-      } while (v != split);
+      for (int i = 0; i < kWords; ++i) zconst[i] = __ldg(z32 + ((col0 / 64 + wn) * 8 + (lane >> 2)) * kWords + i);
     }
-    __syncthreads();
-  }
 
-  // ---- [RED] inside the block, then [OUT]; one m-block at a time (32 KB of shared memory)
-  float2* red = reinterpret_cast<float2*>(smem);
-  const uint32_t* S2 = reinterpret_cast<const uint32_t*>(S);  // scale pairs
-  uint32_t* C2 = reinterpret_cast<uint32_t*>(C);              // output pairs
+    float acc[MB][8][4];
 #pragma unroll
-  for (int mb = 0; mb < MB; ++mb) {
-    // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
-    if constexpr (SWAP != 0) {
-      // acc[0][4 h + j][e] = C[row 8 h + 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4,
-      // cols inside this warp's 64, h = batch block); stored where the non-swapped layout keeps that element
-      // (row 8 h + r is half `hi = h` of lane 4 r + ...). With SWAP == 1 rows 8..15 are never stored (m <= 8 there).
-      float* redf = reinterpret_cast<float*>(smem);
-      const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-      for (int h = 0; h < SWAP; ++h)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = 2 * t + (e & 1);
-            const int col = 16 * j + g + 8 * (e >> 1);
-            const int ln = row * 4 + ((col & 7) >> 1);
-            redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2 + h) * 32 + ln) + (col & 1)] = acc[0][4 * h + j][e];
-          }
-    } else {
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
       for (int nb = 0; nb < 8; ++nb)
 #pragma unroll
-        for (int hi = 0; hi < 2; ++hi)
-          red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] =
-              make_float2(acc[mb][nb][2 * hi], acc[mb][nb][2 * hi + 1]);
-    }
-    __syncthreads();
-    // Pair p = ((wn * 8 + nb) * 2 + hi) * 32 + ln: accumulator registers 2 hi, 2 hi + 1 of lane ln, which hold
-    // C[row, col], C[row, col + 1] with row = ln / 4 + 8 hi, col = 8 nb + 2 (ln % 4) (mma C fragment layout).
-#pragma unroll
-    for (int p = tid; p < WN * 512; p += kThreads) {
-      const int ln = p & 31;
-      const int hi = (p >> 5) & 1;
-      const int nb = (p >> 6) & 7;
-      const int pwn = p >> 9;
-      float2 v = make_float2(0.0f, 0.0f);
-#pragma unroll
-      for (int w = 0; w < T::kWK; ++w) {
-        const float2 x = red[(w * WN + pwn) * 512 + (p & 511)];
-        v.x += x.x;
-        v.y += x.y;
-      }
-      const int row = row0 + mb * 16 + (ln >> 2) + 8 * hi;
-      const int col = col0 + pwn * 64 + nb * 8 + 2 * (ln & 3);
-      if constexpr (!GROUPED) {
-        // Channelwise table (runs of 32): position 8 t + jpos holds column 2 t + {0,1,8,9,16,17,24,25}[jpos].
-        // Column 8 nb + 2 t + e of the 64-column run lies in run nb / 4 at jpos = 2 (nb % 4) + e, i.e. at
-        // position 32 (nb / 4) + 8 t + 2 (nb % 4) + e: the pair (e = 0, 1) is one 32-bit word.
-        const int pos = col0 + pwn * 64 + 32 * (nb >> 2) + 8 * (ln & 3) + 2 * (nb & 3);
-        const float2 s = Ops::to_float2(S2[pos >> 1]);
-        v.x *= s.x;
-        v.y *= s.y;
-      }
-      if (row < m) {
-        const size_t at = ((size_t)row * n + col) >> 1;
-        if (splits > 1 && split > 0) {  // add the partial sums of splits 0 .. split - 1 (read from L2)
-          const float2 o = Ops::to_float2(__ldcg(reinterpret_cast<const unsigned int*>(C2 + at)));
-          v.x += o.x;
-          v.y += o.y;
-        }
-        C2[at] = Ops::pack(v.x, v.y);
-      }
-    }
-    __syncthreads();  // `red` is rewritten by the next m-block
-  }
+        for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
 
-  // ---- [RED] across blocks: hand the tile to the next split (the last one re-zeroes the lock)
-  if (splits > 1) {
-    __threadfence();  // our C writes are visible device-wide before the lock moves
-    __syncthreads();
-    if (tid == 0) atomicExch(lock, split == splits - 1 ? 0 : split + 1);
-  }
+    // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st` kF32Scale (grouped, swapped; two
+    // batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for the 32 partial sums, and with
+    // zero points only in the 1-block-per-SM ones: at 2 blocks per SM those spilled 4-36 bytes; at 1, m = 16, group 128
+    // on the H200: fp16 x 4-bit zp 4096 x 4096 12.6 -> 11.3 us, 11008 x 4096 23.9 -> 20.9, fp16 x 8-bit zp 28672 x 8192
+    // 102.5 -> 87.0, 8192 x 8192 32.5 -> 27.6): when all of a warp's strips of the stage lie in one group, they are
+    // multiplied unscaled into fp32 partial sums, and the group's scales are applied to those once, in fp32 (16 / 32
+    // FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per strip); otherwise (a
+    // group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other kernels.
+    constexpr bool kF32Scale =
+        GROUPED && !NO_F32_SCALE &&
+        (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= (ZP ? 1 : 2) &&
+                       !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
+    // The other grouped kernels (scales on B in 16 bits): when all of a warp's strips of the stage lie in one group,
+    // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
+    // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
+    constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
+    // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
+    // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
+    auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
+      const uint32_t* sZ = reinterpret_cast<const uint32_t*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes +
+                                                             T::kSBytes);
+      const int at = ((srow * WN + wn) * 8 + (lane >> 2)) * kWords;
+      if constexpr (kWords == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(sZ + at);
+        zw[0] = v.x;
+        zw[1] = v.y;
+      } else {
+        zw[0] = sZ[at];
+      }
+    };
+    // strips(mode, d): this warp's strips of the stage into accumulators d. mode::value (kPerStrip, kOneGroupF32 or
+    // kOneGroupB, the constants above the Tile struct):
+    //   kPerStrip     grouped: each strip reads its own scale row (and zero points); channelwise: no scales here
+    //   kOneGroupF32  all of them lie in one group (the caller checked): leave B unscaled (the caller scales the fp32
+    //                 partial sums d) and read the zero points once
+    //   kOneGroupB    all of them lie in one group: the scales go onto B in 16 bits as in kPerStrip, but the scale row
+    //                 and the zero points are read, and the zeros derived, once for all the strips
+    auto strips = [&](auto mode_tag, float (&d)[MB][8][4], int slot, int st) {
+      constexpr int kMode = decltype(mode_tag)::value;
+      constexpr bool kOneGroup = kMode != kPerStrip;
+      constexpr bool kScaleB = GROUPED && kMode != kOneGroupF32;
+      const unsigned char* base = smem + slot * T::kStageBytes;
+      const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
+      const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
+      const int4* sS = reinterpret_cast<const int4*>(base + T::kABytes + T::kBBytes);
+      const int strip0 = st * T::kStageStrips;
+      uint32_t zw[kWords];  // this lane's zero-point words (ZP)
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) zw[i] = zconst[i];
+      // the one scale row of this warp's strips (the one-group modes)
+      const int srow_once = kOneGroup ? group_of((strip0 + wk * STRIPS) * 16) - group_of(st * T::kStageK) : 0;
+      if constexpr (ZP && GROUPED && kOneGroup) zero_row(slot, srow_once, zw);
+      int4 sc_once = make_int4(0, 0, 0, 0);
+      if constexpr (GROUPED && kMode == kOneGroupB) sc_once = sS[srow_once * WN * 8 + wn * 8 + (lane >> 2)];
+      // Zero points that hold for every strip here (channelwise, or the warp's strips in one group): the four tiles'
+      // Zero values once, not once per strip.
+      constexpr bool kZeroOnce = ZP && (!GROUPED || kOneGroup);
+      typename DQ::Zero zero_once[4] = {};
+      if constexpr (kZeroOnce) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) zero_once[j] = DQ::zero(zw, j);
+      }
+#pragma unroll
+      for (int ls = 0; ls < STRIPS; ++ls) {
+        const int strip = wk * STRIPS + ls;  // strip inside the stage
+        // (the one-group path's first strip is always there: compute_stage checked it; there the mma starts the
+        // partial sums from zero instead of adding to zeroed registers)
+        const bool first = kMode == kOneGroupF32 && ls == 0;  // a constant once the loop is unrolled
+        if (first || strip0 + strip < k_strips) {  // warp-uniform
+          // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
+          uint32_t bw[4 * kWords];
+          const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
+          int4 bq[kWords];
+          if constexpr (kWords == 1) {
+            bq[0] = piece[lane];
+          } else {
+            // 8-bit: the lane's 32 bytes are int4 2l, 2l + 1. A 16-byte shared load is served 8 lanes at a time; lanes
+            // 4..7 of every 8 read their second int4 first, so the 8 addresses of each phase (16-byte units 0 2 4 6 9
+            // 11 13 15, then 1 3 5 7 8 10 12 14, modulo 8) fall in 8 distinct groups of 4 banks: no conflict.
+            const int swap = (lane >> 2) & 1;
+            const int4 read0 = piece[2 * lane + swap];
+            const int4 read1 = piece[2 * lane + (swap ^ 1)];
+            bq[0] = swap ? read1 : read0;
+            bq[1] = swap ? read0 : read1;
+          }
+#pragma unroll
+          for (int h = 0; h < kWords; ++h) {
+            bw[4 * h] = (uint32_t)bq[h].x;
+            bw[4 * h + 1] = (uint32_t)bq[h].y;
+            bw[4 * h + 2] = (uint32_t)bq[h].z;
+            bw[4 * h + 3] = (uint32_t)bq[h].w;
+          }
+          // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
+          // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
+          // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
+          // scheduled it so that two sm_80 kernels spilled.)
+          int4 sc = sc_once;
+          if constexpr (kScaleB && !kOneGroup) {
+            const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
+            sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+            if constexpr (ZP) zero_row(slot, srow, zw);
+          }
+          // A fragments. Unswapped (the mma A operand): matrix q = lane / 8 is rows 8 (q % 2) .., chunk q / 2, so
+          // a = {(rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)}. Swapped (the mma B
+          // operand, one pair per batch block): matrix q is rows 8 (q / 2) .., chunk q % 2, so each batch block's pair
+          // is two consecutive registers, {a0, a1} and {a2, a3} (with the other order the compiler copied the pair
+          // into fresh registers for every mma: 8 moves per strip, kernel/NOTES.md).
+          uint32_t a[MB][4];
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb) {
+            const int q = lane >> 3;
+            const int r = mb * 16 + (lane & 7) + (SWAP != 0 ? (q >> 1) : (q & 1)) * 8;
+            const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
+            ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
+          }
+          const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
+            uint32_t f[4];
+            typename DQ::Zero zero{};
+            if constexpr (kZeroOnce) zero = zero_once[j];
+            else if constexpr (ZP) zero = DQ::zero(zw, j);
+            DQ::template run<ZP>(&bw[j * kWords], zero, f);
+            if constexpr (kScaleB) {
+              const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
+              const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
+              f[0] = Ops::mul2(f[0], s0);
+              f[1] = Ops::mul2(f[1], s0);
+              f[2] = Ops::mul2(f[2], s1);
+              f[3] = Ops::mul2(f[3], s1);
+            }
+            if constexpr (SWAP != 0) {
+              // C^T = W^T A^T: the tile's 4 fragments are exactly the mma A fragment of W^T (rows = 16 columns n,
+              // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
+              // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 1 (A rows 0-7, k 0-7 / 8-15, above); with
+              // SWAP == 2 the second batch block (A rows 8-15) is matrices 2 and 3, accumulated in d[0][4 + j].
+              const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
+              if (first) {
+                Ops::mma_first(d[0][j], wa, a[0][0], a[0][1]);
+                if constexpr (SWAP == 2) Ops::mma_first(d[0][4 + j], wa, a[0][2], a[0][3]);
+              } else {
+                Ops::mma(d[0][j], wa, a[0][0], a[0][1]);
+                if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][2], a[0][3]);
+              }
+            } else {
+#pragma unroll
+              for (int mb = 0; mb < MB; ++mb) {
+                Ops::mma(d[mb][2 * j], a[mb], f[0], f[1]);
+                Ops::mma(d[mb][2 * j + 1], a[mb], f[2], f[3]);
+              }
+            }
+          }
+        }
+      }
+    };
+    const bool strips_share_group = GROUPED && group_size % (16 * STRIPS) == 0;
+    auto compute_stage = [&](int slot, int st) {
+      if constexpr (kF32Scale || kHoistOneGroup) {
+        const int first = st * T::kStageStrips + wk * STRIPS;  // this warp's first strip (absolute)
+        if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
+        // (a warp's strips start at a multiple of 16 * STRIPS rows: with group_size a multiple of that, they always
+        // share one group, and the per-stage comparison is skipped)
+        if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
+          if constexpr (kF32Scale) {
+            float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
+            strips(std::integral_constant<int, kOneGroupF32>{}, part, slot, st);
+            // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
+            // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
+            const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
+            const int srow = group_of(first * 16) - group_of(st * T::kStageK);
+            const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+            const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 s01 = Ops::to_float2(sw[j]);
+#pragma unroll
+              for (int h = 0; h < SWAP; ++h) {
+                acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
+                acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
+                acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
+                acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+              }
+            }
+          } else {
+            strips(std::integral_constant<int, kOneGroupB>{}, acc, slot, st);
+          }
+          return;
+        }
+      }
+      strips(std::integral_constant<int, kPerStrip>{}, acc, slot, st);
+    };
+
+    // ---- main loop: STAGES - 1 stages in flight (the prologue issued the first), one barrier per stage
+    for (int it = 0; it < n_stages; ++it) {
+      cp_async_wait<STAGES - 2>();  // stage `it` has landed (for this thread)
+      __syncthreads();              // ... for all threads; and everyone is done computing stage it - 1
+      const int next = it + STAGES - 1;
+      if (next < n_stages) load_stage(slot_of(next), ntile, stage_begin + next);  // refills the slot of stage it - 1
+      cp_async_commit();
+      compute_stage(slot_of(it), stage_begin + it);
+    }
+    Segment following{0, 0, 0};
+    have_seg = SEGMENTS && next_segment(following);
+    if (kOverlapNext && have_seg) {
+      __syncthreads();      // everyone is done computing; no copy of this segment is pending (all were waited for)
+      prologue(following);  // into slots 1 .. STAGES - 1, past the [RED] area
+    } else {
+      cp_async_wait<0>();
+      __syncthreads();  // the pipeline's shared memory is now free for the reduction
+    }
+
+    // ---- [RED] across blocks: wait for our turn on this tile's lock
+    int* lock = locks + ntile * m_chunks + mchunk;
+    if (splits > 1) {
+      if (tid == 0) {
+        int v;
+        do {
+          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(lock) : "memory");
+        } while (v != split);
+      }
+      __syncthreads();
+    }
+
+    // ---- [RED] inside the block, then [OUT]; one m-block at a time (32 KB of shared memory)
+    float2* red = reinterpret_cast<float2*>(smem);
+    const uint32_t* S2 = reinterpret_cast<const uint32_t*>(S);  // scale pairs
+    uint32_t* C2 = reinterpret_cast<uint32_t*>(C);              // output pairs
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
+      if constexpr (SWAP != 0) {
+        // acc[0][4 h + j][e] = C[row 8 h + 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4,
+        // cols inside this warp's 64, h = batch block); stored where the non-swapped layout keeps that element
+        // (row 8 h + r is half `hi = h` of lane 4 r + ...). With SWAP == 1 rows 8..15 are never stored (m <= 8 there).
+        float* redf = reinterpret_cast<float*>(smem);
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int h = 0; h < SWAP; ++h)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int row = 2 * t + (e & 1);
+              const int col = 16 * j + g + 8 * (e >> 1);
+              const int ln = row * 4 + ((col & 7) >> 1);
+              redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2 + h) * 32 + ln) + (col & 1)] = acc[0][4 * h + j][e];
+            }
+      } else {
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi)
+            red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] =
+                make_float2(acc[mb][nb][2 * hi], acc[mb][nb][2 * hi + 1]);
+      }
+      __syncthreads();
+      // Pair p = ((wn * 8 + nb) * 2 + hi) * 32 + ln: accumulator registers 2 hi, 2 hi + 1 of lane ln, which hold
+      // C[row, col], C[row, col + 1] with row = ln / 4 + 8 hi, col = 8 nb + 2 (ln % 4) (mma C fragment layout).
+#pragma unroll
+      for (int p = tid; p < WN * 512; p += kThreads) {
+        const int ln = p & 31;
+        const int hi = (p >> 5) & 1;
+        const int nb = (p >> 6) & 7;
+        const int pwn = p >> 9;
+        float2 v = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int w = 0; w < T::kWK; ++w) {
+          const float2 x = red[(w * WN + pwn) * 512 + (p & 511)];
+          v.x += x.x;
+          v.y += x.y;
+        }
+        const int row = row0 + mb * 16 + (ln >> 2) + 8 * hi;
+        const int col = col0 + pwn * 64 + nb * 8 + 2 * (ln & 3);
+        if constexpr (!GROUPED) {
+          // Channelwise table (runs of 32): position 8 t + jpos holds column 2 t + {0,1,8,9,16,17,24,25}[jpos].
+          // Column 8 nb + 2 t + e of the 64-column run lies in run nb / 4 at jpos = 2 (nb % 4) + e, i.e. at
+          // position 32 (nb / 4) + 8 t + 2 (nb % 4) + e: the pair (e = 0, 1) is one 32-bit word.
+          const int pos = col0 + pwn * 64 + 32 * (nb >> 2) + 8 * (ln & 3) + 2 * (nb & 3);
+          const float2 s = Ops::to_float2(S2[pos >> 1]);
+          v.x *= s.x;
+          v.y *= s.y;
+        }
+        if (row < m) {
+          const size_t at = ((size_t)row * n + col) >> 1;
+          if (splits > 1 && split > 0) {  // add the partial sums of splits 0 .. split - 1 (read from L2)
+            const float2 o = Ops::to_float2(__ldcg(reinterpret_cast<const unsigned int*>(C2 + at)));
+            v.x += o.x;
+            v.y += o.y;
+          }
+          C2[at] = Ops::pack(v.x, v.y);
+        }
+      }
+      __syncthreads();  // `red` is rewritten by the next m-block
+    }
+
+    // ---- [RED] across blocks: hand the tile to the next split (the last one re-zeroes the lock)
+    if (splits > 1) {
+      __threadfence();  // our C writes are visible device-wide before the lock moves
+      __syncthreads();
+      if (tid == 0) atomicExch(lock, split == splits - 1 ? 0 : split + 1);
+    }
+    if (!kOverlapNext && have_seg) prologue(following);
+    seg = following;
+  }  // segments
 }
 
 // ------------------------------------------------------------------------------------------------ host side
@@ -927,6 +987,10 @@ inline bool wants_64_row_chunks(const Launch& L) {
   return (L.m > 64 || (L.m > 32 && (L.k >= 16384 || L.n >= 32768))) && L.n % 128 == 0;
 }
 
+// Stream-K schedule (launch_config), benchmark switch MARLIN_CONVERT_STREAM_K (marlin_gemm.cu): -1 when unset (the
+// schedule launch_config picks), 0 = split-K, N = stream-K with at most N blocks per SM.
+int stream_k_per_sm();
+
 // Pick the split over k, then launch one instantiation.
 template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
 int launch_config(const Launch& L) {
@@ -953,12 +1017,12 @@ int launch_config(const Launch& L) {
   const int total_stages = (L.k / 16 + T::kStageStrips - 1) / T::kStageStrips;
   const long resident = (long)L.sms * per_sm;
 
-  // Split k when the tiles alone leave multiprocessors idle: enough splits to give every SM a block, each split
-  // at least 2 stages long (fewer, longer chains of the lock), at most 16 (the chain is serial), and only while
-  // the whole grid stays resident (a waiting block must never keep a block it waits for from starting) and one
-  // lock per (ntile, mchunk) fits in the workspace. bf16: at most 8, because every split rounds the running sum in C
-  // to bf16 (8 mantissa bits): 16 roundings made the error twice torch's.
   const int max_splits = std::is_same<ActT, half>::value ? 16 : 8;
+  // Split-K (and one block per tile): split k when the tiles alone leave multiprocessors idle: enough splits to give
+  // every SM a block, each split at least 2 stages long (fewer, longer chains of the lock), at most 16 (the chain is
+  // serial), and only while the whole grid stays resident (a waiting block must never keep a block it waits for from
+  // starting) and one lock per (ntile, mchunk) fits in the workspace. bf16: at most 8, because every split rounds the
+  // running sum in C to bf16 (8 mantissa bits): 16 roundings made the error twice torch's.
   int splits = 1;
   if (L.split_k > 0) {
     splits = L.split_k;
@@ -971,8 +1035,49 @@ int launch_config(const Launch& L) {
   while (splits > 1 && (base_blocks * splits > resident || base_blocks > L.workspace_ints)) --splits;
   const int stages_per_split = (total_stages + splits - 1) / splits;
   splits = (total_stages + stages_per_split - 1) / stages_per_split;  // no empty split
+  int tile_units = splits * stages_per_split, units_per_block = stages_per_split;
+  long grid = base_blocks * splits;
 
-  const long grid = base_blocks * splits;
+  // Stream-K: every block takes the same number of (tile, stage) units, across tile boundaries, and the grid is what
+  // the GPU holds resident, so no SM idles while others finish a last, partial wave. A tile of S stages then has at
+  // most ceil((S - 1) / units_per_block) + 1 contributors, each adding into C in ActT: kept <= max_splits as above.
+  // Taken where it gains more than it costs, in units of one block's work: the gain is the part of the busiest SM's
+  // time that the split-K grid leaves the average SM idle, 1 - (grid / sms) / ceil(grid / sms); the cost is about one
+  // stage per segment (a pipeline start and a reduction through C), (units_per_block / S + 1) / units_per_block. Fitted
+  // on the H200 (kernel/NOTES.md): 8192 x 10240 (160 tiles on 132 SMs) is faster at every m, 4096 x 22016 at m <= 16
+  // (344 tiles, 8 stages each) slower. MARLIN_CONVERT_STREAM_K (benchmark only) forces it off (0) or on (N: at most N
+  // blocks per SM).
+  // Only the 2-stage kernels of >= 4 strips (a stage long enough to hide a segment's start) have the stream-K variant.
+  constexpr bool kStreamKAble = STAGES == 2 && STRIPS >= 4 && !NO_F32_SCALE;
+  auto sk_kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE, kStreamKAble>;
+  bool stream_k = false;
+  const int sk_env = stream_k_per_sm();
+  if (kStreamKAble && L.split_k <= 0 && sk_env != 0 && base_blocks <= L.workspace_ints) {
+    int sk_per_sm = 0;  // its registers may differ from the split-K kernel's
+    if (cudaFuncSetAttribute(sk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&sk_per_sm, sk_kernel, kThreads, smem) != cudaSuccess) {
+      set_error(L.err, L.errlen, "stream-K kernel (MB=%d, WN=%d, %d bytes of shared memory) cannot be set up: %s", MB,
+                WN, smem, cudaGetErrorString(cudaGetLastError()));
+      return MARLIN_CUDA_ERROR;
+    }
+    const long per_chunk = (long)L.sms * (sk_env > 0 ? min(sk_per_sm, sk_env) : sk_per_sm) / m_chunks;  // per m-chunk
+    const long units = (long)n_tiles * total_stages;
+    if (per_chunk >= 1) {
+      long upb = (units + per_chunk - 1) / per_chunk;
+      upb = max(upb, (long)((total_stages - 1 + max_splits - 2) / (max_splits - 1)));
+      upb = max(upb, 1L);
+      const double per_sm_now = (double)grid / L.sms;
+      const double gain = 1.0 - per_sm_now / std::ceil(per_sm_now);
+      const double cost = ((double)upb / total_stages + 1.0) / (double)upb;
+      if (sk_env > 0 || gain > cost) {
+        stream_k = true;
+        tile_units = total_stages;
+        units_per_block = (int)upb;
+        grid = (units + upb - 1) / upb * m_chunks;
+      }
+    }
+  }
+
   if (grid > 0x7fffffffL) {
     set_error(L.err, L.errlen, "m = %d, n = %d need %ld thread blocks, more than a launch can have", L.m, L.n, grid);
     return MARLIN_BAD_SHAPE;
@@ -983,10 +1088,10 @@ int launch_config(const Launch& L) {
     group_shift = 0;
     while ((1 << group_shift) < group_size) ++group_shift;
   }
-  kernel<<<(unsigned)grid, kThreads, smem, L.stream>>>(
+  (stream_k ? sk_kernel : kernel)<<<(unsigned)grid, kThreads, smem, L.stream>>>(
       static_cast<const int4*>(L.A), static_cast<const int4*>(L.B), static_cast<const int4*>(L.s),
       static_cast<const int4*>(L.zp), static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift,
-      splits, stages_per_split);
+      tile_units, units_per_block);
   e = cudaGetLastError();
   if (e != cudaSuccess) {
     set_error(L.err, L.errlen, "kernel launch (MB=%d, WN=%d, grid %ld, %d bytes of shared memory) failed: %s", MB,
@@ -1052,17 +1157,15 @@ int dispatch_kind(const Launch& L) {
     }
     if constexpr (kBits == 4) {
       // The splits over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md),
-      // with the kernels this kind has: SMs / 2 < n / 64 <= SMs, m = 9..16: 4 strips x 2 stages split in two (below),
-      // m <= 8 with long k: 3 strips split in two; symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two.
+      // with the kernels this kind has: SMs / 2 < n / 64 <= SMs, m = 9..16 or long k: 4 strips x 2 stages split in
+      // two (below); symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two.
       Launch split_two = L;
       split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
-      // m = 9..16 there: the 4-strip, 2-stage kernel split in two, as fp16 x 4-bit (its 64-row warps never straddle
-      // a group of 64 / 128; the 3-strip kernel's 48 do)
-      if (one_wave && 2 * tiles > L.sms && L.m > 8 && optin >= Tile<1, 1, 4, 2, GROUPED, 4, kZp>::kSmemBytes)
+      // m = 9..16, and m <= 8 with long k, there: the 4-strip, 2-stage kernel split in two, as fp16 x 4-bit (its
+      // 64-row warps never straddle a group of 64 / 128; the 3-strip kernel's 48 do)
+      if (one_wave && 2 * tiles > L.sms && (L.m > 8 || L.k >= 16384) &&
+          optin >= Tile<1, 1, 4, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 4, GROUPED, true, 2>(split_two);
-      if (one_wave && 2 * tiles > L.sms && L.k >= 16384 &&
-          optin >= Tile<1, 1, 3, 4, GROUPED, 4, kZp>::kSmemBytes)
-        return launch_small_kind<K, 3, GROUPED, true>(split_two);
       if constexpr (!kZp) {
         if (L.m <= 8 && tiles > L.sms && 2 * tiles <= 3 * L.sms &&
             optin >= Tile<1, 1, 2, 4, GROUPED, 4, kZp>::kSmemBytes)

@@ -19,8 +19,10 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
            in the same run: the ceiling for "% copy".
     --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG: fp16 x 4-bit symmetric in
            kernel/marlin_gemm.cu, 8-bit kinds 20-22 in dispatch_kind, kernel/marlin_gemm_impl.cuh; a value a kind does
-           not know gives its default)
+           not know gives its default; "-" = unset)
            against the same torch time and prints a geomean per configuration.
+    --stream-k 0,1,2   times each value of MARLIN_CONVERT_STREAM_K (benchmark only: 0 = split-K, N = stream-K over N
+           blocks per SM at most, kernel/marlin_gemm_impl.cuh launch_config), crossed with --cfgs.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -153,6 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cfgs", type=str, help="comma-separated m <= 16 configurations to compare (benchmark only; "
                                                  "fp16-int4 only)")
+    parser.add_argument("--stream-k", type=str, help="comma-separated MARLIN_CONVERT_STREAM_K values to compare "
+                                                     "(benchmark only; 0 = split-K, N = stream-K at <= N blocks per SM)")
     parser.add_argument("--kinds", type=str, default="fp16-int4",
                         help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
     args = parser.parse_args(argv)
@@ -187,7 +191,11 @@ def main(argv=None) -> int:
           f"D2D copy {copy_bw / 1e9:.0f} GB/s (read + write)")
     print(f"{'kind':>12} {'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
           f"{'ours GB/s':>9} {'% copy':>6} {'torch GB/s':>10}")
-    cfgs = [int(v) for v in args.cfgs.split(",")] if args.cfgs else [None]
+    def variant_values(option):  # "-" = the default (variable unset)
+        return [None if v == "-" else int(v) for v in option.split(",")] if option else [None]
+
+    cfgs, sks = variant_values(args.cfgs), variant_values(args.stream_k)
+    variants = [(cfg, sk) for cfg in cfgs for sk in sks]
     speedups: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in shapes:
@@ -223,9 +231,12 @@ def main(argv=None) -> int:
                     c = torch.empty(m, n, dtype=dtype, device="cuda")
                     t_torch = torch_us[dtype_name, m]
                     act = m * k * 2 + m * n * 2
-                    for cfg in (cfgs if kind != TINYGEMM else [None]):
-                        if cfg is not None:
-                            os.environ["MARLIN_CONVERT_SMALL_CFG"] = str(cfg)
+                    for cfg, sk in (variants if kind != TINYGEMM else [(None, None)]):
+                        for var, value in (("MARLIN_CONVERT_SMALL_CFG", cfg), ("MARLIN_CONVERT_STREAM_K", sk)):
+                            if value is None:
+                                os.environ.pop(var, None)
+                            else:
+                                os.environ[var] = str(value)
                         if kind == TINYGEMM:
                             def call(i):
                                 return torch._weight_int4pack_mm(a, ops[i][0], g, ops[i][1])
@@ -239,12 +250,14 @@ def main(argv=None) -> int:
                         ours_bw = (op_bytes + act) / t_ours
                         torch_bw = (w_bytes + act) / t_torch
                         sp = t_torch / t_ours
-                        speedups.setdefault((kind, cfg), {}).setdefault(g, {}).setdefault(m, []).append(sp)
-                        tag = "" if cfg is None else f" cfg {cfg}"
+                        variant = "/".join(f"{name}{v}" for name, v in (("c", cfg), ("sk", sk)) if v is not None)
+                        speedups.setdefault((kind, variant), {}).setdefault(g, {}).setdefault(m, []).append(sp)
+                        tag = f" {variant}" if variant else ""
                         print(f"{kind:>12} {k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} "
                               f"{sp:>6.2f}x | {ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% "
                               f"{torch_bw / 1e9:>10.0f}{tag}", flush=True)
                     os.environ.pop("MARLIN_CONVERT_SMALL_CFG", None)
+                    os.environ.pop("MARLIN_CONVERT_STREAM_K", None)
                 assert int(workspace.abs().sum()) == 0, "workspace not left zeroed"
                 del ops
                 torch.cuda.empty_cache()
@@ -254,20 +267,19 @@ def main(argv=None) -> int:
 
     print("\ngeometric-mean speed-up over torch matmul in the same activation dtype (all shapes); "
           "'vs fp16-int4' = this kind's m = 1..16 figure over fp16-int4's (same group, same run)")
-    print(f"{'kind':>12} {'cfg':>4} {'group':>6} | {'m=1..16':>8} {'m=2..16':>8} {'vs fp16-int4':>12} | "
+    print(f"{'kind':>12} {'variant':>8} {'group':>6} | {'m=1..16':>8} {'m=2..16':>8} {'vs fp16-int4':>12} | "
           + " ".join(f"{'m=' + str(m):>7}" for m in ms))
-    for (kind, cfg), by_group in speedups.items():
+    for (kind, variant), by_group in speedups.items():
         for g in groups:
             sg = by_group.get(g, {})
             if not sg:
                 continue
             small = geomean([v for m, vals in sg.items() if 1 <= m <= 16 for v in vals])
             small2 = geomean([v for m, vals in sg.items() if 2 <= m <= 16 for v in vals])
-            base = speedups.get(("fp16-int4", None), {}).get(g, {})
+            base = speedups.get(("fp16-int4", variant), speedups.get(("fp16-int4", ""), {})).get(g, {})
             base_small = geomean([v for m, vals in base.items() if 1 <= m <= 16 for v in vals])
             per_m = " ".join(f"{geomean(sg.get(m, [])):>6.2f}x" for m in ms)
-            name = "-" if cfg is None else str(cfg)
-            print(f"{kind:>12} {name:>4} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | "
+            print(f"{kind:>12} {variant or '-':>8} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | "
                   f"{per_m}")
     return 0
 

@@ -11,13 +11,14 @@ NaN-poisoned output, and is compared with an fp32 reference (mean relative error
 check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
-m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, and n = 10240, 17408 for the m <= 16 kernels of
-larger n.
+m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408 for the m <= 16 kernels of
+larger n, and stream-K grids (MARLIN_CONVERT_STREAM_K).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -58,10 +59,18 @@ def main(argv=None) -> int:
                                                          # stages split in two over k
                   (kind, 70, 528, 256, 16, False, 0),    # m > 64 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
                   (kind, 36, 16448, 128, 64, False, 0)]  # and m = 33..64 with long k; partial last stages
+    cases = [c + (None,) for c in cases]  # MARLIN_CONVERT_STREAM_K unset: split-K
+    for kind in KINDS:  # stream-K grids: blocks that end one tile and start the next; one tile over many blocks
+        cases += [(kind, 1, 1040, 10240, 16, False, 0, "2"), (kind, 16, 4096, 64, 128, False, 0, "2"),
+                  (kind, 40, 528, 4096, 64, True, 0, "1"), (kind, 9, 2048, 320, -1, False, 0, "3")]
     if args.few:
         cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16]
     failures = 0
-    for (dtype_name, bits, asym), m, k, n, group, act, split_k in cases:
+    for (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k in cases:
+        if stream_k is None:
+            os.environ.pop("MARLIN_CONVERT_STREAM_K", None)
+        else:
+            os.environ["MARLIN_CONVERT_STREAM_K"] = stream_k
         dtype = getattr(torch, dtype_name)
         g = k if group == -1 else group
         q = rng.integers(0, 2**bits, size=(k, n), dtype=np.uint8)
@@ -99,7 +108,8 @@ def main(argv=None) -> int:
         ok = rel < 1e-2 and not torch.isnan(out_host).any() and int(ws_host.abs().sum()) == 0
         failures += not ok
         if not ok:
-            print(f"WRONG {dtype_name} b{bits} zp={asym} m={m} k={k} n={n} g={group} act={act} split={split_k}: "
+            print(f"WRONG {dtype_name} b{bits} zp={asym} m={m} k={k} n={n} g={group} act={act} split={split_k} "
+                  f"stream-K={stream_k}: "
                   f"mean-rel {rel:.2e}")
     print(f"sanitize_kernel: {len(cases)} calls, {failures} wrong")
     return 1 if failures else 0

@@ -367,8 +367,8 @@ def test_split_in_two_when_tiles_exceed_the_sms(torch, m, group):
 
 @pytest.mark.parametrize("m,k,group,act_order", [(12, 1024, 128, False), (16, 1040, -1, False), (2, 16384, 64, True)])
 def test_split_in_two_for_long_k_or_two_batch_blocks(torch, m, k, group, act_order):
-    """SMs / 2 < n / 64 <= SMs: m = 9..16 the 4-strip, 2-stage kernel with a split of 2 (a partial last stage at
-    k = 1040); m <= 8 with k >= 16384 the 3-strip kernel with a split of 2."""
+    """SMs / 2 < n / 64 <= SMs, m = 9..16 or k >= 16384: the 4-strip, 2-stage kernel with a split of 2 (a partial
+    last stage at k = 1040)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     _run_case(torch, m, k, 64 * (sms // 2 + 1), group, act_order, seed=900 + m)
 
@@ -432,6 +432,35 @@ def test_kinds_random_shapes(torch, seed):
     n = 64 * int(rng.integers(1, 41))
     act = bool(rng.integers(0, 2)) and group != -1
     _run_case(torch, m, k, n, group, act, seed=seed, bits=bits, asym=asym, dtype=dtype)
+
+
+# Stream-K (MARLIN_CONVERT_STREAM_K = blocks per SM): blocks take equal runs of (tile, stage) units across tile
+# boundaries. Shapes: more tiles than blocks (a block ends one tile and starts the next), one tile over many blocks
+# (long chains of the lock, capped at 16 / 8 contributors), m > 16 with several row chunks, a partial last stage,
+# group 16 / 48 / act-order; every kind.
+STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
+    (1, 4096, 12288, 128, False),
+    (5, 1040, 10240, 16, False),
+    (16, 8192, 320, -1, False),
+    (3, 16384, 64, 128, False),
+    (12, 2064, 8192, 48, False),
+    (2, 1024, 17408, 64, True),
+    (40, 2048, 4096, 128, False),
+    (100, 1040, 2048, -1, True),
+    (130, 4096, 1024, 32, False),
+]
+
+
+@pytest.mark.parametrize("per_sm", ["1", "2", "3"])
+@pytest.mark.parametrize("m,k,n,group,act_order", STREAM_K_SHAPES)
+@pytest.mark.parametrize("kind", [("float16", 4, False), ("bfloat16", 4, True), ("float16", 8, True),
+                                  ("bfloat16", 8, False)], ids=_kind_id)
+def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, per_sm):
+    """Every stream-K grid gives the right result and leaves the workspace zeroed."""
+    monkeypatch.setenv("MARLIN_CONVERT_STREAM_K", per_sm)
+    dtype, bits, asym = kind
+    _run_case(torch, m, k, n, group, act_order, seed=hash((m, k, n, group, bits, int(per_sm))) % 2**31, bits=bits,
+              asym=asym, dtype=dtype)
 
 
 @pytest.mark.parametrize("kind,split_k", [(("bfloat16", 4, False), 2), (("bfloat16", 8, True), 8),
