@@ -311,6 +311,12 @@ struct Dequant<__nv_bfloat16, 4> {
       frag[i] = as_u32(__hsub2(as_b2(v), i < 2 ? z0 : z1));
     }
   }
+  // 128 + q (exact), the zero not subtracted: the kernels with fp32 partial sums subtract (128 + z) times the sum of
+  // the activations instead (kOffsetB), 4 instructions fewer per tile.
+  static __device__ __forceinline__ void run_offset(const uint32_t* w, uint32_t (&frag)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) frag[i] = lop3<kAndOr>(w[0] >> (4 * i), 0x000f000fu, 0x43004300u);
+  }
 };
 
 template <>
@@ -344,6 +350,12 @@ struct Dequant<__nv_bfloat16, 8> {
     }
   }
 };
+
+// Dequant<bf16, 4>::run_offset for the kernel's kOffsetB path (the other kinds have none: never called for them).
+template <class DQ>
+__device__ __forceinline__ void dequant_offset(const uint32_t* w, uint32_t (&frag)[4]) {
+  if constexpr (std::is_same<DQ, Dequant<__nv_bfloat16, 4>>::value) DQ::run_offset(w, frag);
+}
 
 // ------------------------------------------------------------------------------------------------ the kernel
 
@@ -647,6 +659,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       for (int nb = 0; nb < 8; ++nb)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
+    // (kOffsetB, channelwise) the sums of the activations over all of the segment's k, per batch block
+    float rs_all[2][4] = {};
 
     // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st` kF32Scale (grouped, swapped; two
     // batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for the 32 partial sums, and with
@@ -664,6 +678,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
     // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
     constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
+    // bf16 x 4-bit, swapped, where the partial sums are fp32 and unscaled (kF32Scale's one-group stages; channelwise):
+    // W = (q - z) s is computed as s ((128 + q) - (128 + z)) with (128 + z) times the activations' sum subtracted
+    // from the fp32 sums, so B needs no subtraction (Dequant::run_offset): 4 of 11 dequant instructions per tile, for
+    // one more mma per strip and batch block. 128 + q and the activations are exact in bf16, their products in fp32;
+    // the subtraction cancels about log2(143 / 15) ~ 3.3 of fp32's 24 bits, far below bf16's 8.
+    constexpr bool kOffsetB = std::is_same<typename K::ActT, __nv_bfloat16>::value && BITS == 4 && SWAP != 0;
+    constexpr uint32_t kOnes = 0x3f803f80u;  // bf16 1.0 (exponent 127, mantissa 0) in both halves
     // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
     // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
     auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
@@ -678,6 +699,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         zw[0] = sZ[at];
       }
     };
+    // (kOffsetB) 128 + z as floats for this lane's columns in n8-blocks 2j and 2j + 1, from its zero-point word zw
+    // (nibbles j and j + 4, Dequant<bf16, 4>): 0x43000000 = 128.0f has exponent 134 = 127 + 7, so its mantissa ulp is
+    // 2^(7 - 23) = 2^-16 and 0x43000000 | (z << 16) is exactly 128 + z; a shift and a lop3 each. 136 (z = 8) without
+    // zero points.
+    auto offset_zero = [&](const uint32_t (&zw)[kWords], int j) {
+      if constexpr (kOffsetB && ZP) {
+        return make_float2(__uint_as_float(lop3<kAndOr>(zw[0] << (16 - 4 * j), 0x000f0000u, 0x43000000u)),
+                           __uint_as_float(lop3<kAndOr>(zw[0] >> (4 * j), 0x000f0000u, 0x43000000u)));
+      } else {
+        return make_float2(136.0f, 136.0f);
+      }
+    };
     // strips(mode, d): this warp's strips of the stage into accumulators d. mode::value (kPerStrip, kOneGroupF32 or
     // kOneGroupB, the constants above the Tile struct):
     //   kPerStrip     grouped: each strip reads its own scale row (and zero points); channelwise: no scales here
@@ -685,10 +718,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     //                 partial sums d) and read the zero points once
     //   kOneGroupB    all of them lie in one group: the scales go onto B in 16 bits as in kPerStrip, but the scale row
     //                 and the zero points are read, and the zeros derived, once for all the strips
-    auto strips = [&](auto mode_tag, float (&d)[MB][8][4], int slot, int st) {
+    // With kOffsetB (bf16 x 4-bit, swapped) in the modes whose sums stay unscaled in fp32 (kOneGroupF32, channelwise),
+    // B is 128 + q and rs[h] gets the sums of batch block h's activations over the strips (an mma with an all-ones
+    // W^T); the caller subtracts (128 + z) * rs.
+    auto strips = [&](auto mode_tag, float (&d)[MB][8][4], float (&rs)[2][4], int slot, int st) {
       constexpr int kMode = decltype(mode_tag)::value;
       constexpr bool kOneGroup = kMode != kPerStrip;
       constexpr bool kScaleB = GROUPED && kMode != kOneGroupF32;
+      constexpr bool kOffset = kOffsetB && (kMode == kOneGroupF32 || !GROUPED);
       const unsigned char* base = smem + slot * T::kStageBytes;
       const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
       const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
@@ -763,6 +800,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
             const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
             ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
           }
+          if constexpr (kOffset) {  // rs[h] += ones (16 x 16) x A^T: every row the sum over k of each batch row
+            const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+#pragma unroll
+            for (int h = 0; h < SWAP; ++h) {
+              if (first) Ops::mma_first(rs[h], ones, a[0][2 * h], a[0][2 * h + 1]);
+              else Ops::mma(rs[h], ones, a[0][2 * h], a[0][2 * h + 1]);
+            }
+          }
           const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
@@ -770,7 +815,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
             typename DQ::Zero zero{};
             if constexpr (kZeroOnce) zero = zero_once[j];
             else if constexpr (ZP) zero = DQ::zero(zw, j);
-            DQ::template run<ZP>(&bw[j * kWords], zero, f);
+            if constexpr (kOffset) dequant_offset<DQ>(&bw[j * kWords], f);
+            else DQ::template run<ZP>(&bw[j * kWords], zero, f);
             if constexpr (kScaleB) {
               const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
               const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
@@ -813,31 +859,49 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
           if constexpr (kF32Scale) {
             float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
-            strips(std::integral_constant<int, kOneGroupF32>{}, part, slot, st);
+            float rs[2][4];        // (kOffsetB) likewise
+            strips(std::integral_constant<int, kOneGroupF32>{}, part, rs, slot, st);
             // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
             // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
             const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
             const int srow = group_of(first * 16) - group_of(st * T::kStageK);
             const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
             const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+            uint32_t zw[kWords] = {};  // (kOffsetB with zero points) this lane's zero-point words of the stage's row
+            if constexpr (kOffsetB && ZP) zero_row(slot, srow, zw);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               const float2 s01 = Ops::to_float2(sw[j]);
+              if constexpr (kOffsetB) {
+                // part - (128 + z) rs: rs[h][e & 1] is batch row 2t + (e & 1) of block h (every row of the ones-mma
+                // is the same sum), z of n8-block 2j (e = 0, 1) or 2j + 1 (e = 2, 3)
+                const float2 z01 = offset_zero(zw, j);
 #pragma unroll
-              for (int h = 0; h < SWAP; ++h) {
-                acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
-                acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
-                acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
-                acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+                for (int h = 0; h < SWAP; ++h) {
+                  float(&a4)[4] = acc[0][4 * h + j];
+                  const float(&p4)[4] = part[0][4 * h + j];
+                  a4[0] = fmaf(fmaf(-z01.x, rs[h][0], p4[0]), s01.x, a4[0]);
+                  a4[1] = fmaf(fmaf(-z01.x, rs[h][1], p4[1]), s01.x, a4[1]);
+                  a4[2] = fmaf(fmaf(-z01.y, rs[h][0], p4[2]), s01.y, a4[2]);
+                  a4[3] = fmaf(fmaf(-z01.y, rs[h][1], p4[3]), s01.y, a4[3]);
+                }
+              } else {
+#pragma unroll
+                for (int h = 0; h < SWAP; ++h) {
+                  acc[0][4 * h + j][0] = fmaf(part[0][4 * h + j][0], s01.x, acc[0][4 * h + j][0]);
+                  acc[0][4 * h + j][1] = fmaf(part[0][4 * h + j][1], s01.x, acc[0][4 * h + j][1]);
+                  acc[0][4 * h + j][2] = fmaf(part[0][4 * h + j][2], s01.y, acc[0][4 * h + j][2]);
+                  acc[0][4 * h + j][3] = fmaf(part[0][4 * h + j][3], s01.y, acc[0][4 * h + j][3]);
+                }
               }
             }
           } else {
-            strips(std::integral_constant<int, kOneGroupB>{}, acc, slot, st);
+            strips(std::integral_constant<int, kOneGroupB>{}, acc, rs_all, slot, st);
           }
           return;
         }
       }
-      strips(std::integral_constant<int, kPerStrip>{}, acc, slot, st);
+      strips(std::integral_constant<int, kPerStrip>{}, acc, rs_all, slot, st);
     };
 
     // ---- main loop: STAGES - 1 stages in flight (the prologue issued the first), one barrier per stage
@@ -869,6 +933,20 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         } while (v != split);
       }
       __syncthreads();
+    }
+
+    if constexpr (kOffsetB && !GROUPED) {  // channelwise: (128 + z) times the activations' sums off the fp32 sums
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 z01 = offset_zero(zconst, j);
+#pragma unroll
+        for (int h = 0; h < SWAP; ++h) {
+          acc[0][4 * h + j][0] = fmaf(-z01.x, rs_all[h][0], acc[0][4 * h + j][0]);
+          acc[0][4 * h + j][1] = fmaf(-z01.x, rs_all[h][1], acc[0][4 * h + j][1]);
+          acc[0][4 * h + j][2] = fmaf(-z01.y, rs_all[h][0], acc[0][4 * h + j][2]);
+          acc[0][4 * h + j][3] = fmaf(-z01.y, rs_all[h][1], acc[0][4 * h + j][3]);
+        }
+      }
     }
 
     // ---- [RED] inside the block, then [OUT]; one m-block at a time (32 KB of shared memory)
@@ -1145,14 +1223,18 @@ int dispatch_kind(const Launch& L) {
     const bool one_wave = optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && tiles <= L.sms;
     if constexpr (kBits == 4 && !kZp) {
       // bf16 x 4-bit symmetric (fp16 has dispatch_fp16_int4): the 4-strip, 2-stage kernel where fp16 x 4-bit takes it,
-      // grouped with n / 64 > SMs and channelwise at m <= 8 with n / 256 >= SMs (there 8192 x 57344 m = 1 took
-      // 112.5 us against 90.6 for fp16 x 4-bit, 4096 x 12288 17.8 against 14.7 before; kernel/NOTES.md).
+      // grouped with n / 64 > SMs, channelwise at m <= 8 with n / 256 >= SMs (there 8192 x 57344 m = 1 took
+      // 112.5 us against 90.6 for fp16 x 4-bit, 4096 x 12288 17.8 against 14.7 before; kernel/NOTES.md) and
+      // channelwise with SMs < n / 64 <= 2 SMs (m = 16: 8192 x 10240 33.8 us against fp16's 22.9, 4096 x 12288 19.2
+      // against 16.0 with the 3-strip kernel).
       if constexpr (GROUPED) {
         if (tiles > L.sms && optin >= Tile<1, 1, 4, 2, true, 4, false>::kSmemBytes)
           return launch_small_kind<K, 4, true, true, 2>(L);
       } else {
         if (L.m <= 8 && L.n / 256 >= L.sms && optin >= Tile<1, 1, 4, 2, false, 4, false>::kSmemBytes)
           return launch_config<K, 1, 1, 4, 2, false, 1>(L);
+        if (tiles > L.sms && tiles <= 2 * L.sms && optin >= Tile<1, 1, 4, 2, false, 4, false>::kSmemBytes)
+          return launch_small_kind<K, 4, false, true, 2>(L);
       }
     }
     if constexpr (kBits == 4) {

@@ -98,12 +98,13 @@ def _check(torch, p: Problem, a, c, label: str) -> None:
     assert int(p.workspace.abs().sum()) == 0, "workspace not left zeroed"
 
 
-def _run_case(torch, m, k, n, group, act_order, seed, split_k=0, calls=1, bits=4, asym=False, dtype="float16"):
+def _run_case(torch, m, k, n, group, act_order, seed, split_k=0, calls=1, bits=4, asym=False, dtype="float16",
+              a_mean=0.0):
     rng = np.random.default_rng(seed)
     p = Problem(k, n, group, act_order, rng, torch, bits=bits, asym=asym, dtype=dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for _ in range(calls):
-        a = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.float32).to(p.dtype)
+        a = (torch.randn(m, k, generator=gen, device="cuda", dtype=torch.float32) + a_mean).to(p.dtype)
         out = torch.full((m, n), float("nan"), dtype=p.dtype, device="cuda")  # poison
         c = p.gemm(a, out=out, split_k=split_k)
         torch.cuda.synchronize()
@@ -461,6 +462,15 @@ def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, 
     dtype, bits, asym = kind
     _run_case(torch, m, k, n, group, act_order, seed=hash((m, k, n, group, bits, int(per_sm))) % 2**31, bits=bits,
               asym=asym, dtype=dtype)
+
+
+@pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, -1), (8, 8192, 192, 128), (16, 16384, 128, -1),
+                                         (13, 4096, 320, 64), (3, 1040, 64, 16)])
+@pytest.mark.parametrize("asym", [False, True])
+def test_bf16_4bit_offset_sums_with_biased_activations(torch, m, k, n, group, asym):
+    """bf16 x 4-bit at m <= 16 multiplies 128 + q and subtracts (128 + z) times the activations' sums in fp32
+    (kOffsetB): with activations of mean 4 (sums that dwarf the result) and long k, the error stays within the bound."""
+    _run_case(torch, m, k, n, group, False, seed=m * 31 + k + n, bits=4, asym=asym, dtype="bfloat16", a_mean=4.0)
 
 
 @pytest.mark.parametrize("kind,split_k", [(("bfloat16", 4, False), 2), (("bfloat16", 8, True), 8),
