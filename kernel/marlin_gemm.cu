@@ -69,15 +69,13 @@ template <bool GROUPED>
 int dispatch_fp16_int4(const Launch& L) {
   using K = KindFp16Int4;
   if (L.m <= 16) {
-    // Default: 64-column tiles, the most strips per warp that still runs all n / 64 tiles in one wave: the swapped
-    // kernel (m <= 8: one 8-row batch block, m = 9..16: two) with 4 strips (stage k = 512, 16 KB of B per stage,
-    // 144 KB of shared memory, one block per SM) when n / 64 <= SMs, with 3 strips (108 KB, 2 blocks per SM) when
-    // n / 64 <= 2 SMs; otherwise 2 strips (72 KB: 3 blocks per SM), swapped for m <= 8 only.
+    // Default: 64-column tiles; the swapped kernel (m <= 8: one 8-row batch block, m = 9..16: two) with 4 strips at
+    // 2 stages (72 KB, 2 blocks per SM) where n / 64 > SMs (below for which), 4 strips at 4 stages (stage k = 512,
+    // 16 KB of B per stage, 144 KB of shared memory, one block per SM) when n / 64 <= SMs; otherwise 2 strips (72 KB:
+    // 3 blocks per SM), swapped for m <= 8 only.
     const int optin = smem_optin();
     const bool big_smem = optin >= Tile<1, 1, 4, 4, GROUPED>::kSmemBytes;  // sm_86 / sm_89 have ~100 KB
     const bool one_wave = big_smem && L.n / 64 <= L.sms;
-    const bool mid_smem = optin >= Tile<1, 1, 3, 4, GROUPED>::kSmemBytes;
-    const bool two_wave = !one_wave && mid_smem && L.n / 64 <= 2 * L.sms;  // one wave at 2 blocks per SM
     switch (small_cfg()) {
       case 0: return launch_small<2, 4, GROUPED>(L, false);  // the previous default (no swap)
       case 1: return launch_small<2, 4, GROUPED>(L, true);
@@ -125,7 +123,8 @@ int dispatch_fp16_int4(const Launch& L) {
     // 0.45 issued instructions per scheduler at one block per SM, kernel/NOTES.md). Measured on the H200 (`--cfgs`
     // with `--split-k`):
     //   SMs < n / 64 <= 1.5 SMs (both halves resident): the 2-strip kernel (3 blocks per SM) split in two,
-    //     8192 x 10240 m = 1 32.0 -> 27.3 us, m = 16 42.3 -> 37.8;
+    //     8192 x 10240 m = 1 32.0 -> 27.3 us, m = 16 42.3 -> 37.8 (since the fifth session the 4-strip, 2-stage kernel
+    //     above takes those shapes, grouped and channelwise, with stream-K where launch_config picks it; removed);
     //   SMs / 2 < n / 64 <= SMs (the 4-strip kernel has no room to split): the 3-strip kernel (2 blocks per SM)
     //     split in two, for long k or m > 8: 28672 x 8192 m = 16 91.6 -> 73.9 us, m = 1 59.4 -> 57.6,
     //     8192 x 8192 m = 16 27.9 -> 26.0 (at m = 1 there 19.5 -> 20.7, hence not for short k at m <= 8); at m = 9..16
@@ -137,12 +136,11 @@ int dispatch_fp16_int4(const Launch& L) {
     const int tiles = L.n / 64;
     Launch split_two = L;
     split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
-    if (two_wave && 2 * tiles <= 3 * L.sms && optin >= Tile<1, 1, 2, 4, GROUPED>::kSmemBytes)
-      return launch_small<2, 4, GROUPED>(split_two, true);
     if (one_wave && 2 * tiles > L.sms && (L.m > 8 || L.k >= 16384) && optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
       return launch_small<4, 2, GROUPED>(split_two, true);
     if (one_wave) return launch_small<4, 4, GROUPED>(L, true);
-    if (two_wave) return launch_small<3, 4, GROUPED>(L, true);
+    // (SMs < n / 64 <= 2 SMs took the 3-strip kernel, one wave at 2 blocks per SM, before the fifth session: the
+    // 4-strip, 2-stage kernel above takes them now)
     return launch_small<2, 4, GROUPED>(L, true, true);
   }
   // m > 16: more strips per stage (fewer barriers, half the per-stage bookkeeping per mma), measured on the H200

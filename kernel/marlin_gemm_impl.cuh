@@ -26,7 +26,8 @@
 //
 // The grid is (n / TN tiles) x (ceil(m / 16MB) row chunks) x (splits over k), linearised as
 //   blockIdx.x = (ntile * splits + split) * m_chunks + mchunk
-// so the blocks that read the same B columns run side by side and share it through L2.
+// so the blocks that read the same B columns run side by side and share it through L2; under stream-K (below)
+// blockIdx.x = blk * m_chunks + mchunk, block blk taking an equal run of (tile, k-stage) units.
 //
 // Pipeline of one block, per stage (names used in the comments below):
 //   [G2S]  global -> shared: cp.async.cg 16-byte copies of the A tile, the B tile and (grouped) the scale rows and
@@ -37,14 +38,17 @@
 //   [DEQ]  dequant: bit tricks + magic numbers (struct Dequant), giving q - z exactly, then (grouped) times the scale.
 //   [MMA]  mma.sync.m16n8k16 fp16 x fp16 or bf16 x bf16 -> fp32.
 //   [RED]  reduction: the WK warps that share columns add their accumulators through shared memory; then the
-//          `splits` blocks that share an output tile add through C, in split order, serialised by a lock.
+//          blocks that share an output tile (its contributors) add through C, in block order, serialised by a lock.
 //   [OUT]  write-out: pairs of output values to C; channelwise scales are applied here, in fp32.
 //
 // Split-K and the workspace: when n / TN * m_chunks blocks do not fill the GPU, k is cut into `splits` ranges.
 // Block `split` waits until lock == split, adds its partial sums to what C holds (split 0 just stores), then sets
 // lock = split + 1; the last split sets it back to 0, so the workspace is zero again when the kernel ends. One
 // lock per (ntile, mchunk): n / TN * m_chunks <= (n / 64) * 16 ints is checked on the host, and the grid is kept
-// within what the GPU can hold resident at once, so a block never waits for one that cannot start.
+// within what the GPU can hold resident at once, so a block never waits for one that cannot start. Stream-K (the
+// 2-stage kernels of >= 4 strips, where the tiles leave SMs idle in a last wave): every block takes the same number of
+// (tile, k-stage) units across tile boundaries; a tile's contributors are consecutive blocks, and the lock protocol is
+// the same with contributor index for split.
 //
 // No L2 cache-hint variants (`.L2::cache_hint`, createpolicy) are used: published Marlin's small-batch path died
 // with an illegal instruction on an H200 because of them.
@@ -659,8 +663,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       for (int nb = 0; nb < 8; ++nb)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
-    // (kOffsetB, channelwise) the sums of the activations over all of the segment's k, per batch block
-    float rs_all[2][4] = {};
+    float rs_unused[2][4];  // strips()' activation sums, written only in kOneGroupF32 mode (kOffsetB)
 
     // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st` kF32Scale (grouped, swapped; two
     // batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for the 32 partial sums, and with
@@ -678,12 +681,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
     // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
     constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
-    // bf16 x 4-bit, swapped, where the partial sums are fp32 and unscaled (kF32Scale's one-group stages; channelwise):
-    // W = (q - z) s is computed as s ((128 + q) - (128 + z)) with (128 + z) times the activations' sum subtracted
-    // from the fp32 sums, so B needs no subtraction (Dequant::run_offset): 4 of 11 dequant instructions per tile, for
-    // one more mma per strip and batch block. 128 + q and the activations are exact in bf16, their products in fp32;
-    // the subtraction cancels about log2(143 / 15) ~ 3.3 of fp32's 24 bits, far below bf16's 8.
-    constexpr bool kOffsetB = std::is_same<typename K::ActT, __nv_bfloat16>::value && BITS == 4 && SWAP != 0;
+    // bf16 x 4-bit in kF32Scale's one-group stages (fp32, unscaled partial sums of at most 16 * STRIPS k per warp):
+    // W = (q - z) s is computed as s ((128 + q) - (128 + z)) with (128 + z) times the activations' sum over those k
+    // subtracted from the partial sums at the stage's flush, so B needs no subtraction (Dequant::run_offset): 4 of 11
+    // dequant instructions per tile, for one more mma per strip and batch block. 128 + q and the activations are exact
+    // in bf16, their products in fp32. The cancellation grows with the activations' mean over the summed k (about
+    // 7 bits for mean 0.5 over 64 k, leaving ~17 of fp32's 24, far more than bf16's 8); so it is done per stage, not
+    // over a whole channelwise k range (a review modelled 1e-2 errors there for truncating fp32 mma accumulation).
+    constexpr bool kOffsetB =
+        std::is_same<typename K::ActT, __nv_bfloat16>::value && BITS == 4 && SWAP != 0 && kF32Scale;
     constexpr uint32_t kOnes = 0x3f803f80u;  // bf16 1.0 (exponent 127, mantissa 0) in both halves
     // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
     // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
@@ -699,10 +705,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         zw[0] = sZ[at];
       }
     };
-    // (kOffsetB) 128 + z as floats for this lane's columns in n8-blocks 2j and 2j + 1, from its zero-point word zw
-    // (nibbles j and j + 4, Dequant<bf16, 4>): 0x43000000 = 128.0f has exponent 134 = 127 + 7, so its mantissa ulp is
-    // 2^(7 - 23) = 2^-16 and 0x43000000 | (z << 16) is exactly 128 + z; a shift and a lop3 each. 136 (z = 8) without
-    // zero points.
+    // (kOffsetB) 128 + z as floats for this lane's columns in n8-blocks 2j and 2j + 1, from its zero-point word zw of
+    // the stage's scale row (nibbles j and j + 4, Dequant<bf16, 4>): 0x43000000 = 128.0f has exponent 134 = 127 + 7, so
+    // its mantissa ulp is 2^(7 - 23) = 2^-16 and 0x43000000 | (z << 16) is exactly 128 + z; a shift and a lop3 each.
+    // 136 (z = 8) without zero points.
     auto offset_zero = [&](const uint32_t (&zw)[kWords], int j) {
       if constexpr (kOffsetB && ZP) {
         return make_float2(__uint_as_float(lop3<kAndOr>(zw[0] << (16 - 4 * j), 0x000f0000u, 0x43000000u)),
@@ -718,14 +724,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     //                 partial sums d) and read the zero points once
     //   kOneGroupB    all of them lie in one group: the scales go onto B in 16 bits as in kPerStrip, but the scale row
     //                 and the zero points are read, and the zeros derived, once for all the strips
-    // With kOffsetB (bf16 x 4-bit, swapped) in the modes whose sums stay unscaled in fp32 (kOneGroupF32, channelwise),
-    // B is 128 + q and rs[h] gets the sums of batch block h's activations over the strips (an mma with an all-ones
-    // W^T); the caller subtracts (128 + z) * rs.
+    // With kOffsetB (bf16 x 4-bit) in kOneGroupF32 mode, B is 128 + q and rs[h] gets the sums of batch block h's
+    // activations over the strips (an mma with an all-ones W^T); the caller subtracts (128 + z) * rs.
     auto strips = [&](auto mode_tag, float (&d)[MB][8][4], float (&rs)[2][4], int slot, int st) {
       constexpr int kMode = decltype(mode_tag)::value;
       constexpr bool kOneGroup = kMode != kPerStrip;
       constexpr bool kScaleB = GROUPED && kMode != kOneGroupF32;
-      constexpr bool kOffset = kOffsetB && (kMode == kOneGroupF32 || !GROUPED);
+      constexpr bool kOffset = kOffsetB && kMode == kOneGroupF32;
       const unsigned char* base = smem + slot * T::kStageBytes;
       const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
       const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
@@ -896,12 +901,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
               }
             }
           } else {
-            strips(std::integral_constant<int, kOneGroupB>{}, acc, rs_all, slot, st);
+            strips(std::integral_constant<int, kOneGroupB>{}, acc, rs_unused, slot, st);
           }
           return;
         }
       }
-      strips(std::integral_constant<int, kPerStrip>{}, acc, rs_all, slot, st);
+      strips(std::integral_constant<int, kPerStrip>{}, acc, rs_unused, slot, st);
     };
 
     // ---- main loop: STAGES - 1 stages in flight (the prologue issued the first), one barrier per stage
@@ -933,20 +938,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         } while (v != split);
       }
       __syncthreads();
-    }
-
-    if constexpr (kOffsetB && !GROUPED) {  // channelwise: (128 + z) times the activations' sums off the fp32 sums
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 z01 = offset_zero(zconst, j);
-#pragma unroll
-        for (int h = 0; h < SWAP; ++h) {
-          acc[0][4 * h + j][0] = fmaf(-z01.x, rs_all[h][0], acc[0][4 * h + j][0]);
-          acc[0][4 * h + j][1] = fmaf(-z01.x, rs_all[h][1], acc[0][4 * h + j][1]);
-          acc[0][4 * h + j][2] = fmaf(-z01.y, rs_all[h][0], acc[0][4 * h + j][2]);
-          acc[0][4 * h + j][3] = fmaf(-z01.y, rs_all[h][1], acc[0][4 * h + j][3]);
-        }
-      }
     }
 
     // ---- [RED] inside the block, then [OUT]; one m-block at a time (32 KB of shared memory)
@@ -1131,23 +1122,30 @@ int launch_config(const Launch& L) {
   bool stream_k = false;
   const int sk_env = stream_k_per_sm();
   if (kStreamKAble && L.split_k <= 0 && sk_env != 0 && base_blocks <= L.workspace_ints) {
-    int sk_per_sm = 0;  // its registers may differ from the split-K kernel's
-    if (cudaFuncSetAttribute(sk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&sk_per_sm, sk_kernel, kThreads, smem) != cudaSuccess) {
-      set_error(L.err, L.errlen, "stream-K kernel (MB=%d, WN=%d, %d bytes of shared memory) cannot be set up: %s", MB,
-                WN, smem, cudaGetErrorString(cudaGetLastError()));
-      return MARLIN_CUDA_ERROR;
-    }
-    const long per_chunk = (long)L.sms * (sk_env > 0 ? min(sk_per_sm, sk_env) : sk_per_sm) / m_chunks;  // per m-chunk
+    // units per block for a grid of `blocks_per_sm` blocks per SM (0 when that leaves an m-chunk without a block)
     const long units = (long)n_tiles * total_stages;
-    if (per_chunk >= 1) {
-      long upb = (units + per_chunk - 1) / per_chunk;
-      upb = max(upb, (long)((total_stages - 1 + max_splits - 2) / (max_splits - 1)));
-      upb = max(upb, 1L);
-      const double per_sm_now = (double)grid / L.sms;
-      const double gain = 1.0 - per_sm_now / std::ceil(per_sm_now);
-      const double cost = ((double)upb / total_stages + 1.0) / (double)upb;
-      if (sk_env > 0 || gain > cost) {
+    auto units_per_block_at = [&](int blocks_per_sm) {
+      const long per_chunk = (long)L.sms * blocks_per_sm / m_chunks;  // blocks per m-chunk
+      if (per_chunk < 1) return 0L;
+      const long upb = (units + per_chunk - 1) / per_chunk;
+      return max(max(upb, (long)((total_stages - 1 + max_splits - 2) / (max_splits - 1))), 1L);
+    };
+    // decided with the split-K kernel's occupancy; the stream-K kernel's own (its registers may differ) is queried
+    // only when it is taken, so the calls that stay split-K pay no extra host work
+    long upb = units_per_block_at(sk_env > 0 ? min(per_sm, sk_env) : per_sm);
+    const double per_sm_now = (double)grid / L.sms;
+    const double gain = 1.0 - per_sm_now / std::ceil(per_sm_now);
+    const double cost = upb > 0 ? ((double)upb / total_stages + 1.0) / (double)upb : 1.0;
+    if (upb > 0 && (sk_env > 0 || gain > cost)) {
+      int sk_per_sm = 0;
+      if (cudaFuncSetAttribute(sk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&sk_per_sm, sk_kernel, kThreads, smem) != cudaSuccess) {
+        set_error(L.err, L.errlen, "stream-K kernel (MB=%d, WN=%d, %d bytes of shared memory) cannot be set up: %s",
+                  MB, WN, smem, cudaGetErrorString(cudaGetLastError()));
+        return MARLIN_CUDA_ERROR;
+      }
+      if (sk_per_sm < per_sm) upb = units_per_block_at(min(sk_per_sm, sk_env > 0 ? sk_env : sk_per_sm));
+      if (upb > 0) {
         stream_k = true;
         tile_units = total_stages;
         units_per_block = (int)upb;
@@ -1238,9 +1236,8 @@ int dispatch_kind(const Launch& L) {
       }
     }
     if constexpr (kBits == 4) {
-      // The splits over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md),
-      // with the kernels this kind has: SMs / 2 < n / 64 <= SMs, m = 9..16 or long k: 4 strips x 2 stages split in
-      // two (below); symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two.
+      // The split over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md):
+      // SMs / 2 < n / 64 <= SMs, m = 9..16 or long k: 4 strips x 2 stages split in two.
       Launch split_two = L;
       split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
       // m = 9..16, and m <= 8 with long k, there: the 4-strip, 2-stage kernel split in two, as fp16 x 4-bit (its
@@ -1248,11 +1245,6 @@ int dispatch_kind(const Launch& L) {
       if (one_wave && 2 * tiles > L.sms && (L.m > 8 || L.k >= 16384) &&
           optin >= Tile<1, 1, 4, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 4, GROUPED, true, 2>(split_two);
-      if constexpr (!kZp) {
-        if (L.m <= 8 && tiles > L.sms && 2 * tiles <= 3 * L.sms &&
-            optin >= Tile<1, 1, 2, 4, GROUPED, 4, kZp>::kSmemBytes)
-          return launch_small_kind<K, 2, GROUPED, false>(split_two);
-      }
     }
     if constexpr (kBits == 8) {
       // Benchmark only (MARLIN_CONVERT_SMALL_CFG, `bench_kernel.py --cfgs`): 20 = the 2-strip kernel, 21 = the

@@ -60,9 +60,10 @@ def main(argv=None) -> int:
                   (kind, 70, 528, 256, 16, False, 0),    # m > 64 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
                   (kind, 36, 16448, 128, 64, False, 0)]  # and m = 33..64 with long k; partial last stages
     cases = [c + (None,) for c in cases]  # MARLIN_CONVERT_STREAM_K unset: split-K
-    for kind in KINDS:  # stream-K grids: blocks that end one tile and start the next; one tile over many blocks
-        cases += [(kind, 1, 1040, 10240, 16, False, 0, "2"), (kind, 16, 4096, 64, 128, False, 0, "2"),
-                  (kind, 40, 528, 4096, 64, True, 0, "1"), (kind, 9, 2048, 320, -1, False, 0, "3")]
+    for kind in KINDS:  # stream-K grids (the 2-stage kernels of >= 4 strips): blocks that end one tile and start the
+        # next (m <= 16 and the 32-row m > 16 kernel), one tile row over many blocks (the 64-row kernel, capped)
+        cases += [(kind, 1, 1040, 10240, 16, False, 0, "2"), (kind, 12, 528, 10240, -1, False, 0, "2"),
+                  (kind, 40, 528, 4096, 64, True, 0, "1"), (kind, 40, 16384, 256, 128, False, 0, "1")]
     if args.few:
         cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16]
     failures = 0

@@ -298,10 +298,10 @@ def test_rejects_bad_out_shape(torch):
         marlin_gemm(a, b, s, w, out=torch.empty(3, 3, dtype=torch.float16, device="cuda"))
 
 
-# m = 9..16 takes the swapped kernel with two 8-row batch blocks, 4 strips when n / 64 <= SMs, 3 strips when
-# n / 64 <= 2 SMs (n = 10240, 12288 on 132 SMs), else the unswapped 2-strip kernel (n = 22016); a partial last stage,
-# odd m, channelwise and grouped, forced splits. The swapped kernels at 2 strips / 6 stages are reached through the
-# benchmark configs below.
+# m = 9..16 takes the swapped kernel with two 8-row batch blocks, 4 strips at 4 stages when n / 64 <= SMs, 4 strips at
+# 2 stages when n / 64 > SMs grouped or n / 64 <= 2 SMs channelwise (n = 10240, 12288 on 132 SMs), else the
+# unswapped 2-strip kernel (channelwise n = 22016); a partial last stage, odd m, channelwise and grouped, forced
+# splits. The swapped kernels at 2 strips / 6 stages are reached through the benchmark configs below.
 @pytest.mark.parametrize("m,k,n,group", [
     (16, 4096, 4096, 128),
     (9, 2048, 1024, -1),
@@ -361,7 +361,8 @@ def test_wide_tiles_on_very_wide_layers(torch, monkeypatch, cfg, m, group, act_o
 
 @pytest.mark.parametrize("m,group", [(1, 128), (12, -1)])
 def test_split_in_two_when_tiles_exceed_the_sms(torch, m, group):
-    """SMs < n / 64 <= 1.5 SMs: the 2-strip kernel with a split of 2 (dispatch_fp16_int4)."""
+    """SMs < n / 64 <= 1.5 SMs: the 4-strip, 2-stage kernel, with the stream-K schedule where launch_config picks it
+    (dispatch_fp16_int4; the 2-strip kernel split in two before the fifth session)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     _run_case(torch, m, 1024, 64 * (sms + sms // 4), group, False, seed=800 + m)
 
@@ -377,8 +378,9 @@ def test_split_in_two_for_long_k_or_two_batch_blocks(torch, m, k, group, act_ord
 # ------------------------------------------------------------------------------------------------ other kinds
 # bf16 activations, 8-bit weights, zero points (every combination but fp16 x 4-bit symmetric, tested above). Each
 # kind has its own kernels: for m <= 16 the one-wave 4-strip schedule (n / 64 <= SMs; swapped, one batch block for
-# m <= 8, two for m = 9..16), the 3-strip one (4-bit, n / 64 <= 2 SMs, or larger n with zero points), the 2-strip one
-# (n = 17408 on 132 SMs; 4-bit symmetric: unswapped for m = 9..16), and one kernel for m > 16; each with grouped
+# m <= 8, two for m = 9..16), 4 strips at 2 stages (4-bit with n / 64 > SMs but 4-bit symmetric channelwise past 2 SMs;
+# 8-bit with n / 64 > SMs; stream-K where launch_config picks it), the 2-strip one (4-bit symmetric channelwise,
+# n = 17408 on 132 SMs: unswapped for m = 9..16), and the m > 16 kernels; each with grouped
 # and channelwise scales (dispatch_kind in marlin_gemm_impl.cuh). The shapes below reach all of them on an H100 / H200
 # (132 SMs), with group sizes 16 (strips of one warp cross groups:
 # zero points and scales per strip), 32, 64, 128, channelwise, act-order and odd m.
@@ -393,9 +395,9 @@ KIND_SHAPES = [  # (m, k, n, group, act_order)
     (7, 256, 17408, 128, False),   # ... grouped
     (11, 256, 17408, 64, False),   # ... unswapped m = 9..16, grouped
     (9, 256, 17408, -1, False),    # ... unswapped, channelwise
-    (4, 256, 10240, 128, False),   # 4-bit, SMs < n / 64 <= 2 SMs: 3 strips
+    (4, 256, 10240, 128, False),   # SMs < n / 64 <= 2 SMs: 4 strips x 2 stages (stream-K: 160 tiles)
     (14, 256, 10240, -1, False),   # ... two batch blocks
-    (3, 2048, 10240, 128, False),  # 4-bit symmetric, SMs < n / 64 <= 1.5 SMs, m <= 8: 2 strips split in two
+    (3, 2048, 10240, 128, False),  # SMs < n / 64 <= 1.5 SMs, m <= 8: 4 strips x 2 stages, stream-K (160 tiles)
     (12, 1024, 4288, 64, False),   # 4-bit, SMs / 2 < n / 64 <= SMs (132 SMs), m > 8: 4 strips x 2 stages split in two
     (16, 2048, 8192, -1, False),   # ... channelwise
     (9, 1040, 10240, 16, False),   # 4-bit zero points, grouped, n / 64 > SMs: 4 strips x 2 stages, group 16 (straddling)
@@ -435,27 +437,29 @@ def test_kinds_random_shapes(torch, seed):
     _run_case(torch, m, k, n, group, act, seed=seed, bits=bits, asym=asym, dtype=dtype)
 
 
-# Stream-K (MARLIN_CONVERT_STREAM_K = blocks per SM): blocks take equal runs of (tile, stage) units across tile
-# boundaries. Shapes: more tiles than blocks (a block ends one tile and starts the next), one tile over many blocks
-# (long chains of the lock, capped at 16 / 8 contributors), m > 16 with several row chunks, a partial last stage,
-# group 16 / 48 / act-order; every kind.
+# Stream-K (MARLIN_CONVERT_STREAM_K = blocks per SM; only the 2-stage kernels of >= 4 strips have it, and a forced
+# split_k turns it off). Shapes that reach those kernels on a 132-SM GPU: the m <= 16 4 x 2 kernel with more tiles
+# than SMs (blocks that end one tile and start the next; group 16 / 48, act-order, a partial last stage, channelwise),
+# the m > 16 32-row 4 x 2 kernel, the 64-row 8 x 2 kernel with several row chunks, and one tile row over many blocks
+# where the cap of 16 / 8 contributors per tile binds (40 x 16384 x 256: 32 stages, 2 tiles of 128 columns); every
+# kind (8-bit channelwise m > 16 keeps its 1-strip kernel: split-K there).
 STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
     (1, 4096, 12288, 128, False),
     (5, 1040, 10240, 16, False),
-    (16, 8192, 320, -1, False),
-    (3, 16384, 64, 128, False),
-    (12, 2064, 8192, 48, False),
+    (5, 4096, 10240, -1, False),
+    (12, 4128, 12288, 48, False),
     (2, 1024, 17408, 64, True),
     (40, 2048, 4096, 128, False),
+    (40, 16384, 256, 128, False),
     (100, 1040, 2048, -1, True),
     (130, 4096, 1024, 32, False),
 ]
 
 
-@pytest.mark.parametrize("per_sm", ["1", "2", "3"])
+@pytest.mark.parametrize("per_sm", ["1", "2"])
 @pytest.mark.parametrize("m,k,n,group,act_order", STREAM_K_SHAPES)
-@pytest.mark.parametrize("kind", [("float16", 4, False), ("bfloat16", 4, True), ("float16", 8, True),
-                                  ("bfloat16", 8, False)], ids=_kind_id)
+@pytest.mark.parametrize("kind", [("float16", 4, False), ("bfloat16", 4, False), ("bfloat16", 4, True),
+                                  ("float16", 8, True), ("bfloat16", 8, False)], ids=_kind_id)
 def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, per_sm):
     """Every stream-K grid gives the right result and leaves the workspace zeroed."""
     monkeypatch.setenv("MARLIN_CONVERT_STREAM_K", per_sm)
@@ -464,13 +468,15 @@ def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, 
               asym=asym, dtype=dtype)
 
 
-@pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, -1), (8, 8192, 192, 128), (16, 16384, 128, -1),
-                                         (13, 4096, 320, 64), (3, 1040, 64, 16)])
+@pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
+                                         (13, 8192, 320, 64), (4, 16384, 12288, 128)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_bf16_4bit_offset_sums_with_biased_activations(torch, m, k, n, group, asym):
-    """bf16 x 4-bit at m <= 16 multiplies 128 + q and subtracts (128 + z) times the activations' sums in fp32
-    (kOffsetB): with activations of mean 4 (sums that dwarf the result) and long k, the error stays within the bound."""
-    _run_case(torch, m, k, n, group, False, seed=m * 31 + k + n, bits=4, asym=asym, dtype="bfloat16", a_mean=4.0)
+    """bf16 x 4-bit in the fp32 group-scale stages multiplies 128 + q and subtracts (128 + z) times the activations'
+    sums over the stage (kOffsetB): with activations of mean 0.5 (sums that dwarf each stage's result) and long k on
+    one block per tile (split_k = 1), the error stays within the bound."""
+    _run_case(torch, m, k, n, group, False, seed=m * 31 + k + n, split_k=1, bits=4, asym=asym, dtype="bfloat16",
+              a_mean=0.5)
 
 
 @pytest.mark.parametrize("kind,split_k", [(("bfloat16", 4, False), 2), (("bfloat16", 8, True), 8),
