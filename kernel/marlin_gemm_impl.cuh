@@ -35,7 +35,8 @@
 //   [S2R]  shared -> registers: ldmatrix.x4 for the A fragments, one (4-bit) or two (8-bit) 16-byte ld.shared per
 //          lane for B (its fragments of 4 tiles = 64 columns), one 16-byte ld.shared per lane for the 8 grouped
 //          scales, one 4-byte (4-bit) or 8-byte (8-bit) ld.shared for the lane's 8 zero points.
-//   [DEQ]  dequant: bit tricks + magic numbers (struct Dequant), giving q - z exactly, then (grouped) times the scale.
+//   [DEQ]  dequant: bit tricks + magic numbers (struct Dequant), giving q - z exactly, then (grouped) times the scale
+//          (bf16 x 4-bit in the fp32 group-scale stages: 128 + q, the zero taken off the fp32 sums; kOffsetB).
 //   [MMA]  mma.sync.m16n8k16 fp16 x fp16 or bf16 x bf16 -> fp32.
 //   [RED]  reduction: the WK warps that share columns add their accumulators through shared memory; then the
 //          blocks that share an output tile (its contributors) add through C, in block order, serialised by a lock.
