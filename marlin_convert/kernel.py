@@ -141,12 +141,23 @@ def check_build_tools() -> None:
 
 def unavailable_reason(device_index: int = 0) -> str | None:
     """``None`` when the kernel can be loaded (a finished build in the cache) or built (nvcc, ninja) and run here,
-    else the reason (used by the GPU tests to skip)."""
+    else the reason (used by the GPU tests to skip). Without the build tools a cached build is loaded here to find
+    out (a damaged one cannot be rebuilt); the module is kept for :func:`load_kernel`."""
     try:
         capability = check_environment(device_index, build_tools=False)
         spec = _build_spec(capability)
         if not _is_built(spec.name, spec.build_dir):
             check_build_tools()
+        elif spec.key not in _modules:
+            try:
+                check_build_tools()
+            except KernelUnavailableError as exc:
+                module = _import_built(spec.name, spec.build_dir)
+                if module is None:
+                    raise KernelUnavailableError(
+                        f"the cached kernel build in {spec.build_dir} does not load, and it cannot be rebuilt here: "
+                        f"{exc.message}", exc.hint) from exc
+                _modules[spec.key] = module
     except KernelUnavailableError as exc:
         return exc.message
     return None

@@ -84,4 +84,23 @@ def test_a_cached_build_needs_no_compiler(tmp_path, monkeypatch):
     spec.build_dir.mkdir(parents=True)
     (spec.build_dir / f"{spec.name}.so").write_bytes(b"\x7fELF")
     (spec.build_dir / kernel.BUILT_MARKER).write_text(spec.name + "\n")
+    module = object()  # a build that loads (the stub library above would not: see the next test)
+    monkeypatch.setattr(kernel, "_import_built", lambda name, build_dir: module if name == spec.name else None)
+    monkeypatch.setattr(kernel, "_modules", {})
     assert kernel.unavailable_reason(0) is None
+    assert kernel._modules[spec.key] is module  # kept, so load_kernel does not initialise the extension twice
+
+
+def test_a_damaged_cached_build_without_a_compiler_is_a_reason(tmp_path, monkeypatch):
+    """A finished build whose library does not load, and no nvcc to rebuild it: the GPU tests skip with that reason
+    instead of failing when they load the kernel."""
+    monkeypatch.setenv("MARLIN_CONVERT_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel, "check_environment", lambda device_index=0, build_tools=True: (9, 0))
+    monkeypatch.setattr(kernel, "_find_nvcc", lambda: None)
+    monkeypatch.setattr(kernel, "_modules", {})
+    spec = kernel._build_spec((9, 0))
+    spec.build_dir.mkdir(parents=True)
+    (spec.build_dir / f"{spec.name}.so").write_bytes(b"not an ELF file")
+    (spec.build_dir / kernel.BUILT_MARKER).write_text(spec.name + "\n")
+    reason = kernel.unavailable_reason(0)
+    assert reason is not None and "does not load" in reason and "nvcc" in reason and str(spec.build_dir) in reason
