@@ -519,7 +519,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   const uint32_t s_thread = (uint32_t)s_r * (uint32_t)s_row_int4 + (uint32_t)(tid % kSPer);  // + ntile * kSPer
   const uint32_t z_thread = (uint32_t)z_r * (uint32_t)z_row_int4 + (uint32_t)(tid % kZInt4);  // + ntile * kZInt4
 
-
   // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) of n-tile `ntile` into shared slot `slot`
   auto load_stage = [&](int slot, int ntile, int st) {
     unsigned char* base = smem + slot * T::kStageBytes;
@@ -601,6 +600,59 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     }
   };
 
+  // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
+  // the 32 partial sums, and with zero points only in the 1-block-per-SM ones: at 2 blocks per SM those spilled 4-36
+  // bytes; at 1, m = 16, group 128 on the H200: fp16 x 4-bit zp 4096 x 4096 12.6 -> 11.3 us, 11008 x 4096 23.9 -> 20.9,
+  // fp16 x 8-bit zp 28672 x 8192 102.5 -> 87.0, 8192 x 8192 32.5 -> 27.6): when all of a warp's strips of the stage lie
+  // in one group, they are multiplied unscaled into fp32 partial sums, and the group's scales are applied to those
+  // once, in fp32 (16 / 32 FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per
+  // strip); otherwise (a group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other
+  // kernels.
+  constexpr bool kF32Scale =
+      GROUPED && !NO_F32_SCALE &&
+      (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= (ZP ? 1 : 2) &&
+                     !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
+  // The other grouped kernels (scales on B in 16 bits): when all of a warp's strips of the stage lie in one group,
+  // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
+  // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
+  constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
+  // bf16 x 4-bit in kF32Scale's one-group stages (fp32, unscaled partial sums of at most 16 * STRIPS k per warp):
+  // W = (q - z) s is computed as s ((128 + q) - (128 + z)) with (128 + z) times the activations' sum over those k
+  // subtracted from the partial sums at the stage's flush, so B needs no subtraction (Dequant::run_offset): 4 of 11
+  // dequant instructions per tile, for one more mma per strip and batch block. 128 + q and the activations are exact
+  // in bf16, their products in fp32. The cancellation grows with the activations' mean over the summed k (about
+  // 7 bits for mean 0.5 over 64 k, leaving ~17 of fp32's 24, far more than bf16's 8); so it is done per stage, not
+  // over a whole channelwise k range (a review modelled 1e-2 errors there for truncating fp32 mma accumulation).
+  constexpr bool kOffsetB =
+      std::is_same<typename K::ActT, __nv_bfloat16>::value && BITS == 4 && SWAP != 0 && kF32Scale;
+  constexpr uint32_t kOnes = 0x3f803f80u;  // bf16 1.0 (exponent 127, mantissa 0) in both halves
+  // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
+  // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
+  auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
+    const uint32_t* sZ = reinterpret_cast<const uint32_t*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes +
+                                                           T::kSBytes);
+    const int at = ((srow * WN + wn) * 8 + (lane >> 2)) * kWords;
+    if constexpr (kWords == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(sZ + at);
+      zw[0] = v.x;
+      zw[1] = v.y;
+    } else {
+      zw[0] = sZ[at];
+    }
+  };
+  // (kOffsetB) 128 + z as floats for this lane's columns in n8-blocks 2j and 2j + 1, from its zero-point word zw of
+  // the stage's scale row (nibbles j and j + 4, Dequant<bf16, 4>): 0x43000000 = 128.0f has exponent 134 = 127 + 7, so
+  // its mantissa ulp is 2^(7 - 23) = 2^-16 and 0x43000000 | (z << 16) is exactly 128 + z; a shift and a lop3 each.
+  // 136 (z = 8) without zero points.
+  auto offset_zero = [&](const uint32_t (&zw)[kWords], int j) {
+    if constexpr (kOffsetB && ZP) {
+      return make_float2(__uint_as_float(lop3<kAndOr>(zw[0] << (16 - 4 * j), 0x000f0000u, 0x43000000u)),
+                         __uint_as_float(lop3<kAndOr>(zw[0] >> (4 * j), 0x000f0000u, 0x43000000u)));
+    } else {
+      return make_float2(136.0f, 136.0f);
+    }
+  };
+
   // ---- the block's segments (one per tile it touches), last first: a block's last segment is the head (stage 0 on) of
   // its tile, whose contributor 0 never waits for the lock, so it is done early; the first segment, a tile's tail,
   // waits for the blocks before it, which by then have finished theirs (each takes its last segment first too).
@@ -666,58 +718,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
     float rs_unused[2][4];  // strips()' activation sums, written only in kOneGroupF32 mode (kOffsetB)
 
-    // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st` kF32Scale (grouped, swapped; two
-    // batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for the 32 partial sums, and with
-    // zero points only in the 1-block-per-SM ones: at 2 blocks per SM those spilled 4-36 bytes; at 1, m = 16, group 128
-    // on the H200: fp16 x 4-bit zp 4096 x 4096 12.6 -> 11.3 us, 11008 x 4096 23.9 -> 20.9, fp16 x 8-bit zp 28672 x 8192
-    // 102.5 -> 87.0, 8192 x 8192 32.5 -> 27.6): when all of a warp's strips of the stage lie in one group, they are
-    // multiplied unscaled into fp32 partial sums, and the group's scales are applied to those once, in fp32 (16 / 32
-    // FFMA per stage instead of 4 hmul2 per tile per strip, one scale load instead of one per strip); otherwise (a
-    // group boundary inside the warp's strips) the scales go onto B in 16 bits as in the other kernels.
-    constexpr bool kF32Scale =
-        GROUPED && !NO_F32_SCALE &&
-        (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= (ZP ? 1 : 2) &&
-                       !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
-    // The other grouped kernels (scales on B in 16 bits): when all of a warp's strips of the stage lie in one group,
-    // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
-    // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
-    constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
-    // bf16 x 4-bit in kF32Scale's one-group stages (fp32, unscaled partial sums of at most 16 * STRIPS k per warp):
-    // W = (q - z) s is computed as s ((128 + q) - (128 + z)) with (128 + z) times the activations' sum over those k
-    // subtracted from the partial sums at the stage's flush, so B needs no subtraction (Dequant::run_offset): 4 of 11
-    // dequant instructions per tile, for one more mma per strip and batch block. 128 + q and the activations are exact
-    // in bf16, their products in fp32. The cancellation grows with the activations' mean over the summed k (about
-    // 7 bits for mean 0.5 over 64 k, leaving ~17 of fp32's 24, far more than bf16's 8); so it is done per stage, not
-    // over a whole channelwise k range (a review modelled 1e-2 errors there for truncating fp32 mma accumulation).
-    constexpr bool kOffsetB =
-        std::is_same<typename K::ActT, __nv_bfloat16>::value && BITS == 4 && SWAP != 0 && kF32Scale;
-    constexpr uint32_t kOnes = 0x3f803f80u;  // bf16 1.0 (exponent 127, mantissa 0) in both halves
-    // this lane's zero-point words of scale row `srow` of the stage in slot `slot` (grouped); the per-tile Zero is
-    // derived from them where it is used (a few integer ops, fewer registers than holding four of them)
-    auto zero_row = [&](int slot, int srow, uint32_t (&zw)[kWords]) {
-      const uint32_t* sZ = reinterpret_cast<const uint32_t*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes +
-                                                             T::kSBytes);
-      const int at = ((srow * WN + wn) * 8 + (lane >> 2)) * kWords;
-      if constexpr (kWords == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(sZ + at);
-        zw[0] = v.x;
-        zw[1] = v.y;
-      } else {
-        zw[0] = sZ[at];
-      }
-    };
-    // (kOffsetB) 128 + z as floats for this lane's columns in n8-blocks 2j and 2j + 1, from its zero-point word zw of
-    // the stage's scale row (nibbles j and j + 4, Dequant<bf16, 4>): 0x43000000 = 128.0f has exponent 134 = 127 + 7, so
-    // its mantissa ulp is 2^(7 - 23) = 2^-16 and 0x43000000 | (z << 16) is exactly 128 + z; a shift and a lop3 each.
-    // 136 (z = 8) without zero points.
-    auto offset_zero = [&](const uint32_t (&zw)[kWords], int j) {
-      if constexpr (kOffsetB && ZP) {
-        return make_float2(__uint_as_float(lop3<kAndOr>(zw[0] << (16 - 4 * j), 0x000f0000u, 0x43000000u)),
-                           __uint_as_float(lop3<kAndOr>(zw[0] >> (4 * j), 0x000f0000u, 0x43000000u)));
-      } else {
-        return make_float2(136.0f, 136.0f);
-      }
-    };
+    // ---- [S2R] + [DEQ] + [MMA] on shared slot `slot` holding absolute stage `st`
     // strips(mode, d): this warp's strips of the stage into accumulators d. mode::value (kPerStrip, kOneGroupF32 or
     // kOneGroupB, the constants above the Tile struct):
     //   kPerStrip     grouped: each strip reads its own scale row (and zero points); channelwise: no scales here
