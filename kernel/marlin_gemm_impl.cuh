@@ -123,6 +123,110 @@ __device__ __forceinline__ uint32_t as_u32(half2 h) { return *reinterpret_cast<u
 __device__ __forceinline__ __nv_bfloat162 as_b2(uint32_t u) { return *reinterpret_cast<__nv_bfloat162*>(&u); }
 __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
+// ------------------------------------------------------------------------------------------------ Hopper (sm_90a)
+// wgmma (warpgroup MMA, sm_90a only: compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined, i.e. for
+// -gencode=arch=compute_90a,code=sm_90a; elsewhere these trap, and the host never launches the kernels that use them,
+// see wgmma_variant in marlin_gemm.cu). The four warps of a warpgroup issue one wgmma together; it runs asynchronously:
+//   wgmma.fence        before a wgmma reads registers that ordinary instructions wrote (the dequantized A fragments,
+//                      the zeroed accumulators)
+//   wgmma.commit_group closes the wgmma issued since the last commit into one group
+//   wgmma.wait_group N waits until at most N groups are pending (the accumulators are read, and the shared memory
+//                      and fragments a wgmma reads may be reused, only after that)
+// Shared memory written through the generic proxy (cp.async here) is made visible to wgmma's reads (the async proxy)
+// by fence.proxy.async before the barrier that precedes them.
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Shared-memory matrix descriptor of wgmma's B operand (PTX ISA, "matrix descriptor"): K-major rows of 128 bytes
+// (64 16-bit values of k) with the 128-byte swizzle, i.e. the 16-byte chunk c of row r stored at chunk c ^ (r % 8),
+// in atoms of 8 rows = 1024 bytes that start 1024-byte aligned. Fields: bits 0-13 start address / 16, 16-29 the
+// leading byte offset / 16 (unused for swizzled K-major: 1), 32-45 the stride byte offset / 16 (from one 8-row atom
+// to the next: 1024 / 16 = 64), 62-63 the swizzle mode (1 = 128 bytes). The k16 slice kk (0..3) of a 64-wide row
+// starts 32 kk bytes into it: the swizzle is applied to the address bits, so the start moves by 32 bytes.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr) {
+  return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+// Wgmma<MB>::run<J, ActT>(d, a, desc): D[64 x N] += W^T[64 x 16] B[16 x N], N = 16 MB batch rows, fp32 accumulators.
+// Warp w of the warpgroup gives rows 16 w .. 16 w + 15 of W^T as the registers a (the mma.m16n8k16 A-fragment layout:
+// {(row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)}, g = lane / 4, t = lane % 4) and gets
+// those rows of D back in the m16n8 C layout per n8-chunk i: (row g, cols 8i + 2t, +1), (row g+8, the same). In the
+// kernel the rows are tile J (0, 1) of each warp's 64 columns and n8-chunk i is batch block i, so chunk i lands in
+// d[i / 2][2 (i % 2) + J] (m-block i / 2, batch block i % 2 of it).
+// desc: B = the activations' k16 x N slice, K-major (each batch row's 16 k contiguous), wgmma_desc_sw128.
+template <int MB>
+struct Wgmma;
+// One specialisation per N: the accumulator operands of n8-chunk i are d[i / 2][2 (i % 2) + J][0..3] (MC_D4); the
+// asm's operand numbers: 8 MB accumulators, then a[0..3], desc and the scale-d flag (1: D += A B).
+#define MC_D4(i)                                                                                                   \
+  "+f"(d[(i) / 2][2 * ((i) % 2) + J][0]), "+f"(d[(i) / 2][2 * ((i) % 2) + J][1]),                                   \
+      "+f"(d[(i) / 2][2 * ((i) % 2) + J][2]), "+f"(d[(i) / 2][2 * ((i) % 2) + J][3])
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MC_WGMMA_ASM(SHAPE, TYPE, DREGS, REST, ...)                                                                \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " REST ";\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "."     \
+               TYPE " {" DREGS "}, " __VA_ARGS__)
+#define MC_WGMMA_SPECIALISATION(MB_, SHAPE, DREGS, SCALE_D, AREGS, OPERANDS)                                        \
+  template <>                                                                                                      \
+  struct Wgmma<MB_> {                                                                                              \
+    template <int J, class ActT>                                                                                   \
+    static __device__ __forceinline__ void run(float (&d)[MB_][4][4], const uint32_t (&a)[4], uint64_t desc) {     \
+      if constexpr (std::is_same<ActT, half>::value)                                                               \
+        MC_WGMMA_ASM(SHAPE, "f16", DREGS, SCALE_D, AREGS ", p, 1, 1, 0;\n}\n" : OPERANDS                           \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1) : "memory");                  \
+      else                                                                                                         \
+        MC_WGMMA_ASM(SHAPE, "bf16", DREGS, SCALE_D, AREGS ", p, 1, 1, 0;\n}\n" : OPERANDS                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1) : "memory");                  \
+    }                                                                                                              \
+  };
+#else
+#define MC_WGMMA_SPECIALISATION(MB_, SHAPE, DREGS, SCALE_D, AREGS, OPERANDS)                                        \
+  template <>                                                                                                      \
+  struct Wgmma<MB_> {                                                                                              \
+    template <int J, class ActT>                                                                                   \
+    static __device__ __forceinline__ void run(float (&)[MB_][4][4], const uint32_t (&)[4], uint64_t) { __trap(); } \
+  };
+#endif
+#define MC_COMMA ,
+MC_WGMMA_SPECIALISATION(4, "m64n64k16",
+                        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+                        "%37, 0", "{%32, %33, %34, %35}, %36",
+                        MC_D4(0) MC_COMMA MC_D4(1) MC_COMMA MC_D4(2) MC_COMMA MC_D4(3) MC_COMMA MC_D4(4) MC_COMMA
+                        MC_D4(5) MC_COMMA MC_D4(6) MC_COMMA MC_D4(7))
+MC_WGMMA_SPECIALISATION(8, "m64n128k16",
+                        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63",
+                        "%69, 0", "{%64, %65, %66, %67}, %68",
+                        MC_D4(0) MC_COMMA MC_D4(1) MC_COMMA MC_D4(2) MC_COMMA MC_D4(3) MC_COMMA MC_D4(4) MC_COMMA
+                        MC_D4(5) MC_COMMA MC_D4(6) MC_COMMA MC_D4(7) MC_COMMA MC_D4(8) MC_COMMA MC_D4(9) MC_COMMA
+                        MC_D4(10) MC_COMMA MC_D4(11) MC_COMMA MC_D4(12) MC_COMMA MC_D4(13) MC_COMMA MC_D4(14) MC_COMMA
+                        MC_D4(15))
+#undef MC_COMMA
+#undef MC_WGMMA_SPECIALISATION
+#undef MC_WGMMA_ASM
+#undef MC_D4
+
 // ------------------------------------------------------------------------------------------------ activation type
 // Everything the kernel does with a pair of 16-bit activation values, kept in a uint32_t (low half = first value).
 template <typename ActT>
@@ -369,10 +473,13 @@ constexpr int kPerStrip = 0;     // each strip its own scale row and zero points
 constexpr int kOneGroupF32 = 1;  // all in one group: unscaled B, fp32 partial sums scaled once (kF32Scale)
 constexpr int kOneGroupB = 2;    // all in one group: scale row and zero points read once, scales on B in 16 bits
 
-// Compile-time shape of one configuration.
-template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int BITS = 4, bool ZP = false>
+// Compile-time shape of one configuration. WG: the wgmma kernel (SWAP 3): no split of k inside the block (kWK = 1),
+// and A stages of 128-byte-swizzled atoms that must start 1024-byte aligned (wgmma_desc_sw128): every stage a multiple
+// of 1024 bytes, plus 1024 bytes of room to align the start of dynamic shared memory.
+template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int BITS = 4, bool ZP = false, bool WG = false>
 struct Tile {
-  static constexpr int kWK = kWarps / WN;                 // warps side by side along k
+  static constexpr int kWK = WG ? 1 : kWarps / WN;       // warps side by side along k (wgmma: both warpgroups
+                                                          // take every strip, each two of its four tiles)
   static constexpr int kRows = 16 * MB;                   // A rows per block (MB 16-row m-blocks)
   static constexpr int kTN = 64 * WN;                     // output columns per block (WN 64-column groups)
   static constexpr int kStageStrips = STRIPS * kWK;       // 16-row k-strips per stage
@@ -388,14 +495,16 @@ struct Tile {
   static constexpr int kPipeBytes = STAGES * kStageBytes;
   // [RED] in-block reduction area, one m-block at a time: 8 warps x 8 n8-blocks x 4 floats x 32 lanes.
   static constexpr int kRedBytes = kWarps * 8 * 4 * 32 * 4;
-  static constexpr int kSmemBytes = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;
+  static constexpr int kAlignBytes = WG ? 1024 : 0;
+  static constexpr int kSmemBytes = (kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes) + kAlignBytes;
 
   static_assert(kWarps % WN == 0, "WN must divide the 8 warps");
   static_assert(kAChunks >= 8, "the A swizzle XORs 3 bits of the chunk index: a stage needs >= 64 k");
   static_assert((kRows * kAChunks) % kThreads == 0, "A tile copies must split evenly over the threads");
-  static_assert(kBBytes / 16 == STRIPS * kThreads * BITS / 4,
-                "B tile copies: STRIPS * BITS / 4 16-byte copies per thread");
+  static_assert(kBBytes / 16 % kThreads == 0, "B tile copies: a whole number of 16-byte copies per thread");
   static_assert(STAGES >= 2, "at least double buffering");
+  static_assert(!WG || (kStageBytes % 1024 == 0 && kABytes % 1024 == 0 && kStageK % 64 == 0 && WN == 4),
+                "wgmma stages: 1024-byte multiples, whole 64-wide k atoms, 4 warps of 64 columns per warpgroup");
 };
 
 // Blocks per SM the register allocation must allow: 3 for the 16-row kernels (72 KB of shared memory at 2 strips
@@ -409,7 +518,7 @@ struct Tile {
 // grouped zero-point ones (4 bytes of spill on sm_80). The 64-row ones (128 accumulators) stay at 1.
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
-  constexpr int by_strips = MB == 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
+  constexpr int by_strips = SWAP == 3 ? 1 : MB == 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
                          : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
                          : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
   constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;
@@ -426,7 +535,10 @@ __host__ __device__ constexpr int min_blocks() {
 //   STAGES     pipeline depth (shared-memory stages)
 //   GROUPED    true: grouped scales applied to B before the mma; false: channelwise, applied to C in fp32
 //   SWAP       0: C = A W (A = mma A operand); 1: C^T = W^T A^T with one 8-row batch block (m <= 8 per chunk);
-//              2: C^T = W^T A^T with two 8-row batch blocks (rows 0-7 and 8-15 of the 16-row chunk, m <= 16)
+//              2: C^T = W^T A^T with two 8-row batch blocks (rows 0-7 and 8-15 of the 16-row chunk, m <= 16);
+//              3: C^T = W^T A^T through wgmma (sm_90a; WN = 4): each warpgroup's four warps, one per 64 columns, give
+//              their tile j of a strip as rows of one m64 x n(16 MB) x k16 wgmma (j = 0..3), the activations come
+//              straight from shared memory (no ldmatrix), 2 MB batch blocks of 8 rows (the 16 MB rows of a chunk)
 //   NO_F32_SCALE  benchmark only: grouped scales always on B in 16-bit (the previous kernel, see kF32Scale)
 //   SEGMENTS   false: each block works on one tile (split-K, units_per_block divides tile_units); true: a block may
 //              work on several (stream-K), with the next segment's first stages copied during the reduction
@@ -450,20 +562,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
                        const int4* __restrict__ Z, typename K::ActT* __restrict__ C, int* __restrict__ locks, int m,
                        int n, int k, int group_size, int group_shift, int tile_units, int units_per_block) {
-  static_assert(SWAP >= 0 && SWAP <= 2 && (SWAP == 0 || MB == 1), "the swapped (W^T x A^T) path serves m <= 16 only");
+  static_assert(SWAP >= 0 && SWAP <= 3 && (SWAP == 0 || SWAP == 3 || MB == 1),
+                "the swapped mma.sync (W^T x A^T) path serves m <= 16 only");
+  static_assert(SWAP != 3 || (WN == 4 && !NO_F32_SCALE), "wgmma: a warpgroup is 4 warps of 64 columns");
   constexpr int BITS = K::kBits;
   constexpr bool ZP = K::kZp;
-  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>;
+  constexpr bool WG = SWAP == 3;
+  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP, WG>;
   using Ops = Act<typename K::ActT>;
   using DQ = Dequant<typename K::ActT, BITS>;
   constexpr int kWords = DQ::kWords;  // B words per lane per tile = zero-point words per lane
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // (wgmma) the pipeline from the first 1024-byte boundary on: Tile's kAlignBytes left room for it
+  unsigned char* const smem = WG ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int wn = warp % WN;  // this warp's 64 columns inside the tile
-  const int wk = warp / WN;  // this warp's k-slot inside a stage
+  const int wk = WG ? 0 : warp / WN;  // this warp's k-slot inside a stage
+  const int jh = WG ? warp / WN : 0;  // (wgmma) this warpgroup's half of the tiles: 2 jh, 2 jh + 1
 
   // ---- which rows, which tiles and k ranges. Block `blk` owns the units [units_lo, units_hi) of the flattened
   // (n-tile, k-stage) space, unit = ntile * tile_units + stage (stages >= total_stages of a tile are padding, skipped).
@@ -532,13 +650,19 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // reaches the same (never written) C row, and strips past k are skipped in the compute.
     // The 16-byte chunk ch of row r is stored at chunk (ch ^ (r & 7)): ldmatrix then reads 8 rows of one
     // logical chunk from 8 different 16-byte bank groups (row stride kStageK * 2 bytes is a multiple of 128).
+    // wgmma (WG): in 64-wide k atoms, atom ch / 8 holding the kRows rows of 128 bytes each, chunk ch % 8 of row r at
+    // (ch % 8) ^ (r & 7): the 128-byte swizzle of wgmma_desc_sw128.
+    auto a_at = [&](int r, int ch) {
+      return WG ? (ch >> 3) * (T::kRows * 64) + r * 64 + (((ch & 7) ^ (r & 7)) * 8)
+                : r * T::kStageK + ((ch ^ (r & 7)) * 8);
+    };
     auto copy_a = [&](int i) {
       const int r = i / T::kAChunks;
       const int ch = i % T::kAChunks;
       const int grow = row0 + r;
       const int gcol = k0 + ch * 8;
       const bool ok = grow < m && gcol < k;
-      cp_async16(sA + r * T::kStageK + ((ch ^ (r & 7)) * 8), A + ((size_t)grow * k + gcol) / 8, ok);
+      cp_async16(sA + a_at(r, ch), A + ((size_t)grow * k + gcol) / 8, ok);
     };
     if constexpr (kAPasses) {
       const uint32_t at = a_first + (uint32_t)(k0 / 8);
@@ -548,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       for (int j = 0; j < T::kRows * T::kAChunks / kThreads; ++j) {
         const int r = a_row + j * kARowsPerPass;
         if (SWAP == 1 && r >= rows) break;  // m <= 8: only the rows < m are visited (as below)
-        cp_async16(sA + r * T::kStageK + ((a_ch ^ (r & 7)) * 8), A + (at + (uint32_t)j * a_pass), col_ok && r < rows);
+        cp_async16(sA + a_at(r, a_ch), A + (at + (uint32_t)j * a_pass), col_ok && r < rows);
       }
     } else if constexpr (SWAP == 1) {
       // m <= 8 (one batch block): only the rows < m are visited. At m = 1 that is 1 / 16 of the tile, and the
@@ -575,7 +699,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       const uint32_t at = b_thread + (uint32_t)(ntile * kBPiece) + (uint32_t)st * b_stage;
       const int strips_left = k_strips - strip0 - b_strip;  // copy j's strip is inside k: j * kBStripsPerPass < this
 #pragma unroll
-      for (int j = 0; j < STRIPS * BITS / 4; ++j)
+      for (int j = 0; j < T::kBBytes / 16 / kThreads; ++j)
         cp_async16(sB + tid + j * kThreads, B + (at + (uint32_t)j * b_pass), j * kBStripsPerPass < strips_left);
     }
     // Scales and zero points (grouped): the distinct rows k0 / g .. (last k of the stage) / g, kTN values each.
@@ -709,11 +833,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       for (int i = 0; i < kWords; ++i) zconst[i] = __ldg(z32 + ((col0 / 64 + wn) * 8 + (lane >> 2)) * kWords + i);
     }
 
-    float acc[MB][8][4];
+    // accumulators: per m-block, 8 n8-blocks (unswapped), batch block x tile (swapped: 4 h + j; wgmma: 2 h + jj,
+    // the warpgroup's two tiles)
+    constexpr int kAccN = WG ? 4 : 8;
+    float acc[MB][kAccN][4];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-      for (int nb = 0; nb < 8; ++nb)
+      for (int nb = 0; nb < kAccN; ++nb)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mb][nb][i] = 0.0f;
     float rs_unused[2][4];  // strips()' activation sums, written only in kOneGroupF32 mode (kOffsetB)
@@ -728,11 +855,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     //                 and the zero points are read, and the zeros derived, once for all the strips
     // With kOffsetB (bf16 x 4-bit) in kOneGroupF32 mode, B is 128 + q and rs[h] gets the sums of batch block h's
     // activations over the strips (an mma with an all-ones W^T); the caller subtracts (128 + z) * rs.
-    auto strips = [&](auto mode_tag, float (&d)[MB][8][4], float (&rs)[2][4], int slot, int st) {
+    auto strips = [&](auto mode_tag, float (&d)[MB][kAccN][4], float (&rs)[2][4], int slot, int st) {
       constexpr int kMode = decltype(mode_tag)::value;
       constexpr bool kOneGroup = kMode != kPerStrip;
       constexpr bool kScaleB = GROUPED && kMode != kOneGroupF32;
-      constexpr bool kOffset = kOffsetB && kMode == kOneGroupF32;
+      [[maybe_unused]] constexpr bool kOffset = kOffsetB && kMode == kOneGroupF32;
       const unsigned char* base = smem + slot * T::kStageBytes;
       const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
       const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
@@ -761,95 +888,152 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         // partial sums from zero instead of adding to zeroed registers)
         const bool first = kMode == kOneGroupF32 && ls == 0;  // a constant once the loop is unrolled
         if (first || strip0 + strip < k_strips) {  // warp-uniform
-          // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
-          uint32_t bw[4 * kWords];
-          const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
-          int4 bq[kWords];
-          if constexpr (kWords == 1) {
-            bq[0] = piece[lane];
-          } else {
-            // 8-bit: the lane's 32 bytes are int4 2l, 2l + 1. A 16-byte shared load is served 8 lanes at a time; lanes
-            // 4..7 of every 8 read their second int4 first, so the 8 addresses of each phase (16-byte units 0 2 4 6 9
-            // 11 13 15, then 1 3 5 7 8 10 12 14, modulo 8) fall in 8 distinct groups of 4 banks: no conflict.
-            const int swap = (lane >> 2) & 1;
-            const int4 read0 = piece[2 * lane + swap];
-            const int4 read1 = piece[2 * lane + (swap ^ 1)];
-            bq[0] = swap ? read1 : read0;
-            bq[1] = swap ? read0 : read1;
-          }
-#pragma unroll
-          for (int h = 0; h < kWords; ++h) {
-            bw[4 * h] = (uint32_t)bq[h].x;
-            bw[4 * h + 1] = (uint32_t)bq[h].y;
-            bw[4 * h + 2] = (uint32_t)bq[h].z;
-            bw[4 * h + 3] = (uint32_t)bq[h].w;
-          }
-          // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
-          // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
-          // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
-          // scheduled it so that two sm_80 kernels spilled.)
-          int4 sc = sc_once;
-          if constexpr (kScaleB && !kOneGroup) {
-            const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
-            sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
-            if constexpr (ZP) zero_row(slot, srow, zw);
-          }
-          // A fragments. Unswapped (the mma A operand): matrix q = lane / 8 is rows 8 (q % 2) .., chunk q / 2, so
-          // a = {(rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)}. Swapped (the mma B
-          // operand, one pair per batch block): matrix q is rows 8 (q / 2) .., chunk q % 2, so each batch block's pair
-          // is two consecutive registers, {a0, a1} and {a2, a3} (with the other order the compiler copied the pair
-          // into fresh registers for every mma: 8 moves per strip, kernel/NOTES.md).
-          uint32_t a[MB][4];
-#pragma unroll
-          for (int mb = 0; mb < MB; ++mb) {
-            const int q = lane >> 3;
-            const int r = mb * 16 + (lane & 7) + (SWAP != 0 ? (q >> 1) : (q & 1)) * 8;
-            const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
-            ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
-          }
-          if constexpr (kOffset) {  // rs[h] += ones (16 x 16) x A^T: every row the sum over k of each batch row
-            const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-#pragma unroll
-            for (int h = 0; h < SWAP; ++h) {
-              if (first) Ops::mma_first(rs[h], ones, a[0][2 * h], a[0][2 * h + 1]);
-              else Ops::mma(rs[h], ones, a[0][2 * h], a[0][2 * h + 1]);
-            }
-          }
-          const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
-            uint32_t f[4];
-            typename DQ::Zero zero{};
-            if constexpr (kZeroOnce) zero = zero_once[j];
-            else if constexpr (ZP) zero = DQ::zero(zw, j);
-            if constexpr (kOffset) dequant_offset<DQ>(&bw[j * kWords], f);
-            else DQ::template run<ZP>(&bw[j * kWords], zero, f);
-            if constexpr (kScaleB) {
-              const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
-              const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
-              f[0] = Ops::mul2(f[0], s0);
-              f[1] = Ops::mul2(f[1], s0);
-              f[2] = Ops::mul2(f[2], s1);
-              f[3] = Ops::mul2(f[3], s1);
-            }
-            if constexpr (SWAP != 0) {
-              // C^T = W^T A^T: the tile's 4 fragments are exactly the mma A fragment of W^T (rows = 16 columns n,
-              // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
-              // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 1 (A rows 0-7, k 0-7 / 8-15, above); with
-              // SWAP == 2 the second batch block (A rows 8-15) is matrices 2 and 3, accumulated in d[0][4 + j].
-              const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
-              if (first) {
-                Ops::mma_first(d[0][j], wa, a[0][0], a[0][1]);
-                if constexpr (SWAP == 2) Ops::mma_first(d[0][4 + j], wa, a[0][2], a[0][3]);
-              } else {
-                Ops::mma(d[0][j], wa, a[0][0], a[0][1]);
-                if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][2], a[0][3]);
-              }
+          if constexpr (WG) {
+            // wgmma: this warp's tiles 2 jh, 2 jh + 1 of its 64 columns (words 2 jh, 2 jh + 1 of the lane's 16 bytes;
+            // 8-bit: its second 16 bytes hold tiles 2, 3), unswapped into the W^T fragment order, then one wgmma per
+            // tile over all kRows batch rows
+            const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
+            uint32_t bw[2 * kWords];
+            if constexpr (kWords == 1) {
+              const uint2 v = reinterpret_cast<const uint2*>(piece + lane)[jh];
+              bw[0] = v.x;
+              bw[1] = v.y;
             } else {
+              const int4 v = piece[2 * lane + jh];
+              bw[0] = (uint32_t)v.x;
+              bw[1] = (uint32_t)v.y;
+              bw[2] = (uint32_t)v.z;
+              bw[3] = (uint32_t)v.w;
+            }
+            int4 sc = sc_once;
+            if constexpr (kScaleB && !kOneGroup) {
+              const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);
+              sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+              if constexpr (ZP) zero_row(slot, srow, zw);
+            }
+            const uint32_t s_tile[2] = {(uint32_t)(jh ? sc.z : sc.x), (uint32_t)(jh ? sc.w : sc.y)};
+            uint32_t wg_a[2][4];
 #pragma unroll
-              for (int mb = 0; mb < MB; ++mb) {
-                Ops::mma(d[mb][2 * j], a[mb], f[0], f[1]);
-                Ops::mma(d[mb][2 * j + 1], a[mb], f[2], f[3]);
+            for (int jj = 0; jj < 2; ++jj) {
+              uint32_t f[4];
+              typename DQ::Zero zero{};
+              if constexpr (kZeroOnce) zero = jh ? zero_once[2 + jj] : zero_once[jj];
+              else if constexpr (ZP) zero = DQ::zero(zw, 2 * jh + jj);
+              DQ::template run<ZP>(&bw[jj * kWords], zero, f);
+              if constexpr (kScaleB) {
+                const uint32_t s0 = Ops::low2(s_tile[jj]), s1 = Ops::high2(s_tile[jj]);
+                f[0] = Ops::mul2(f[0], s0);
+                f[1] = Ops::mul2(f[1], s0);
+                f[2] = Ops::mul2(f[2], s1);
+                f[3] = Ops::mul2(f[3], s1);
+              }
+              wg_a[jj][0] = f[0];  // the W^T fragment order of the swapped mma.sync path
+              wg_a[jj][1] = f[2];
+              wg_a[jj][2] = f[1];
+              wg_a[jj][3] = f[3];
+            }
+            // B of the wgmma: this strip's k16 slice of the kRows activation rows, slice strip % 4 of k atom strip / 4
+            // (a_at in load_stage)
+            const uint64_t desc = wgmma_desc_sw128(smem_u32(sA) + (strip >> 2) * (T::kRows * 128) + (strip & 3) * 32);
+            wgmma_fence();
+            Wgmma<MB>::template run<0, typename K::ActT>(d, wg_a[0], desc);
+            Wgmma<MB>::template run<1, typename K::ActT>(d, wg_a[1], desc);
+            wgmma_commit();
+            // at most the previous strip's group in flight: its fragments' registers are reused two strips on (with
+            // a whole stage's in flight ptxas serialised the wgmma for want of registers)
+            wgmma_wait<1>();
+          } else {
+            // B: this lane's 4 (4-bit) or 8 (8-bit) words = its fragments of the 4 tiles (64 columns) of this strip.
+            uint32_t bw[4 * kWords];
+            const int4* piece = sB + (strip * WN + wn) * T::kPieceInt4;
+            int4 bq[kWords];
+            if constexpr (kWords == 1) {
+              bq[0] = piece[lane];
+            } else {
+              // 8-bit: the lane's 32 bytes are int4 2l, 2l + 1. A 16-byte shared load is served 8 lanes at a time;
+              // lanes 4..7 of every 8 read their second int4 first, so the 8 addresses of each phase (16-byte units
+              // 0 2 4 6 9 11 13 15, then 1 3 5 7 8 10 12 14, modulo 8) fall in 8 distinct groups of 4 banks: no
+              // conflict.
+              const int swap = (lane >> 2) & 1;
+              const int4 read0 = piece[2 * lane + swap];
+              const int4 read1 = piece[2 * lane + (swap ^ 1)];
+              bq[0] = swap ? read1 : read0;
+              bq[1] = swap ? read0 : read1;
+            }
+#pragma unroll
+            for (int h = 0; h < kWords; ++h) {
+              bw[4 * h] = (uint32_t)bq[h].x;
+              bw[4 * h + 1] = (uint32_t)bq[h].y;
+              bw[4 * h + 2] = (uint32_t)bq[h].z;
+              bw[4 * h + 3] = (uint32_t)bq[h].w;
+            }
+            // Grouped scales: lane c = lane / 4 needs columns c + 8 jj (jj = 0..7, n8-block jj), which the grouped
+            // table stores at positions 8 c .. 8 c + 7 of the 64-column run: one 16-byte load; the zero points of the
+            // same row likewise (zero_row). (srow is computed in here: computed above for every kernel, the compiler
+            // scheduled it so that two sm_80 kernels spilled.)
+            int4 sc = sc_once;
+            if constexpr (kScaleB && !kOneGroup) {
+              const int srow = group_of((strip0 + strip) * 16) - group_of(st * T::kStageK);  // scale row in the stage
+              sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
+              if constexpr (ZP) zero_row(slot, srow, zw);
+            }
+            // A fragments. Unswapped (the mma A operand): matrix q = lane / 8 is rows 8 (q % 2) .., chunk q / 2, so
+            // a = {(rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)}. Swapped (the mma B
+            // operand, one pair per batch block): matrix q is rows 8 (q / 2) .., chunk q % 2, so each batch block's
+            // pair is two consecutive registers, {a0, a1} and {a2, a3} (with the other order the compiler copied the
+            // pair into fresh registers for every mma: 8 moves per strip, kernel/NOTES.md).
+            uint32_t a[MB][4];
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) {
+              const int q = lane >> 3;
+              const int r = mb * 16 + (lane & 7) + (SWAP != 0 ? (q >> 1) : (q & 1)) * 8;
+              const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
+              ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
+            }
+            if constexpr (kOffset) {  // rs[h] += ones (16 x 16) x A^T: every row the sum over k of each batch row
+              const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+#pragma unroll
+              for (int h = 0; h < SWAP; ++h) {
+                if (first) Ops::mma_first(rs[h], ones, a[0][2 * h], a[0][2 * h + 1]);
+                else Ops::mma(rs[h], ones, a[0][2 * h], a[0][2 * h + 1]);
+              }
+            }
+            const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
+              uint32_t f[4];
+              typename DQ::Zero zero{};
+              if constexpr (kZeroOnce) zero = zero_once[j];
+              else if constexpr (ZP) zero = DQ::zero(zw, j);
+              if constexpr (kOffset) dequant_offset<DQ>(&bw[j * kWords], f);
+              else DQ::template run<ZP>(&bw[j * kWords], zero, f);
+              if constexpr (kScaleB) {
+                const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
+                const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
+                f[0] = Ops::mul2(f[0], s0);
+                f[1] = Ops::mul2(f[1], s0);
+                f[2] = Ops::mul2(f[2], s1);
+                f[3] = Ops::mul2(f[3], s1);
+              }
+              if constexpr (SWAP != 0) {
+                // C^T = W^T A^T: the tile's 4 fragments are exactly the mma A fragment of W^T (rows = 16 columns n,
+                // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
+                // The B fragment (k x 8 batch rows) is ldmatrix matrices 0 and 1 (A rows 0-7, k 0-7 / 8-15, above);
+                // with SWAP == 2 the second batch block (A rows 8-15) is matrices 2 and 3, accumulated in d[0][4 + j].
+                const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};
+                if (first) {
+                  Ops::mma_first(d[0][j], wa, a[0][0], a[0][1]);
+                  if constexpr (SWAP == 2) Ops::mma_first(d[0][4 + j], wa, a[0][2], a[0][3]);
+                } else {
+                  Ops::mma(d[0][j], wa, a[0][0], a[0][1]);
+                  if constexpr (SWAP == 2) Ops::mma(d[0][4 + j], wa, a[0][2], a[0][3]);
+                }
+              } else {
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) {
+                  Ops::mma(d[mb][2 * j], a[mb], f[0], f[1]);
+                  Ops::mma(d[mb][2 * j + 1], a[mb], f[2], f[3]);
+                }
               }
             }
           }
@@ -865,7 +1049,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         // share one group, and the per-stage comparison is skipped)
         if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
           if constexpr (kF32Scale) {
-            float part[MB][8][4];  // set by the first strip's mma (mma_first), not zeroed
+            float part[MB][kAccN][4];  // set by the first strip's mma (mma_first), not zeroed
             float rs[2][4];        // (kOffsetB) likewise
             strips(std::integral_constant<int, kOneGroupF32>{}, part, rs, slot, st);
             // acc[0][4 h + j][e] is column 16 j + g + 8 (e >> 1): n8-block 2 j (e = 0, 1: low scale of word j) or
@@ -914,11 +1098,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // ---- main loop: STAGES - 1 stages in flight (the prologue issued the first), one barrier per stage
     for (int it = 0; it < n_stages; ++it) {
       cp_async_wait<STAGES - 2>();  // stage `it` has landed (for this thread)
+      if constexpr (WG) fence_proxy_async();  // ... and is visible to wgmma's reads
       __syncthreads();              // ... for all threads; and everyone is done computing stage it - 1
       const int next = it + STAGES - 1;
       if (next < n_stages) load_stage(slot_of(next), ntile, stage_begin + next);  // refills the slot of stage it - 1
       cp_async_commit();
       compute_stage(slot_of(it), stage_begin + it);
+      if constexpr (WG) wgmma_wait<0>();  // the stage's wgmma are done with its shared memory (refilled next)
     }
     Segment following{0, 0, 0};
     have_seg = SEGMENTS && next_segment(following);
@@ -950,21 +1136,24 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     for (int mb = 0; mb < MB; ++mb) {
       // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
       if constexpr (SWAP != 0) {
-        // acc[0][4 h + j][e] = C[row 8 h + 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane % 4,
-        // cols inside this warp's 64, h = batch block); stored where the non-swapped layout keeps that element
-        // (row 8 h + r is half `hi = h` of lane 4 r + ...). With SWAP == 1 rows 8..15 are never stored (m <= 8 there).
+        // acc[mb][4 h + j][e] = C[row 16 mb + 8 h + 2t + (e & 1)][col 16 j + g + 8 (e >> 1)] (g = lane / 4, t = lane %
+        // 4, cols inside this warp's 64, h = batch block; mb = 0 but for wgmma); stored where the non-swapped layout
+        // keeps that element (row 8 h + r is half `hi = h` of lane 4 r + ...). With SWAP == 1 rows 8..15 are never
+        // stored (m <= 8 there).
         float* redf = reinterpret_cast<float*>(smem);
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int h = 0; h < SWAP; ++h)
+        for (int h = 0; h < (WG ? 2 : SWAP); ++h)
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
+          for (int jj = 0; jj < (WG ? 2 : 4); ++jj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
+              const int j = WG ? 2 * jh + jj : jj;  // (wgmma: acc[mb][2 h + jj] is tile 2 jh + jj)
               const int row = 2 * t + (e & 1);
               const int col = 16 * j + g + 8 * (e >> 1);
               const int ln = row * 4 + ((col & 7) >> 1);
-              redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2 + h) * 32 + ln) + (col & 1)] = acc[0][4 * h + j][e];
+              redf[2 * ((((wk * WN + wn) * 8 + (col >> 3)) * 2 + h) * 32 + ln) + (col & 1)] =
+                  acc[mb][(WG ? 2 : 4) * h + jj][e];
             }
       } else {
 #pragma unroll
@@ -977,18 +1166,28 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       __syncthreads();
       // Pair p = ((wn * 8 + nb) * 2 + hi) * 32 + ln: accumulator registers 2 hi, 2 hi + 1 of lane ln, which hold
       // C[row, col], C[row, col + 1] with row = ln / 4 + 8 hi, col = 8 nb + 2 (ln % 4) (mma C fragment layout).
+      // Thread tid takes pairs tid + q * kThreads. All of its reads of C (the earlier contributors' sums) are issued
+      // before any of its writes: read-add-write per pair made every read wait for the write before it (the compiler
+      // cannot reorder a read of C past a write to C), one L2 round trip per pair and m-block in each contributor of
+      // the serial chain (H200, the 256-column wgmma kernel at m = 128: 8 x 8 round trips, 4096 x 4096 took 142 us).
+      constexpr int kPairs = WN * 512 / kThreads;
+      static_assert(WN * 512 % kThreads == 0, "whole pairs per thread");
+      float2 v[kPairs];
+      size_t at[kPairs];  // pair index into C2
+      bool ok[kPairs];
 #pragma unroll
-      for (int p = tid; p < WN * 512; p += kThreads) {
+      for (int q = 0; q < kPairs; ++q) {
+        const int p = tid + q * kThreads;
         const int ln = p & 31;
         const int hi = (p >> 5) & 1;
         const int nb = (p >> 6) & 7;
         const int pwn = p >> 9;
-        float2 v = make_float2(0.0f, 0.0f);
+        v[q] = make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int w = 0; w < T::kWK; ++w) {
           const float2 x = red[(w * WN + pwn) * 512 + (p & 511)];
-          v.x += x.x;
-          v.y += x.y;
+          v[q].x += x.x;
+          v[q].y += x.y;
         }
         const int row = row0 + mb * 16 + (ln >> 2) + 8 * hi;
         const int col = col0 + pwn * 64 + nb * 8 + 2 * (ln & 3);
@@ -997,20 +1196,28 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           // Column 8 nb + 2 t + e of the 64-column run lies in run nb / 4 at jpos = 2 (nb % 4) + e, i.e. at
           // position 32 (nb / 4) + 8 t + 2 (nb % 4) + e: the pair (e = 0, 1) is one 32-bit word.
           const int pos = col0 + pwn * 64 + 32 * (nb >> 2) + 8 * (ln & 3) + 2 * (nb & 3);
-          const float2 s = Ops::to_float2(S2[pos >> 1]);
-          v.x *= s.x;
-          v.y *= s.y;
+          const float2 sc = Ops::to_float2(S2[pos >> 1]);
+          v[q].x *= sc.x;
+          v[q].y *= sc.y;
         }
-        if (row < m) {
-          const size_t at = ((size_t)row * n + col) >> 1;
-          if (splits > 1 && split > 0) {  // add the partial sums of splits 0 .. split - 1 (read from L2)
-            const float2 o = Ops::to_float2(__ldcg(reinterpret_cast<const unsigned int*>(C2 + at)));
-            v.x += o.x;
-            v.y += o.y;
-          }
-          C2[at] = Ops::pack(v.x, v.y);
+        ok[q] = row < m;
+        at[q] = ((size_t)row * n + col) >> 1;
+      }
+      if (splits > 1 && split > 0) {  // add the partial sums of contributors 0 .. split - 1 (read from L2)
+        unsigned int old[kPairs];
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q)
+          old[q] = ok[q] ? __ldcg(reinterpret_cast<const unsigned int*>(C2 + at[q])) : 0u;
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q) {
+          const float2 o = Ops::to_float2(old[q]);
+          v[q].x += o.x;
+          v[q].y += o.y;
         }
       }
+#pragma unroll
+      for (int q = 0; q < kPairs; ++q)
+        if (ok[q]) C2[at[q]] = Ops::pack(v[q].x, v[q].y);
       __syncthreads();  // `red` is rewritten by the next m-block
     }
 
@@ -1065,7 +1272,7 @@ int stream_k_per_sm();
 // Pick the split over k, then launch one instantiation.
 template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
 int launch_config(const Launch& L) {
-  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, K::kBits, K::kZp>;
+  using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, SWAP == 3>;
   using ActT = typename K::ActT;
   auto kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
   const int smem = T::kSmemBytes;

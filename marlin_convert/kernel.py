@@ -28,8 +28,11 @@ from .errors import KernelError, KernelUnavailableError
 #: the kernel sources (every file in this folder is hashed into the cache key)
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernel"
 #: architectures the build flags support; the JIT compiles only the running GPU's one (set
-#: ``MARLIN_CONVERT_ALL_ARCHS=1`` to build all four into one binary)
-SUPPORTED_ARCHS = ("80", "86", "89", "90")
+#: ``MARLIN_CONVERT_ALL_ARCHS=1`` to build all four into one binary). Hopper is built as ``90a`` (its
+#: architecture-specific features: the wgmma kernels), which runs on compute capability 9.0 only
+SUPPORTED_ARCHS = ("80", "86", "89", "90a")
+#: defined for the kernel when the build has sm_90a code (kernel/marlin_gemm.cu then may launch the wgmma kernels)
+SM90A_DEFINE = "-DMARLIN_CONVERT_SM90A"
 #: compiler flags of the build (part of the cache key, with the -gencode flags of the architectures)
 CXX_FLAGS = ["-O3", "-std=c++17"]
 CUDA_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
@@ -48,8 +51,10 @@ def required_workspace_ints(n: int) -> int:
 
 
 def gencode_flags(archs=SUPPORTED_ARCHS) -> list[str]:
-    """``-gencode`` flags for the given architectures (``"80"`` -> ``-gencode=arch=compute_80,code=sm_80``)."""
-    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    """``-gencode`` flags for the given architectures (``"80"`` -> ``-gencode=arch=compute_80,code=sm_80``), plus
+    :data:`SM90A_DEFINE` when ``"90a"`` is among them."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return flags + [SM90A_DEFINE] if "90a" in archs else flags
 
 
 @contextlib.contextmanager
@@ -186,10 +191,12 @@ def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
         archs = SUPPORTED_ARCHS
     elif arch in SUPPORTED_ARCHS:
         archs = (arch,)
-    else:  # a newer GPU: build the newest supported machine code plus its PTX for the driver to compile
-        archs = (SUPPORTED_ARCHS[-1],)
+    elif arch == "90":
+        archs = ("90a",)
+    else:  # a newer GPU: sm_90 machine code plus its PTX for the driver to compile (90a code runs on 9.0 only)
+        archs = ("90",)
     flags = gencode_flags(archs)
-    if arch not in archs:
+    if arch not in archs and arch + "a" not in archs:
         flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     cuda_flags = [*CUDA_FLAGS, *flags]
     key_text = "|".join([source_hash(), "sm" + arch, ",".join(archs), torch.__version__, str(torch.version.cuda),

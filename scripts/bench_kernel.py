@@ -23,6 +23,8 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
            against the same torch time and prints a geomean per configuration.
     --stream-k 0,1,2   times each value of MARLIN_CONVERT_STREAM_K (benchmark only: 0 = split-K, N = stream-K over N
            blocks per SM at most, kernel/marlin_gemm_impl.cuh launch_config), crossed with --cfgs.
+    --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 16, fp16 x 4-bit: 0 = the mma.sync kernels,
+           N = wgmma variant N, kernel/marlin_gemm.cu), crossed with the two above.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -157,6 +159,8 @@ def main(argv=None) -> int:
                                                  "fp16-int4 only)")
     parser.add_argument("--stream-k", type=str, help="comma-separated MARLIN_CONVERT_STREAM_K values to compare "
                                                      "(benchmark only; 0 = split-K, N = stream-K at <= N blocks per SM)")
+    parser.add_argument("--wgmma", type=str, help="comma-separated MARLIN_CONVERT_WGMMA values to compare "
+                                                  "(benchmark only; 0 = mma.sync kernels, N = wgmma variant N)")
     parser.add_argument("--kinds", type=str, default="fp16-int4",
                         help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
     args = parser.parse_args(argv)
@@ -194,8 +198,9 @@ def main(argv=None) -> int:
     def variant_values(option):  # "-" = the default (variable unset)
         return [None if v == "-" else int(v) for v in option.split(",")] if option else [None]
 
-    cfgs, sks = variant_values(args.cfgs), variant_values(args.stream_k)
-    variants = [(cfg, sk) for cfg in cfgs for sk in sks]
+    cfgs, sks, wgs = variant_values(args.cfgs), variant_values(args.stream_k), variant_values(args.wgmma)
+    variants = [(cfg, sk, wg) for cfg in cfgs for sk in sks for wg in wgs]
+    switches = ("MARLIN_CONVERT_SMALL_CFG", "MARLIN_CONVERT_STREAM_K", "MARLIN_CONVERT_WGMMA")
     speedups: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in shapes:
@@ -231,8 +236,8 @@ def main(argv=None) -> int:
                     c = torch.empty(m, n, dtype=dtype, device="cuda")
                     t_torch = torch_us[dtype_name, m]
                     act = m * k * 2 + m * n * 2
-                    for cfg, sk in (variants if kind != TINYGEMM else [(None, None)]):
-                        for var, value in (("MARLIN_CONVERT_SMALL_CFG", cfg), ("MARLIN_CONVERT_STREAM_K", sk)):
+                    for cfg, sk, wg in (variants if kind != TINYGEMM else [(None, None, None)]):
+                        for var, value in zip(switches, (cfg, sk, wg)):
                             if value is None:
                                 os.environ.pop(var, None)
                             else:
@@ -250,14 +255,15 @@ def main(argv=None) -> int:
                         ours_bw = (op_bytes + act) / t_ours
                         torch_bw = (w_bytes + act) / t_torch
                         sp = t_torch / t_ours
-                        variant = "/".join(f"{name}{v}" for name, v in (("c", cfg), ("sk", sk)) if v is not None)
+                        variant = "/".join(f"{name}{v}" for name, v in (("c", cfg), ("sk", sk), ("wg", wg))
+                                           if v is not None)
                         speedups.setdefault((kind, variant), {}).setdefault(g, {}).setdefault(m, []).append(sp)
                         tag = f" {variant}" if variant else ""
                         print(f"{kind:>12} {k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} "
                               f"{sp:>6.2f}x | {ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% "
                               f"{torch_bw / 1e9:>10.0f}{tag}", flush=True)
-                    os.environ.pop("MARLIN_CONVERT_SMALL_CFG", None)
-                    os.environ.pop("MARLIN_CONVERT_STREAM_K", None)
+                    for var in switches:
+                        os.environ.pop(var, None)
                 assert int(workspace.abs().sum()) == 0, "workspace not left zeroed"
                 del ops
                 torch.cuda.empty_cache()

@@ -12,7 +12,8 @@ check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a 
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408 for the m <= 16 kernels of
-larger n, and stream-K grids (MARLIN_CONVERT_STREAM_K).
+larger n, stream-K grids (MARLIN_CONVERT_STREAM_K) and the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA; every one of
+its cases kept by --few).
 """
 
 from __future__ import annotations
@@ -59,19 +60,27 @@ def main(argv=None) -> int:
                                                          # stages split in two over k
                   (kind, 70, 528, 256, 16, False, 0),    # m > 64 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
                   (kind, 36, 16448, 128, 64, False, 0)]  # and m = 33..64 with long k; partial last stages
-    cases = [c + (None,) for c in cases]  # MARLIN_CONVERT_STREAM_K unset: split-K
+    cases = [c + (None, None) for c in cases]  # MARLIN_CONVERT_STREAM_K and _WGMMA unset: split-K, default kernels
     for kind in KINDS:  # stream-K grids (the 2-stage kernels of >= 4 strips): blocks that end one tile and start the
         # next (m <= 16 and the 32-row m > 16 kernel), one tile row over many blocks (the 64-row kernel, capped)
-        cases += [(kind, 1, 1040, 10240, 16, False, 0, "2"), (kind, 12, 528, 10240, -1, False, 0, "2"),
-                  (kind, 40, 512, 4096, 64, True, 0, "1"), (kind, 40, 16384, 256, 128, False, 0, "1")]
+        cases += [(kind, 1, 1040, 10240, 16, False, 0, "2", None), (kind, 12, 528, 10240, -1, False, 0, "2", None),
+                  (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None)]
+    # the Hopper wgmma kernel (fp16 x 4-bit symmetric, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
+    # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages and chunks,
+    # group 16, act-order, split-K
+    fp16_int4 = ("float16", 4, False)
+    cases += [(fp16_int4, 33, 64, 256, -1, False, 0, None, "2"), (fp16_int4, 65, 1040, 768, 16, False, 0, None, "3"),
+              (fp16_int4, 100, 512, 512, 64, True, 0, None, "4"), (fp16_int4, 130, 1024, 256, 128, False, 3, None, "2"),
+              (fp16_int4, 64, 2048, 1024, -1, False, 0, None, "3")]
     if args.few:
-        cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16]
+        cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None]
     failures = 0
-    for (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k in cases:
-        if stream_k is None:
-            os.environ.pop("MARLIN_CONVERT_STREAM_K", None)
-        else:
-            os.environ["MARLIN_CONVERT_STREAM_K"] = stream_k
+    for (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma in cases:
+        for var, value in (("MARLIN_CONVERT_STREAM_K", stream_k), ("MARLIN_CONVERT_WGMMA", wgmma)):
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
         dtype = getattr(torch, dtype_name)
         g = k if group == -1 else group
         q = rng.integers(0, 2**bits, size=(k, n), dtype=np.uint8)
@@ -110,7 +119,7 @@ def main(argv=None) -> int:
         failures += not ok
         if not ok:
             print(f"WRONG {dtype_name} b{bits} zp={asym} m={m} k={k} n={n} g={group} act={act} split={split_k} "
-                  f"stream-K={stream_k}: "
+                  f"stream-K={stream_k} wgmma={wgmma}: "
                   f"mean-rel {rel:.2e}")
     print(f"sanitize_kernel: {len(cases)} calls, {failures} wrong")
     return 1 if failures else 0

@@ -468,6 +468,33 @@ def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, 
               asym=asym, dtype=dtype)
 
 
+# The Hopper wgmma kernel (fp16 x 4-bit symmetric, m > 32, n a multiple of 256; sm_90a builds on compute capability
+# 9.0 only): MARLIN_CONVERT_WGMMA = 2, 3, 4 force its three configurations wherever they fit (64-row chunks for
+# m <= 64, 128-row ones above; 8 strips x 3 stages, 4 x 6, 4 x 4), 1 its default rule. Elsewhere the same calls run the
+# mma.sync kernels, so these pass there too. Shapes: a lone partial stage, group 16 and 48 (strips in different
+# groups), act-order, two and three row chunks, split-K chains (automatic and forced), channelwise.
+WGMMA_SHAPES = [  # (m, k, n, group, act_order, split_k)
+    (33, 64, 256, -1, False, 0),
+    (64, 4096, 512, 128, False, 0),
+    (65, 1040, 768, 16, False, 0),
+    (40, 1152, 256, 48, False, 0),
+    (128, 4096, 4096, 128, False, 0),
+    (100, 2048, 1024, 64, True, 0),
+    (300, 1152, 256, 128, False, 0),
+    (48, 4096, 256, 32, False, 3),
+    (128, 8192, 2048, -1, False, 0),
+    (96, 3072, 10240, 128, False, 0),
+]
+
+
+@pytest.mark.parametrize("variant", ["1", "2", "3", "4"])
+@pytest.mark.parametrize("m,k,n,group,act_order,split_k", WGMMA_SHAPES)
+def test_wgmma_kernel(torch, monkeypatch, variant, m, k, n, group, act_order, split_k):
+    monkeypatch.setenv("MARLIN_CONVERT_WGMMA", variant)
+    _run_case(torch, m, k, n, group, act_order, seed=hash((m, k, n, group, variant)) % 2**31, split_k=split_k,
+              calls=2)
+
+
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
                                          (13, 8192, 320, 64), (4, 16384, 12288, 128)])
 @pytest.mark.parametrize("asym", [False, True])
