@@ -60,35 +60,6 @@ int wgmma_variant() {
 
 using KindFp16Int4 = Kind<half, 4, false>;
 
-// m > 32 on Hopper: the wgmma kernel, 256-column tiles (a warpgroup = 4 warps x 64 columns; the two warpgroups take
-// two tiles of every warp's 64 columns each), 64-row chunks (N = 64) for m <= 64, else 128-row ones (N = 128). Sets
-// launched = false when it does not apply (n not a multiple of 256, or too little shared memory): the caller then
-// takes the mma.sync kernels.
-// Whether the wgmma kernel is taken by default: when each block keeps a long run of k (>= 2560) after the split that
-// fills the GPU. Its blocks run one per SM and pay for each split in the serial reduction through C; measured on the
-// H200 at m = 64 / 128 (kernel/NOTES.md): faster on 4096 x 22016, 8192 x 10240, 8192 x 57344 and 28672 x 8192 (k per
-// block 4096, 2730, 8192, 7168), slower on 4096 x 4096, 11008 x 4096, 8192 x 8192 and 4096 x 12288 (512 - 2048).
-inline bool wgmma_pays(const Launch& L) {
-  if (L.n % 256 != 0) return false;
-  const int tiles = L.n / 256;
-  const int splits = tiles >= L.sms ? 1 : L.sms / tiles;
-  return L.k / splits >= 2560;
-}
-
-template <int STRIPS, int STAGES, bool GROUPED>
-int launch_wgmma(const Launch& L, bool& launched) {
-  launched = false;
-  if (L.n % 256 != 0) return MARLIN_OK;
-  const int optin = smem_optin();
-  if (L.m <= 64) {
-    if (optin < Tile<4, 4, STRIPS, STAGES, GROUPED, 4, false, true>::kSmemBytes) return MARLIN_OK;
-    launched = true;
-    return launch_config<KindFp16Int4, 4, 4, STRIPS, STAGES, GROUPED, 3>(L);
-  }
-  if (optin < Tile<8, 4, STRIPS, STAGES, GROUPED, 4, false, true>::kSmemBytes) return MARLIN_OK;
-  launched = true;
-  return launch_config<KindFp16Int4, 8, 4, STRIPS, STAGES, GROUPED, 3>(L);
-}
 
 // swap: m <= 8 the swapped path with one batch block, m = 9..16 with two, both with STRIPS / STAGES.
 // !swap: the unswapped MB = 1 kernel, 2 strips, 4 stages (it spills at 4 strips under the 3-blocks-per-SM
@@ -205,19 +176,11 @@ int dispatch_fp16_int4(const Launch& L) {
   //     replaces): m = 32 1.32x -> 1.47x / 1.45x -> 1.56x, m = 64 0.84x -> 0.94x / 0.94x -> 1.01x, faster on every
   //     shape at m = 32.
   // Wider tiles (256 columns: A read once per 256 columns) were slower at every m (0.47-0.65x at m = 128).
-#if defined(MARLIN_CONVERT_SM90A)
-  if (const int wg = wgmma_variant(); wg != 0 && L.m > 32 && (wg != 1 || wgmma_pays(L))) {
+  {
     bool launched = false;
-    const int rc = wg == 2   ? launch_wgmma<8, 3, GROUPED>(L, launched)
-                   : wg == 3 ? launch_wgmma<4, 6, GROUPED>(L, launched)
-                   : wg == 4 ? launch_wgmma<4, 4, GROUPED>(L, launched)
-                   // default: 8 strips x 3 stages for 64-row chunks and channelwise 128-row ones, 4 x 6 for grouped
-                   // 128-row ones (the fastest of the three on most shapes, kernel/NOTES.md)
-                   : L.m <= 64 || !GROUPED ? launch_wgmma<8, 3, GROUPED>(L, launched)
-                                           : launch_wgmma<4, 6, GROUPED>(L, launched);
+    const int rc = try_wgmma<K, GROUPED>(L, launched);
     if (launched) return rc;
   }
-#endif
   const int optin = smem_optin();
   if (wants_64_row_chunks(L) && optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes)
     return launch_config<K, 4, 2, 8, 2, GROUPED>(L);

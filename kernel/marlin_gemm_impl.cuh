@@ -491,7 +491,9 @@ struct Tile {
   static constexpr int kSBytes = GROUPED ? kStageStrips * kTN * 2 : 0;  // at most one scale row per strip
   // zero-point rows (grouped only; channelwise zero points are read once into registers): 64 columns = 8 * BITS bytes
   static constexpr int kZBytes = GROUPED && ZP ? kStageStrips * WN * 8 * BITS : 0;
-  static constexpr int kStageBytes = kABytes + kBBytes + kSBytes + kZBytes;
+  // (wgmma: rounded up to whole 1024-byte units, so every stage's A atoms start 1024-byte aligned)
+  static constexpr int kStageBytes = WG ? (kABytes + kBBytes + kSBytes + kZBytes + 1023) / 1024 * 1024
+                                        : kABytes + kBBytes + kSBytes + kZBytes;
   static constexpr int kPipeBytes = STAGES * kStageBytes;
   // [RED] in-block reduction area, one m-block at a time: 8 warps x 8 n8-blocks x 4 floats x 32 lanes.
   static constexpr int kRedBytes = kWarps * 8 * 4 * 32 * 4;
@@ -503,7 +505,7 @@ struct Tile {
   static_assert((kRows * kAChunks) % kThreads == 0, "A tile copies must split evenly over the threads");
   static_assert(kBBytes / 16 % kThreads == 0, "B tile copies: a whole number of 16-byte copies per thread");
   static_assert(STAGES >= 2, "at least double buffering");
-  static_assert(!WG || (kStageBytes % 1024 == 0 && kABytes % 1024 == 0 && kStageK % 64 == 0 && WN == 4),
+  static_assert(!WG || (kABytes % 1024 == 0 && kStageK % 64 == 0 && WN == 4),
                 "wgmma stages: 1024-byte multiples, whole 64-wide k atoms, 4 warps of 64 columns per warpgroup");
 };
 
@@ -1403,6 +1405,60 @@ int launch_small_kind(const Launch& L) {
   else return launch_config<K, 1, 1, STRIPS, STAGES, GROUPED, 0>(L);
 }
 
+// m > 32 on Hopper: the wgmma kernel, 256-column tiles (a warpgroup = 4 warps x 64 columns; the two warpgroups take
+// two tiles of every warp's 64 columns each), 64-row chunks (N = 64) for m <= 64, else 128-row ones (N = 128). Sets
+// launched = false when it does not apply (n not a multiple of 256, or too little shared memory): the caller then
+// takes the mma.sync kernels.
+// Whether the wgmma kernel is taken by default: when each block keeps a long run of k (>= 2560) after the split that
+// fills the GPU. Its blocks run one per SM and pay for each split in the serial reduction through C; measured on the
+// H200 at m = 64 / 128 (kernel/NOTES.md): faster on 4096 x 22016, 8192 x 10240, 8192 x 57344 and 28672 x 8192 (k per
+// block 4096, 2730, 8192, 7168), slower on 4096 x 4096, 11008 x 4096, 8192 x 8192 and 4096 x 12288 (512 - 2048).
+inline bool wgmma_pays(const Launch& L) {
+  if (L.n % 256 != 0) return false;
+  const int tiles = L.n / 256;
+  const int splits = tiles >= L.sms ? 1 : L.sms / tiles;
+  return L.k / splits >= 2560;
+}
+
+template <class K, int STRIPS, int STAGES, bool GROUPED>
+int launch_wgmma(const Launch& L, bool& launched) {
+  launched = false;
+  if (L.n % 256 != 0) return MARLIN_OK;
+  const int optin = smem_optin();
+  if (L.m <= 64) {
+    if (optin < Tile<4, 4, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, true>::kSmemBytes) return MARLIN_OK;
+    launched = true;
+    return launch_config<K, 4, 4, STRIPS, STAGES, GROUPED, 3>(L);
+  }
+  if (optin < Tile<8, 4, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, true>::kSmemBytes) return MARLIN_OK;
+  launched = true;
+  return launch_config<K, 8, 4, STRIPS, STAGES, GROUPED, 3>(L);
+}
+
+// Hopper: MARLIN_CONVERT_WGMMA's value where the wgmma kernels can run (marlin_gemm.cu), else 0.
+int wgmma_variant();
+
+// m > 32, 4-bit kinds: the wgmma kernel where wgmma_variant allows it (1: the default, where wgmma_pays; 2..4 a fixed
+// configuration wherever it fits). launched = false: the caller takes the mma.sync kernels.
+template <class K, bool GROUPED>
+int try_wgmma(const Launch& L, bool& launched) {
+  launched = false;
+#if defined(MARLIN_CONVERT_SM90A)  // (no wgmma instantiations in builds without sm_90a code)
+  if constexpr (K::kBits == 4) {
+    const int wg = wgmma_variant();
+    if (wg == 0 || L.m <= 32 || (wg == 1 && !wgmma_pays(L))) return MARLIN_OK;
+    if (wg == 2) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
+    if (wg == 3) return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
+    if (wg == 4) return launch_wgmma<K, 4, 4, GROUPED>(L, launched);
+    // default: 8 strips x 3 stages for 64-row chunks and channelwise 128-row ones, 4 x 6 for grouped 128-row ones (the
+    // fastest of the three on most shapes, kernel/NOTES.md)
+    if (L.m <= 64 || !GROUPED) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
+    return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
+  }
+#endif
+  return MARLIN_OK;
+}
+
 // Every kind but fp16 x 4-bit symmetric (that one is dispatch_fp16_int4 in marlin_gemm.cu, with its benchmark
 // variants). The m <= 16 schedule keeps at least as many bytes of B in flight per SM as fp16 x 4-bit does (for 8-bit
 // that did not make it faster: kernel/NOTES.md):
@@ -1502,6 +1558,11 @@ int dispatch_kind(const Launch& L) {
     }
   }
   if (L.m > 16) {
+    {  // Hopper, 4-bit, m > 32: the wgmma kernel (try_wgmma)
+      bool launched = false;
+      const int rc = try_wgmma<K, GROUPED>(L, launched);
+      if (launched) return rc;
+    }
     // The m > 16 kernels of fp16 x 4-bit symmetric (dispatch_fp16_int4): 4-bit, 64-row chunks at 8 strips x 2 stages
     // for m > 64 and for m = 33..64 with long k or wide n, else 32-row chunks at 4 strips x 2 stages; 8-bit grouped the
     // latter. Against the 1-strip, 4-stage kernel below, on the H200 (`--m 32,64,128 --cfgs`, kernel/NOTES.md), group

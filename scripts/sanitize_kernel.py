@@ -65,13 +65,13 @@ def main(argv=None) -> int:
         # next (m <= 16 and the 32-row m > 16 kernel), one tile row over many blocks (the 64-row kernel, capped)
         cases += [(kind, 1, 1040, 10240, 16, False, 0, "2", None), (kind, 12, 528, 10240, -1, False, 0, "2", None),
                   (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None)]
-    # the Hopper wgmma kernel (fp16 x 4-bit symmetric, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
+    # the Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
     # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages and chunks,
     # group 16, act-order, split-K
-    fp16_int4 = ("float16", 4, False)
-    cases += [(fp16_int4, 33, 64, 256, -1, False, 0, None, "2"), (fp16_int4, 65, 1040, 768, 16, False, 0, None, "3"),
-              (fp16_int4, 100, 512, 512, 64, True, 0, None, "4"), (fp16_int4, 130, 1024, 256, 128, False, 3, None, "2"),
-              (fp16_int4, 64, 2048, 1024, -1, False, 0, None, "3")]
+    for kind in [kd for kd in KINDS if kd[1] == 4]:
+        cases += [(kind, 33, 64, 256, -1, False, 0, None, "2"), (kind, 65, 1040, 768, 16, False, 0, None, "3"),
+                  (kind, 100, 512, 512, 64, True, 0, None, "4"), (kind, 130, 1024, 256, 128, False, 3, None, "2"),
+                  (kind, 64, 2048, 1024, -1, False, 0, None, "3")]
     if args.few:
         cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None]
     failures = 0

@@ -468,11 +468,11 @@ def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, 
               asym=asym, dtype=dtype)
 
 
-# The Hopper wgmma kernel (fp16 x 4-bit symmetric, m > 32, n a multiple of 256; sm_90a builds on compute capability
-# 9.0 only): MARLIN_CONVERT_WGMMA = 2, 3, 4 force its three configurations wherever they fit (64-row chunks for
-# m <= 64, 128-row ones above; 8 strips x 3 stages, 4 x 6, 4 x 4), 1 its default rule. Elsewhere the same calls run the
-# mma.sync kernels, so these pass there too. Shapes: a lone partial stage, group 16 and 48 (strips in different
-# groups), act-order, two and three row chunks, split-K chains (automatic and forced), channelwise.
+# The Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; sm_90a builds on compute capability 9.0 only):
+# MARLIN_CONVERT_WGMMA = 2, 3, 4 force its three configurations wherever they fit (64-row chunks for m <= 64, 128-row
+# ones above; 8 strips x 3 stages, 4 x 6, 4 x 4), 1 its default rule. Elsewhere the same calls run the mma.sync
+# kernels, so these pass there too. Shapes: a lone partial stage, group 16 and 48 (strips in different groups),
+# act-order, two and three row chunks, split-K chains (automatic and forced), channelwise.
 WGMMA_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (33, 64, 256, -1, False, 0),
     (64, 4096, 512, 128, False, 0),
@@ -485,14 +485,18 @@ WGMMA_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (128, 8192, 2048, -1, False, 0),
     (96, 3072, 10240, 128, False, 0),
 ]
+WGMMA_CASES = ([(("float16", 4, False), v) for v in ("1", "2", "3", "4")]
+               + [(kind, v) for kind in (("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True))
+                  for v in ("2", "3")])
 
 
-@pytest.mark.parametrize("variant", ["1", "2", "3", "4"])
+@pytest.mark.parametrize("kind,variant", WGMMA_CASES, ids=lambda c: c if isinstance(c, str) else _kind_id(c))
 @pytest.mark.parametrize("m,k,n,group,act_order,split_k", WGMMA_SHAPES)
-def test_wgmma_kernel(torch, monkeypatch, variant, m, k, n, group, act_order, split_k):
+def test_wgmma_kernel(torch, monkeypatch, kind, variant, m, k, n, group, act_order, split_k):
     monkeypatch.setenv("MARLIN_CONVERT_WGMMA", variant)
-    _run_case(torch, m, k, n, group, act_order, seed=hash((m, k, n, group, variant)) % 2**31, split_k=split_k,
-              calls=2)
+    dtype, bits, asym = kind
+    _run_case(torch, m, k, n, group, act_order, seed=hash((m, k, n, group, variant, dtype, asym)) % 2**31,
+              split_k=split_k, calls=2, bits=bits, asym=asym, dtype=dtype)
 
 
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
