@@ -38,20 +38,20 @@ int small_cfg() {
 
 // Hopper: whether the wgmma kernels (SWAP 3) can run here: the build has sm_90a code (kernel.py defines
 // MARLIN_CONVERT_SM90A when it compiles for compute_90a) and the device is compute capability 9.0 (which takes that
-// code). MARLIN_CONVERT_WGMMA (read per call; benchmark and tests): 0 = never, 1 or unset = the default (where
-// wgmma_pays), 2..4 = a fixed configuration wherever it fits (dispatch_fp16_int4).
+// code; checked for the current device on every call, so an all-architectures build on a machine with a Hopper and
+// an older GPU never launches a wgmma kernel on the latter, where it would trap). MARLIN_CONVERT_WGMMA (read per
+// call; benchmark and tests; like the other switches, a value that does not start with a digit counts as unset):
+// 0 = never, 1 or unset = the default (where wgmma_pays), 2..4 = a fixed configuration wherever it fits (try_wgmma).
 int wgmma_variant() {
 #if defined(MARLIN_CONVERT_SM90A)
   const char* v = getenv("MARLIN_CONVERT_WGMMA");
   const int want = (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : 1;
   if (want == 0) return 0;
-  static const bool sm90 = [] {
-    int dev = 0, major = 0, minor = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
-           minor == 0;
-  }();
+  int dev = 0, major = 0, minor = 0;
+  const bool sm90 = cudaGetDevice(&dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+                    major == 9 && minor == 0;
   return sm90 ? want : 0;
 #else
   return 0;
@@ -246,8 +246,8 @@ int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* 
     return MARLIN_BAD_SHAPE;
   }
   // the kernel addresses A and B with 32-bit offsets in 16-byte units (see [G2S] in marlin_gemm_impl.cuh); A rows are
-  // counted up to the last 64-row chunk
-  const long long a_int4 = ((long long)m + 64) * (k / 8);
+  // counted up to the last 128-row chunk (the wgmma kernels' chunks)
+  const long long a_int4 = ((long long)m + 128) * (k / 8);
   const long long b_int4 = (long long)(k / 16) * n * bits / 8;
   if (a_int4 >= (1LL << 32) || b_int4 >= (1LL << 32)) {
     set_error(err, errlen, "m = %d, n = %d, k = %d: A or B has 2^32 or more 16-byte units (%lld, %lld), more than "

@@ -125,8 +125,8 @@ __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 h) { return *reinterpr
 
 // ------------------------------------------------------------------------------------------------ Hopper (sm_90a)
 // wgmma (warpgroup MMA, sm_90a only: compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined, i.e. for
-// -gencode=arch=compute_90a,code=sm_90a; elsewhere these trap, and the host never launches the kernels that use them,
-// see wgmma_variant in marlin_gemm.cu). The four warps of a warpgroup issue one wgmma together; it runs asynchronously:
+// -gencode=arch=compute_90a,code=sm_90a; elsewhere Wgmma::run traps and the fence / commit / wait helpers are empty, and
+// the host never launches the kernels that use them, see wgmma_variant in marlin_gemm.cu). The four warps of a warpgroup issue one wgmma together; it runs asynchronously:
 //   wgmma.fence        before a wgmma reads registers that ordinary instructions wrote (the dequantized A fragments,
 //                      the zeroed accumulators)
 //   wgmma.commit_group closes the wgmma issued since the last commit into one group
@@ -517,7 +517,8 @@ struct Tile {
 // grouped zero-point kernels and grouped unswapped 8-bit kernels at most 2 (at 3 blocks = 80 registers they spilled
 // 8-48 bytes, the latter on sm_80). The 4-bit 32-row kernels (MB = 2) 2: they took 132 registers, one block per SM;
 // at 128 they do not spill, and fp16 x 4-bit m = 32 went from 0.89x to 1.02x of torch (H200, group 128); except the
-// grouped zero-point ones (4 bytes of spill on sm_80). The 64-row ones (128 accumulators) stay at 1.
+// grouped zero-point ones (4 bytes of spill on sm_80). The 64-row ones (128 accumulators) stay at 1, and so do the wgmma
+// kernels (SWAP 3: 64 / 128 accumulators).
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
   constexpr int by_strips = SWAP == 3 ? 1 : MB == 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
@@ -622,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   const uint32_t b_stage = (uint32_t)T::kStageStrips * (uint32_t)b_row_int4;
   // The A copies likewise where one pass of the threads covers whole rows of the A tile (kAChunks divides kThreads;
   // the 3-strip kernels' 48 chunks per row do not): copy j is row a_row + j * kARowsPerPass, chunk a_ch, at int4
-  // a_first + k0 / 8 + j * a_pass of A (32-bit: the host checks (m + 64) * k / 8 < 2^32).
+  // a_first + k0 / 8 + j * a_pass of A (32-bit: the host checks (m + 128) * k / 8 < 2^32).
   constexpr bool kAPasses = kThreads % T::kAChunks == 0;
   constexpr int kARowsPerPass = kAPasses ? kThreads / T::kAChunks : 1;
   const int a_row = tid / T::kAChunks;
@@ -1107,6 +1108,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       cp_async_commit();
       compute_stage(slot_of(it), stage_begin + it);
       if constexpr (WG) wgmma_wait<0>();  // the stage's wgmma are done with its shared memory (refilled next)
+    }
+    if constexpr (WG) {
+      // the accumulators are read from here on: pin every one behind the last wait (an empty asm that "writes" it), so
+      // that no compiler moves a read or copy of them above it (as CUTLASS's warpgroup_fence_operand does)
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int nb = 0; nb < kAccN; ++nb)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(acc[mb][nb][i])::"memory");
     }
     Segment following{0, 0, 0};
     have_seg = SEGMENTS && next_segment(following);

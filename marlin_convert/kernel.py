@@ -196,8 +196,9 @@ def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
     else:  # a newer GPU: sm_90 machine code plus its PTX for the driver to compile (90a code runs on 9.0 only)
         archs = ("90",)
     flags = gencode_flags(archs)
-    if arch not in archs and arch + "a" not in archs:
-        flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    if arch not in archs and arch + "a" not in archs:  # PTX for the driver; never 90a's (it compiles for 9.0 only)
+        ptx = archs[-1].removesuffix("a")
+        flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
     cuda_flags = [*CUDA_FLAGS, *flags]
     key_text = "|".join([source_hash(), "sm" + arch, ",".join(archs), torch.__version__, str(torch.version.cuda),
                          str(sysconfig.get_config_var("SOABI")), " ".join(CXX_FLAGS), " ".join(cuda_flags)])

@@ -3,7 +3,7 @@
 
 Exact command (GPU machine, repo root):
     PYTHONPATH=. python3 scripts/bench_kernel.py            # full table: 8 shapes x 8 batch sizes x 2 group sizes
-    PYTHONPATH=. python3 scripts/bench_kernel.py --quick    # 4 shapes, m = 1..16, group 128 only
+    PYTHONPATH=. python3 scripts/bench_kernel.py --quick    # 4 shapes, m = 1..16 and 64, 128, group 128 only
     PYTHONPATH=. python3 scripts/bench_kernel.py --m 1,2,4,8,16 --groups 128 \\
         --kinds fp16-int4,fp16-int8,fp16-int4-zp,bf16-int4,bf16-int8,bf16-int4-zp,tinygemm   # the other kinds
 
@@ -23,8 +23,9 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
            against the same torch time and prints a geomean per configuration.
     --stream-k 0,1,2   times each value of MARLIN_CONVERT_STREAM_K (benchmark only: 0 = split-K, N = stream-K over N
            blocks per SM at most, kernel/marlin_gemm_impl.cuh launch_config), crossed with --cfgs.
-    --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 16, fp16 x 4-bit: 0 = the mma.sync kernels,
-           N = wgmma variant N, kernel/marlin_gemm.cu), crossed with the two above.
+    --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 32, 4-bit kinds: 0 = the mma.sync kernels,
+           1 = the default rule, 2..4 = a fixed wgmma configuration, try_wgmma in kernel/marlin_gemm_impl.cuh), crossed
+           with the two above.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -149,7 +150,7 @@ def _operands(torch, kind: str, k: int, n: int, g: int, gen):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="4 shapes, m = 1..16, group 128")
+    parser.add_argument("--quick", action="store_true", help="4 shapes, m = 1..16, 64, 128, group 128")
     parser.add_argument("--m", type=str, help="comma-separated batch sizes (default: all)")
     parser.add_argument("--shapes", type=str, help="comma-separated KxN, e.g. 4096x4096,8192x57344")
     parser.add_argument("--groups", type=str, help="comma-separated group sizes, -1 = channelwise")
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
     ensure_kernel(0)
     shapes, ms, groups = SHAPES, MS, GROUPS
     if args.quick:
-        shapes, ms, groups = [(4096, 4096), (4096, 12288), (8192, 8192), (8192, 57344)], [1, 2, 4, 8, 16], [128]
+        shapes, ms, groups = [(4096, 4096), (4096, 12288), (8192, 8192), (8192, 57344)], [1, 2, 4, 8, 16, 64, 128], [128]
     if args.shapes:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     if args.m:

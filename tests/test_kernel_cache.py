@@ -104,3 +104,22 @@ def test_a_damaged_cached_build_without_a_compiler_is_a_reason(tmp_path, monkeyp
     (spec.build_dir / kernel.BUILT_MARKER).write_text(spec.name + "\n")
     reason = kernel.unavailable_reason(0)
     assert reason is not None and "does not load" in reason and "nvcc" in reason and str(spec.build_dir) in reason
+
+
+def test_hopper_builds_sm90a_and_newer_gpus_get_portable_ptx(monkeypatch):
+    """Compute capability 9.0 is built as sm_90a with the wgmma define; a newer GPU gets sm_90 machine code and
+    compute_90 PTX (90a PTX compiles for 9.0 only), also in an all-architectures build; Ampere no define."""
+    monkeypatch.delenv("MARLIN_CONVERT_ALL_ARCHS", raising=False)
+    hopper = kernel._build_spec((9, 0))
+    assert hopper.archs == ("90a",)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in hopper.cuda_flags and kernel.SM90A_DEFINE in hopper.cuda_flags
+    newer = kernel._build_spec((10, 0))
+    assert newer.archs == ("90",) and kernel.SM90A_DEFINE not in newer.cuda_flags
+    assert "-gencode=arch=compute_90,code=compute_90" in newer.cuda_flags
+    ampere = kernel._build_spec((8, 0))
+    assert ampere.archs == ("80",) and kernel.SM90A_DEFINE not in ampere.cuda_flags
+    monkeypatch.setenv("MARLIN_CONVERT_ALL_ARCHS", "1")
+    every = kernel._build_spec((10, 0))
+    assert every.archs == kernel.SUPPORTED_ARCHS and kernel.SM90A_DEFINE in every.cuda_flags
+    assert "-gencode=arch=compute_90,code=compute_90" in every.cuda_flags
+    assert not any("code=compute_90a" in flag for flag in every.cuda_flags)
