@@ -16,6 +16,8 @@ namespace detail {
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
 //             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
 //             m <= 8 only (see dispatch below)
+//   m > 32 on Hopper (sm_90a build), n % 256 == 0, k per block >= 2560 after the split that fills the GPU: the wgmma
+//             kernel (SWAP 3; try_wgmma in marlin_gemm_impl.cuh), 64- / 128-row chunks, 256-column tiles
 //   m > 64, and 33..64 with k >= 16384 or n >= 32768, n % 128 == 0: MB=4 (64-row chunks), WN=2 (128-column tiles,
 //             A fragments shared by 2x the columns), 8 strips, 2 stages (208 KB), one block per SM
 //   otherwise: MB=2 (32-row chunks), WN=1, 4 strips, 2 stages (104 KB), 2 blocks per SM
@@ -59,7 +61,6 @@ int wgmma_variant() {
 }
 
 using KindFp16Int4 = Kind<half, 4, false>;
-
 
 // swap: m <= 8 the swapped path with one batch block, m = 9..16 with two, both with STRIPS / STAGES.
 // !swap: the unswapped MB = 1 kernel, 2 strips, 4 stages (it spills at 4 strips under the 3-blocks-per-SM
