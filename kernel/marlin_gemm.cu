@@ -123,6 +123,7 @@ int dispatch_fp16_int4(const Launch& L) {
       case 12: if (wide_fits<2, 2, 6, GROUPED>(L, optin)) return launch_wide<2, 2, 6, GROUPED>(L); break;
       case 13: if (wide_fits<4, 4, 6, GROUPED>(L, optin)) return launch_wide<4, 4, 6, GROUPED>(L); break;
       case 14: return launch_small<4, 2, GROUPED>(L, true);  // 4 strips at 2 stages, whatever n
+      case 15: return launch_small<8, 2, GROUPED>(L, true);  // 8 strips at 2 stages (one group of 128 per warp and stage)
       // m = 9..16: the two-batch-block swapped kernel at 4 and 3 strips; at 2 strips (n / 64 > 2 SMs) it measured
       // 5-10 % slower than the unswapped kernel (cfg 1 vs cfg 7, kernel/README.md), so that one stays there.
       default: break;
@@ -158,6 +159,13 @@ int dispatch_fp16_int4(const Launch& L) {
     //     19.1 (kernel/NOTES.md); and at m <= 8 with long k too (a later session): 28672 x 8192 m = 1 52.6 -> 42.2 us
     //     (g128), 42.5 -> 40.2 (channelwise).
     const int tiles = L.n / 64;
+    // One wave of tiles (SMs / 2 < n / 64 <= SMs) with k < 16384: 8 strips at 2 stages (stage k = 1024, so a warp's 8
+    // strips are one group of 128 and the fp32 partial sums are scaled once per group; one barrier per 1024 k; 144 KB,
+    // one block per SM), no split. H200 (cfg 15, sixth session, kernel/NOTES.md): 8192 x 8192 m = 1 / 8 / 16 16.5 /
+    // 17.3 / 19.8 -> 15.1 / 16.3 / 17.3 us at group 128, 15.9 / 16.7 / 18.7 -> 15.3 / 16.6 / 17.3 channelwise; with
+    // k >= 16384 (28672 x 8192) 2-11 % slower than the split 4-strip kernel below at m <= 8, so not there.
+    if (one_wave && 2 * tiles > L.sms && L.k < 16384 && optin >= Tile<1, 1, 8, 2, GROUPED>::kSmemBytes)
+      return launch_small<8, 2, GROUPED>(L, true);
     Launch split_two = L;
     split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
     if (one_wave && 2 * tiles > L.sms && (L.m > 8 || L.k >= 16384) && optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)

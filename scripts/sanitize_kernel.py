@@ -57,7 +57,8 @@ def main(argv=None) -> int:
                   (kind, 14, 272, 10240, 16, False, 0),  # 4-bit zero points, grouped, n / 64 > SMs: 4 strips x 2
                                                          # stages, two batch blocks, group 16, a partial last stage
                   (kind, 13, 256, 8192, 128, False, 0),  # m = 9..16, SMs / 2 < n / 64 <= SMs: 4 strips x 2
-                                                         # stages split in two over k
+                                                         # stages split in two over k (fp16 4-bit: 8 strips x 2)
+                  (kind, 5, 1040, 8192, 16, False, 0),   # fp16 4-bit, the same with a partial stage: 8 strips x 2
                   (kind, 70, 528, 256, 16, False, 0),    # m > 64 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
                   (kind, 36, 16448, 128, 64, False, 0)]  # and m = 33..64 with long k; partial last stages
     cases = [c + (None, None) for c in cases]  # MARLIN_CONVERT_STREAM_K and _WGMMA unset: split-K, default kernels

@@ -470,6 +470,15 @@ def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, 
               asym=asym, dtype=dtype)
 
 
+# fp16 x 4-bit, m <= 16, one wave of 64-column tiles (SMs / 2 < n / 64 <= SMs on a GPU of 132 or 108 SMs) and
+# k < 16384: the 8-strip, 2-stage kernel (stage k = 1024; partial last stages, group 64 / 32 / channelwise, act-order).
+@pytest.mark.parametrize("m,k,n,group,act_order", [(1, 8192, 8192, 128, False), (16, 4096, 6144, 64, False),
+                                                   (9, 5120, 8192, -1, False), (3, 2048, 7168, 32, True),
+                                                   (12, 1040, 8192, 16, False)])
+def test_one_wave_eight_strip_kernel(torch, m, k, n, group, act_order):
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group)).encode()), calls=2)
+
+
 # The Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; sm_90a builds on compute capability 9.0 only):
 # MARLIN_CONVERT_WGMMA = 2, 3, 4 force its three configurations wherever they fit (64-row chunks for m <= 64, 128-row
 # ones above; 8 strips x 3 stages, 4 x 6, 4 x 4), 1 its default rule. Elsewhere the same calls run the mma.sync
