@@ -193,6 +193,8 @@ def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
         archs = (arch,)
     elif arch == "90":
         archs = ("90a",)
+    elif older := [a for a in SUPPORTED_ARCHS if a[:-1] == str(capability[0]) and int(a[-1]) <= capability[1]]:
+        archs = (older[-1],)  # e.g. 8.7 (Jetson Orin): sm_86 code, which runs on any 8.x with x >= 6, plus its PTX
     else:  # a newer GPU: sm_90 machine code plus its PTX for the driver to compile (90a code runs on 9.0 only)
         archs = ("90",)
     flags = gencode_flags(archs)

@@ -108,7 +108,8 @@ def test_a_damaged_cached_build_without_a_compiler_is_a_reason(tmp_path, monkeyp
 
 def test_hopper_builds_sm90a_and_newer_gpus_get_portable_ptx(monkeypatch):
     """Compute capability 9.0 is built as sm_90a with the wgmma define; a newer GPU gets sm_90 machine code and
-    compute_90 PTX (90a PTX compiles for 9.0 only), also in an all-architectures build; Ampere no define."""
+    compute_90 PTX (90a PTX compiles for 9.0 only), also in an all-architectures build; Ampere no define; an 8.x not
+    in the list the newest listed 8.y below it."""
     monkeypatch.delenv("MARLIN_CONVERT_ALL_ARCHS", raising=False)
     hopper = kernel._build_spec((9, 0))
     assert hopper.archs == ("90a",)
@@ -118,6 +119,8 @@ def test_hopper_builds_sm90a_and_newer_gpus_get_portable_ptx(monkeypatch):
     assert "-gencode=arch=compute_90,code=compute_90" in newer.cuda_flags
     ampere = kernel._build_spec((8, 0))
     assert ampere.archs == ("80",) and kernel.SM90A_DEFINE not in ampere.cuda_flags
+    orin = kernel._build_spec((8, 7))  # not in the list: the newest supported 8.x below it, never sm_90 code
+    assert orin.archs == ("86",) and "-gencode=arch=compute_86,code=compute_86" in orin.cuda_flags
     monkeypatch.setenv("MARLIN_CONVERT_ALL_ARCHS", "1")
     every = kernel._build_spec((10, 0))
     assert every.archs == kernel.SUPPORTED_ARCHS and kernel.SM90A_DEFINE in every.cuda_flags
