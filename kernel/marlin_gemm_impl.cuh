@@ -466,6 +466,17 @@ __device__ __forceinline__ void dequant_offset(const uint32_t* w, uint32_t (&fra
   if constexpr (std::is_same<DQ, Dequant<__nv_bfloat16, 4>>::value) DQ::run_offset(w, frag);
 }
 
+// [DEQ] the grouped scales onto one tile's four fragments (16-bit): word sw holds the scales of n8-blocks 2j (low half:
+// f[0], f[1]) and 2j + 1 (high half: f[2], f[3]).
+template <class Ops>
+__device__ __forceinline__ void scale_tile(uint32_t (&f)[4], uint32_t sw) {
+  const uint32_t s0 = Ops::low2(sw), s1 = Ops::high2(sw);
+  f[0] = Ops::mul2(f[0], s0);
+  f[1] = Ops::mul2(f[1], s0);
+  f[2] = Ops::mul2(f[2], s1);
+  f[3] = Ops::mul2(f[3], s1);
+}
+
 // ------------------------------------------------------------------------------------------------ the kernel
 
 // How a warp's strips of one stage take their grouped scales and zero points (the kernel's strips()).
@@ -924,11 +935,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
               else if constexpr (ZP) zero = DQ::zero(zw, 2 * jh + jj);
               DQ::template run<ZP>(&bw[jj * kWords], zero, f);
               if constexpr (kScaleB) {
-                const uint32_t s0 = Ops::low2(s_tile[jj]), s1 = Ops::high2(s_tile[jj]);
-                f[0] = Ops::mul2(f[0], s0);
-                f[1] = Ops::mul2(f[1], s0);
-                f[2] = Ops::mul2(f[2], s1);
-                f[3] = Ops::mul2(f[3], s1);
+                scale_tile<Ops>(f, s_tile[jj]);
               }
               wg_a[jj][0] = f[0];  // the W^T fragment order of the swapped mma.sync path
               wg_a[jj][1] = f[2];
@@ -1010,14 +1017,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
               else if constexpr (ZP) zero = DQ::zero(zw, j);
               if constexpr (kOffset) dequant_offset<DQ>(&bw[j * kWords], f);
               else DQ::template run<ZP>(&bw[j * kWords], zero, f);
-              if constexpr (kScaleB) {
-                const uint32_t s0 = Ops::low2(sw[j]);   // scales of n8-blocks 2j (low half of word j)
-                const uint32_t s1 = Ops::high2(sw[j]);  // and 2j + 1 (high half)
-                f[0] = Ops::mul2(f[0], s0);
-                f[1] = Ops::mul2(f[1], s0);
-                f[2] = Ops::mul2(f[2], s1);
-                f[3] = Ops::mul2(f[3], s1);
-              }
+              if constexpr (kScaleB) scale_tile<Ops>(f, sw[j]);
               if constexpr (SWAP != 0) {
                 // C^T = W^T A^T: the tile's 4 fragments are exactly the mma A fragment of W^T (rows = 16 columns n,
                 // cols = 16 k): {(n g, k 2t..), (n g+8, k 2t..), (n g, k 2t+8..), (n g+8, k 2t+8..)} = f0 f2 f1 f3.
@@ -1456,8 +1456,9 @@ int try_wgmma(const Launch& L, bool& launched) {
   launched = false;
 #if defined(MARLIN_CONVERT_SM90A)  // (no wgmma instantiations in builds without sm_90a code)
   if constexpr (K::kBits == 4) {
+    if (L.m <= 32) return MARLIN_OK;  // (before wgmma_variant's environment and device queries)
     const int wg = wgmma_variant();
-    if (wg == 0 || L.m <= 32 || (wg == 1 && !wgmma_pays(L))) return MARLIN_OK;
+    if (wg == 0 || (wg == 1 && !wgmma_pays(L))) return MARLIN_OK;
     if (wg == 2) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
     if (wg == 3) return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
     if (wg == 4) return launch_wgmma<K, 4, 4, GROUPED>(L, launched);

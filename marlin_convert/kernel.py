@@ -51,10 +51,14 @@ def required_workspace_ints(n: int) -> int:
 
 
 def gencode_flags(archs=SUPPORTED_ARCHS) -> list[str]:
-    """``-gencode`` flags for the given architectures (``"80"`` -> ``-gencode=arch=compute_80,code=sm_80``), plus
-    :data:`SM90A_DEFINE` when ``"90a"`` is among them."""
-    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    return flags + [SM90A_DEFINE] if "90a" in archs else flags
+    """``-gencode`` flags for the given architectures (``"80"`` -> ``-gencode=arch=compute_80,code=sm_80``)."""
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+
+
+def _capability_of(arch: str) -> tuple[int, int]:
+    """The compute capability an architecture name is for: ``"86"`` -> (8, 6), ``"90a"`` -> (9, 0)."""
+    digits = arch.removesuffix("a")
+    return int(digits[:-1]), int(digits[-1])
 
 
 @contextlib.contextmanager
@@ -186,19 +190,19 @@ def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
     import torch
 
     arch = f"{capability[0]}{capability[1]}"
-    all_archs = os.environ.get("MARLIN_CONVERT_ALL_ARCHS") == "1"
-    if all_archs:
+    capability = tuple(capability)
+    if os.environ.get("MARLIN_CONVERT_ALL_ARCHS") == "1":
         archs = SUPPORTED_ARCHS
-    elif arch in SUPPORTED_ARCHS:
-        archs = (arch,)
-    elif arch == "90":
-        archs = ("90a",)
-    elif older := [a for a in SUPPORTED_ARCHS if a[:-1] == str(capability[0]) and int(a[-1]) <= capability[1]]:
-        archs = (older[-1],)  # e.g. 8.7 (Jetson Orin): sm_86 code, which runs on any 8.x with x >= 6, plus its PTX
-    else:  # a newer GPU: sm_90 machine code plus its PTX for the driver to compile (90a code runs on 9.0 only)
-        archs = ("90",)
-    flags = gencode_flags(archs)
-    if arch not in archs and arch + "a" not in archs:  # PTX for the driver; never 90a's (it compiles for 9.0 only)
+    else:
+        # this GPU's own entry ("90a" for 9.0); else the newest listed one of its major version below it (8.7, a
+        # Jetson Orin: sm_86 code, which runs on any 8.x with x >= 6), never an "a" one (that code runs on its own
+        # capability only); else, a newer GPU, sm_90
+        own = [a for a in SUPPORTED_ARCHS if _capability_of(a) == capability]
+        below = [a for a in SUPPORTED_ARCHS if not a.endswith("a") and _capability_of(a)[0] == capability[0]
+                 and _capability_of(a)[1] < capability[1]]
+        archs = tuple((own or below or ["90"])[-1:])
+    flags = gencode_flags(archs) + ([SM90A_DEFINE] if "90a" in archs else [])
+    if not any(_capability_of(a) == capability for a in archs):  # PTX for the driver to compile, never an "a" one's
         ptx = archs[-1].removesuffix("a")
         flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
     cuda_flags = [*CUDA_FLAGS, *flags]
