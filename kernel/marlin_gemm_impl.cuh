@@ -1513,6 +1513,14 @@ int dispatch_kind(const Launch& L) {
       }
     }
     if constexpr (kBits == 4) {
+      // One wave of tiles (SMs / 2 < n / 64 <= SMs) with k < 16384: 8 strips at 2 stages, as fp16 x 4-bit symmetric
+      // (dispatch_fp16_int4: a warp's stage is one group of 128, so the fp32 partial sums are scaled, and bf16's
+      // offset sums subtracted, once per group; 148 KB, one block per SM). H200, 8192 x 8192 (seventh session,
+      // kernel/NOTES.md), m = 1 / 16 geomean, group 128: bf16-int4 1.84 -> 2.10x, bf16-int4-zp 1.79 -> 2.07x,
+      // fp16-int4-zp 2.08 -> 2.43x; channelwise +4-8 %. MARLIN_CONVERT_SMALL_CFG = 16 (benchmark only) skips it.
+      if (one_wave && 2 * tiles > L.sms && L.k < 16384 && small_cfg() != 16 &&
+          optin >= Tile<1, 1, 8, 2, GROUPED, 4, kZp>::kSmemBytes)
+        return launch_small_kind<K, 8, GROUPED, true, 2>(L);
       // The split over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md):
       // SMs / 2 < n / 64 <= SMs, m = 9..16 or long k: 4 strips x 2 stages split in two.
       Launch split_two = L;

@@ -479,6 +479,19 @@ def test_one_wave_eight_strip_kernel(torch, m, k, n, group, act_order):
     _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group)).encode()), calls=2)
 
 
+# The same kernel for the other 4-bit kinds (dispatch_kind): bf16 (with its offset sums in the fp32 group stages) and
+# zero points.
+@pytest.mark.parametrize("kind", [("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True)],
+                         ids=_kind_id)
+@pytest.mark.parametrize("m,k,n,group,act_order", [(1, 8192, 8192, 128, False), (16, 4096, 6144, 64, False),
+                                                   (9, 5120, 8192, -1, False), (3, 2048, 7168, 32, True),
+                                                   (12, 1040, 8192, 16, False)])
+def test_one_wave_eight_strip_kernel_kinds(torch, kind, m, k, n, group, act_order):
+    dtype, bits, asym = kind
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group, kind)).encode()), calls=2,
+              bits=bits, asym=asym, dtype=dtype)
+
+
 # The Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; sm_90a builds on compute capability 9.0 only):
 # MARLIN_CONVERT_WGMMA = 2, 3, 4 force its three configurations wherever they fit (64-row chunks for m <= 64, 128-row
 # ones above; 8 strips x 3 stages, 4 x 6, 4 x 4), 1 its default rule. Elsewhere the same calls run the mma.sync
