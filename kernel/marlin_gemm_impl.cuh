@@ -753,7 +753,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   // The other grouped kernels (scales on B in 16 bits): when all of a warp's strips of the stage lie in one group,
   // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
   // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
+  // The wgmma kernel has this path only (every stage in one group: launch_wgmma takes it only where the group size is
+  // a multiple of the stage's k): with the per-strip path beside it in one stage loop, ptxas serialised the 8-strip
+  // grouped wgmma (warning C7511, at any register count), and with the per-strip path alone the extra scale and zero
+  // reads made it slower (kernel/NOTES.md, seventh session).
   constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
+  constexpr bool kOnlyOneGroup = GROUPED && WG;
   // bf16 x 4-bit in kF32Scale's one-group stages (fp32, unscaled partial sums of at most 16 * STRIPS k per warp):
   // W = (q - z) s is computed as s ((128 + q) - (128 + z)) with (128 + z) times the activations' sum over those k
   // subtracted from the partial sums at the stage's flush, so B needs no subtraction (Dequant::run_offset): 4 of 11
@@ -1050,7 +1055,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         if (first >= k_strips) return;                         // warp-uniform: nothing of ours in this stage
         // (a warp's strips start at a multiple of 16 * STRIPS rows: with group_size a multiple of that, they always
         // share one group, and the per-stage comparison is skipped)
-        if (strips_share_group || group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
+        if (kOnlyOneGroup || strips_share_group ||
+            group_of(first * 16) == group_of((min(first + STRIPS, k_strips) - 1) * 16)) {
           if constexpr (kF32Scale) {
             float part[MB][kAccN][4];  // set by the first strip's mma (mma_first), not zeroed
             float rs[2][4];        // (kOffsetB) likewise
@@ -1095,7 +1101,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           return;
         }
       }
-      strips(std::integral_constant<int, kPerStrip>{}, acc, rs_unused, slot, st);
+      if constexpr (!kOnlyOneGroup) strips(std::integral_constant<int, kPerStrip>{}, acc, rs_unused, slot, st);
     };
 
     // ---- main loop: STAGES - 1 stages in flight (the prologue issued the first), one barrier per stage
@@ -1418,8 +1424,8 @@ int launch_small_kind(const Launch& L) {
 
 // m > 32 on Hopper: the wgmma kernel, 256-column tiles (a warpgroup = 4 warps x 64 columns; the two warpgroups take
 // two tiles of every warp's 64 columns each), 64-row chunks (N = 64) for m <= 64, else 128-row ones (N = 128). Sets
-// launched = false when it does not apply (n not a multiple of 256, or too little shared memory): the caller then
-// takes the mma.sync kernels.
+// launched = false when it does not apply (n not a multiple of 256, a group size that is not a multiple of the
+// stage's 16 * STRIPS k, or too little shared memory): the caller then takes the mma.sync kernels.
 // Whether the wgmma kernel is taken by default: when each block keeps a long run of k (>= 2560) after the split that
 // fills the GPU. Its blocks run one per SM and pay for each split in the serial reduction through C; measured on the
 // H200 at m = 64 / 128 (kernel/NOTES.md): faster on 4096 x 22016, 8192 x 10240, 8192 x 57344 and 28672 x 8192 (k per
@@ -1435,6 +1441,8 @@ template <class K, int STRIPS, int STAGES, bool GROUPED>
 int launch_wgmma(const Launch& L, bool& launched) {
   launched = false;
   if (L.n % 256 != 0) return MARLIN_OK;
+  // grouped: every stage (16 * STRIPS k, stages start at multiples of it) inside one group (kOnlyOneGroup)
+  if (GROUPED && (L.k / L.scale_rows) % (16 * STRIPS) != 0) return MARLIN_OK;
   const int optin = smem_optin();
   if (L.m <= 64) {
     if (optin < Tile<4, 4, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, true>::kSmemBytes) return MARLIN_OK;
@@ -1462,9 +1470,12 @@ int try_wgmma(const Launch& L, bool& launched) {
     if (wg == 2) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
     if (wg == 3) return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
     if (wg == 4) return launch_wgmma<K, 4, 4, GROUPED>(L, launched);
-    // default: 8 strips x 3 stages for 64-row chunks and channelwise 128-row ones, 4 x 6 for grouped 128-row ones (the
-    // fastest of the three on most shapes, kernel/NOTES.md)
-    if (L.m <= 64 || !GROUPED) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
+    // default: 8 strips x 3 stages (the fastest of the three on most shapes, kernel/NOTES.md); with group scales it
+    // needs groups of a multiple of 128 (a stage's 128 k in one group), else 4 x 6 for groups of a multiple of 64,
+    // else the mma.sync kernels. Grouped 128-row chunks took 4 x 6 until the wgmma kernel had one path per stage: 8 x 3
+    // was then serialised by ptxas; without that, H200 group 128 m = 128 (seventh session): 8192 x 57344 253 -> 226
+    // us, 28672 x 8192 144 -> 133, 4096 x 22016 67 -> 59, 8192 x 10240 70 -> 66.
+    if (!GROUPED || (L.k / L.scale_rows) % 128 == 0) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
     return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
   }
 #endif

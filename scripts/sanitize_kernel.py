@@ -67,10 +67,11 @@ def main(argv=None) -> int:
         cases += [(kind, 1, 1040, 10240, 16, False, 0, "2", None), (kind, 12, 528, 10240, -1, False, 0, "2", None),
                   (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None)]
     # the Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
-    # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages and chunks,
-    # group 16, act-order, split-K
+    # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages (channelwise)
+    # and chunks, group 64 and 128 (grouped, the wgmma kernel takes groups of a multiple of its stage's k), act-order,
+    # split-K
     for kind in [kd for kd in KINDS if kd[1] == 4]:
-        cases += [(kind, 33, 64, 256, -1, False, 0, None, "2"), (kind, 65, 1040, 768, 16, False, 0, None, "3"),
+        cases += [(kind, 33, 64, 256, -1, False, 0, None, "2"), (kind, 65, 1040, 768, -1, False, 0, None, "3"),
                   (kind, 100, 512, 512, 64, True, 0, None, "4"), (kind, 130, 1024, 256, 128, False, 3, None, "2"),
                   (kind, 64, 2048, 1024, -1, False, 0, None, "3")]
     if args.few:

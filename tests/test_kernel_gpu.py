@@ -495,8 +495,9 @@ def test_one_wave_eight_strip_kernel_kinds(torch, kind, m, k, n, group, act_orde
 # The Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; sm_90a builds on compute capability 9.0 only):
 # MARLIN_CONVERT_WGMMA = 2, 3, 4 force its three configurations wherever they fit (64-row chunks for m <= 64, 128-row
 # ones above; 8 strips x 3 stages, 4 x 6, 4 x 4), 1 its default rule. Elsewhere the same calls run the mma.sync
-# kernels, so these pass there too. Shapes: a lone partial stage, group 16 and 48 (strips in different groups),
-# act-order, two and three row chunks, split-K chains (automatic and forced), channelwise.
+# kernels, so these pass there too. Shapes: a lone partial stage, group 16, 32 and 48 (stages across groups: the
+# mma.sync kernels take them), group 64 (wgmma at 4 strips only), 128 and 256, act-order, two and three row chunks,
+# split-K chains (automatic and forced), channelwise.
 WGMMA_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (33, 64, 256, -1, False, 0),
     (64, 4096, 512, 128, False, 0),
@@ -508,6 +509,7 @@ WGMMA_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (48, 4096, 256, 32, False, 3),
     (128, 8192, 2048, -1, False, 0),
     (96, 3072, 10240, 128, False, 0),
+    (80, 3072, 512, 256, False, 2),
 ]
 WGMMA_CASES = [(kind, v) for kind in (("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True),
                                       ("bfloat16", 4, True)) for v in ("1", "2", "3", "4")]
