@@ -759,6 +759,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   // reads made it slower (kernel/NOTES.md, seventh session).
   constexpr bool kHoistOneGroup = GROUPED && !kF32Scale && STRIPS > 1;
   constexpr bool kOnlyOneGroup = GROUPED && WG;
+  static_assert(!kOnlyOneGroup || kHoistOneGroup, "the wgmma kernel's one path is the hoisted one-group path");
   // bf16 x 4-bit in kF32Scale's one-group stages (fp32, unscaled partial sums of at most 16 * STRIPS k per warp):
   // W = (q - z) s is computed as s ((128 + q) - (128 + z)) with (128 + z) times the activations' sum over those k
   // subtracted from the partial sums at the stage's flush, so B needs no subtraction (Dequant::run_offset): 4 of 11
@@ -1426,15 +1427,18 @@ int launch_small_kind(const Launch& L) {
 // two tiles of every warp's 64 columns each), 64-row chunks (N = 64) for m <= 64, else 128-row ones (N = 128). Sets
 // launched = false when it does not apply (n not a multiple of 256, a group size that is not a multiple of the
 // stage's 16 * STRIPS k, or too little shared memory): the caller then takes the mma.sync kernels.
-// Whether the wgmma kernel is taken by default: when each block keeps a long run of k (>= 2560) after the split that
-// fills the GPU. Its blocks run one per SM and pay for each split in the serial reduction through C; measured on the
-// H200 at m = 64 / 128 (kernel/NOTES.md): faster on 4096 x 22016, 8192 x 10240, 8192 x 57344 and 28672 x 8192 (k per
-// block 4096, 2730, 8192, 7168), slower on 4096 x 4096, 11008 x 4096, 8192 x 8192 and 4096 x 12288 (512 - 2048).
+// Whether the wgmma kernel is taken by default: when each block keeps a long run of k after the split that fills the
+// GPU (>= 2560, or >= 2048 where that split is at most 2). Its blocks run one per SM and pay for each split in the
+// serial reduction through C; measured on the H200 at m = 64 / 128 (kernel/NOTES.md): faster on 4096 x 22016,
+// 8192 x 10240, 8192 x 57344 and 28672 x 8192 (k per block 4096, 2730, 8192, 7168), slower on 4096 x 4096,
+// 11008 x 4096 and 8192 x 8192 (512 - 2048 after 4 to 8 splits); 4096 x 12288 (2048 after 2) faster since the seventh
+// session's one-path grouped kernel: m = 128 47.7 -> 44.6 us (g128), bf16-int4-zp m = 64 39.2 -> 32.7 (fp16 x 4-bit
+// at m = 64 and channelwise within 2 %).
 inline bool wgmma_pays(const Launch& L) {
   if (L.n % 256 != 0) return false;
   const int tiles = L.n / 256;
   const int splits = tiles >= L.sms ? 1 : L.sms / tiles;
-  return L.k / splits >= 2560;
+  return L.k / splits >= (splits <= 2 ? 2048 : 2560);
 }
 
 template <class K, int STRIPS, int STAGES, bool GROUPED>
@@ -1524,12 +1528,17 @@ int dispatch_kind(const Launch& L) {
       }
     }
     if constexpr (kBits == 4) {
-      // One wave of tiles (SMs / 2 < n / 64 <= SMs) with k < 16384: 8 strips at 2 stages, as fp16 x 4-bit symmetric
-      // (dispatch_fp16_int4: a warp's stage is one group of 128, so the fp32 partial sums are scaled, and bf16's
-      // offset sums subtracted, once per group; 148 KB, one block per SM). H200, 8192 x 8192 (seventh session,
-      // kernel/NOTES.md), m = 1 / 16 geomean, group 128: bf16-int4 1.84 -> 2.10x, bf16-int4-zp 1.79 -> 2.07x,
-      // fp16-int4-zp 2.08 -> 2.43x; channelwise +4-8 %. MARLIN_CONVERT_SMALL_CFG = 16 (benchmark only) skips it.
-      if (one_wave && 2 * tiles > L.sms && L.k < 16384 && small_cfg() != 16 &&
+      // One wave of tiles (n / 64 <= SMs) with k < 16384, and with group scales at any k: 8 strips at 2 stages (a
+      // warp's stage is one group of 128, so the fp32 partial sums are scaled, and bf16's offset sums subtracted, once
+      // per group; 148 KB, one block per SM; split over k by launch_config where the tiles leave SMs idle). fp16 x
+      // 4-bit symmetric takes it at SMs / 2 < n / 64 <= SMs and k < 16384 only (dispatch_fp16_int4). H200 (seventh
+      // session, kernel/NOTES.md), m = 1..16 geomean at group 128: 8192 x 8192 bf16-int4 1.84 -> 2.10x, bf16-int4-zp
+      // 1.79 -> 2.07x, fp16-int4-zp 2.08 -> 2.43x (channelwise +4-8 %); 28672 x 8192 (k = 28672, against the 4-strip
+      // kernel split in two below) 2.31 -> 2.35x, 2.26 -> 2.32x, 2.36 -> 2.42x, but channelwise 5-7 % slower there;
+      // 11008 x 4096 and 4096 x 4096 (n / 64 <= SMs / 2, against the 4-strip, 4-stage kernel) 1.53 -> 1.61x,
+      // 1.49 -> 1.58x, 1.62 -> 1.71x (channelwise -1..+3 %). MARLIN_CONVERT_SMALL_CFG (benchmark only) = 16 skips it,
+      // 17 takes it at k >= 16384 channelwise too.
+      if (one_wave && (L.k < 16384 || GROUPED || small_cfg() == 17) && small_cfg() != 16 &&
           optin >= Tile<1, 1, 8, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 8, GROUPED, true, 2>(L);
       // The split over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md):

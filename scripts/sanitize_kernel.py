@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     for kind in [kd for kd in KINDS if kd[1] == 4]:
         cases += [(kind, 33, 64, 256, -1, False, 0, None, "2"), (kind, 65, 1040, 768, -1, False, 0, None, "3"),
                   (kind, 100, 512, 512, 64, True, 0, None, "4"), (kind, 130, 1024, 256, 128, False, 3, None, "2"),
-                  (kind, 64, 2048, 1024, -1, False, 0, None, "3")]
+                  (kind, 64, 2048, 1024, -1, False, 0, None, "3"), (kind, 65, 1024, 768, 64, False, 0, None, "3"),
+                  (kind, 40, 2048, 512, 128, False, 2, None, "2")]
     if args.few:
         cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None]
     failures = 0

@@ -480,12 +480,14 @@ def test_one_wave_eight_strip_kernel(torch, m, k, n, group, act_order):
 
 
 # The same kernel for the other 4-bit kinds (dispatch_kind): bf16 (with its offset sums in the fp32 group stages) and
-# zero points.
+# zero points, wherever n / 64 <= SMs (split over k when fewer); with group scales also at k >= 16384.
 @pytest.mark.parametrize("kind", [("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True)],
                          ids=_kind_id)
 @pytest.mark.parametrize("m,k,n,group,act_order", [(1, 8192, 8192, 128, False), (16, 4096, 6144, 64, False),
                                                    (9, 5120, 8192, -1, False), (3, 2048, 7168, 32, True),
-                                                   (12, 1040, 8192, 16, False)])
+                                                   (12, 1040, 8192, 16, False), (8, 16384, 8192, 128, False),
+                                                   (5, 20480, 7168, 64, True), (7, 11008, 4096, 128, False),
+                                                   (16, 4096, 1024, -1, False)])
 def test_one_wave_eight_strip_kernel_kinds(torch, kind, m, k, n, group, act_order):
     dtype, bits, asym = kind
     _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group, kind)).encode()), calls=2,
@@ -548,7 +550,8 @@ def test_wgmma_kernel_runs_on_hopper(torch, monkeypatch, variant, m, k, n, group
 
 
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
-                                         (13, 8192, 320, 64), (4, 16384, 12288, 128)])
+                                         (13, 8192, 320, 64), (4, 16384, 12288, 128), (1, 8192, 8192, 128),
+                                         (16, 8192, 8192, 128), (6, 28672, 8192, 128)])
 @pytest.mark.parametrize("asym", [False, True])
 def test_bf16_4bit_offset_sums_with_biased_activations(torch, m, k, n, group, asym):
     """bf16 x 4-bit in the fp32 group-scale stages multiplies 128 + q and subtracts (128 + z) times the activations'
