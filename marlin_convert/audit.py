@@ -20,6 +20,7 @@ from pathlib import Path
 from . import compressed_tensors, layout, strict_json
 from .errors import InputError
 from .experts import split_expert_key
+from .fileio import outside_link
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
@@ -180,7 +181,10 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
     if len(set(shard_names)) != len(shard_names):
         problems.append(f"manifest lists shard(s) {sorted({n for n in shard_names if shard_names.count(n) > 1})} "
                         "more than once")
-    for name in set(shard_names) | {e["shard"] for e in manifest["passthrough"]}:
+    named = set(shard_names) | {e["shard"] for e in manifest["passthrough"]}
+    named |= {s for entry in (*manifest["layers"], *manifest["kept"]) for s in entry["shards"].values()
+              if isinstance(s, str)}
+    for name in named:
         if not _safe_relative(name) or "/" in name:
             raise InputError(f"{out_dir / MANIFEST_FILE}: shard name {name!r} is not a file name in the directory")
     for name in manifest["files"]:
@@ -190,6 +194,9 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
     headers: dict[str, SafetensorsFile] = {}
     for name in dict.fromkeys(shard_names):
         path = out_dir / name
+        if outside_link(path, out_dir) is not None:  # (into the Hugging Face cache's blobs only)
+            problems.append(f"shard {name}: a link out of {out_dir}, not read")
+            continue
         try:  # checks the header and that the tensors tile the data exactly, nothing after them
             headers[name] = read_header(path)
         except InputError as exc:
@@ -275,6 +282,8 @@ def _format_problems(manifest: dict) -> list[str]:
 
 
 def _read_config(path: Path) -> tuple[dict | None, str | None]:
+    if outside_link(path, path.parent) is not None:  # (into the Hugging Face cache's blobs only)
+        return None, f"{path.name}: a link out of {path.parent}, not read"
     if not path.is_file():  # a FIFO would block
         return None, f"{path.name}: not a regular file"
     try:
@@ -374,6 +383,8 @@ def _file_checks(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFi
         path = out_dir / name
         if name not in present:
             problems.append(f"file {name} listed in the manifest is missing")
+        elif outside_link(path, out_dir) is not None:  # (links are fine into the Hugging Face cache's blobs only)
+            problems.append(f"file {name} is a link out of {out_dir}, not read")
         elif not path.is_file():  # a link to a regular file is fine: the Hugging Face cache stores files so
             problems.append(f"file {name} is not a regular file")
         elif path.stat().st_size != record["bytes"]:

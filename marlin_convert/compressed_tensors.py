@@ -30,7 +30,9 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from . import strict_json
+from .config_regex import compile_config_regex
 from .errors import InputError
+from .fileio import outside_link
 from .gptq import (CONFIG_FILE, MARLIN_BITS, QUANTIZE_CONFIG_FILE, SCALE_DTYPES, SUPPORTED_GROUP_SIZES, Checkpoint,
                    LayerPlan, ModuleSettings, check_g_idx, check_model_dtype, expect_tensor, num_groups, open_shards,
                    read_json, stored_zeros, typed)
@@ -221,11 +223,7 @@ def _regexes(entries: list, key: str, where: str) -> tuple[str, ...]:
     for entry in entries:
         typed(entry, str, f"{key}[]", where)
         if entry.startswith("re:"):
-            try:
-                re.compile(entry[3:])
-            except re.error as exc:
-                raise InputError(f"{where}: {key} entry {json.dumps(entry)} is not a valid regular expression: "
-                                 f"{exc}") from exc
+            compile_config_regex(entry[3:], f"{where}: {key} entry {json.dumps(entry)}")
     return tuple(entries)
 
 
@@ -234,6 +232,8 @@ def detect(in_dir: Path) -> dict | None:
     :func:`open_checkpoint`, which then does not read it again); else None. Anything else (no such file, a file
     that does not parse) is left to the GPTQ reader, whose errors name the problem."""
     path = Path(in_dir) / CONFIG_FILE
+    if outside_link(path, Path(in_dir)) is not None:
+        return None
     try:
         data = strict_json.loads(path.read_bytes()) if path.is_file() else None
     except (OSError, ValueError):

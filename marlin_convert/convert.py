@@ -43,7 +43,7 @@ from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
 from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, open_checkpoint, plan_layers,
                       plan_notes)
 from .spec import QuantSpec
-from .workers import run_parallel
+from .workers import check_workers, run_parallel
 
 ProgressCallback = Callable[[int], None]
 #: worker processes by default: one per core, at most 8 (each holds a few copies of the largest tensor)
@@ -709,6 +709,7 @@ def convert(
     ``out_dir`` that was not there before.
     """
     start = time.perf_counter()
+    check_workers(workers)
     in_dir, out_dir = Path(in_dir), Path(os.path.abspath(out_dir))  # "." and ".." get a name and a parent
     check_out_dir(in_dir, out_dir, overwrite)
     if plan is None:

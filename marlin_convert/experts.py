@@ -10,7 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-EXPERT_KEY = re.compile(r"^(?P<base>.+\.experts)\.(?P<index>\d+)\.(?P<projection>[^.]+)$")
+#: the index is a plain ASCII decimal without leading zeros, at most 18 digits (``experts.00``, a non-ASCII digit or
+#: a 5000-digit number is not an expert index: such a layer stays an ordinary layer, so two spellings of one index
+#: cannot collide, and ``int()`` never meets a number beyond its digit limit)
+EXPERT_KEY = re.compile(r"^(?P<base>.+\.experts)\.(?P<index>0|[1-9][0-9]{0,17})\.(?P<projection>[^.]+)$")
 
 
 @dataclass
@@ -24,14 +27,21 @@ class ExpertGroup:
     def expert_indices(self) -> list[int]:
         return sorted({e for per in self.members.values() for e in per})
 
-    def missing(self) -> dict[str, list[int]]:
-        """Per projection, the expert indices absent from 0..max (a hole such as expert 17 of 0..63)."""
+    def missing(self, limit: int = 9) -> dict[str, list[int]]:
+        """Per projection with a hole in 0..max (such as expert 17 of 0..63), its first ``limit`` absent indices.
+        The search stops there, so it costs at most len(members) + limit steps, whatever the largest index."""
         top = max(self.expert_indices) + 1
         out = {}
         for projection, per in self.members.items():
-            gaps = [e for e in range(top) if e not in per]
-            if gaps:
-                out[projection] = gaps
+            if len(per) == top:
+                continue
+            gaps = []
+            for e in range(top):
+                if e not in per:
+                    gaps.append(e)
+                    if len(gaps) == limit:
+                        break
+            out[projection] = gaps
         return out
 
 

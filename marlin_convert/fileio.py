@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 #: bytes moved per read/write: large enough that system calls cost nothing, small beside a worker's memory
@@ -18,16 +19,25 @@ def digest_text(digest: "hashlib._Hash") -> str:
     return "sha256:" + digest.hexdigest()
 
 
+class SourceReadError(OSError):
+    """A read of the source failed, or the source ended before the bytes to copy (it shrank while we copied):
+    the caller names the source, not the file being written."""
+
+
 def _read_into(fd: int, buffer: memoryview, position: int) -> int:
-    got = os.preadv(fd, [buffer], position)
+    try:
+        got = os.preadv(fd, [buffer], position)
+    except OSError as exc:
+        raise SourceReadError(exc.errno, exc.strerror) from exc
     if got == 0:
-        raise OSError(5, "source ended early while copying")
+        raise SourceReadError(5, "it ended early (truncated while being copied?)")
     return got
 
 
 def copy_hashing(src_fd: int, src_pos: int, dst_fd: int, dst_pos: int, nbytes: int, digest: "hashlib._Hash") -> None:
     """Copy ``nbytes`` from ``src_fd`` at ``src_pos`` to ``dst_fd`` at ``dst_pos`` (positioned I/O, so forked
-    processes can share descriptors), feeding every byte to ``digest``. Raises OSError."""
+    processes can share descriptors), feeding every byte to ``digest``. Raises SourceReadError for the source's
+    reads, OSError for the writes."""
     buffer = memoryview(bytearray(min(CHUNK_BYTES, max(nbytes, 1))))
     done = 0
     while done < nbytes:
@@ -37,6 +47,34 @@ def copy_hashing(src_fd: int, src_pos: int, dst_fd: int, dst_pos: int, nbytes: i
         while written < got:
             written += os.pwrite(dst_fd, buffer[written:got], dst_pos + done + written)
         done += got
+
+
+#: a file name in the Hugging Face cache's blob store: the git (40) or SHA-256 (64 hex digits) hash of its content
+_HUB_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def is_hub_blob(target: Path) -> bool:
+    """Whether ``target`` (a resolved path) is a file of a Hugging Face cache repository's blob store:
+    ``<cache>/{models,datasets,spaces}--<org>--<name>/blobs/<hash>``."""
+    store = target.parent
+    return (store.name == "blobs" and store.parent.name.startswith(("models--", "datasets--", "spaces--"))
+            and _HUB_BLOB_NAME.fullmatch(target.name) is not None)
+
+
+def outside_link(path: Path, root: Path) -> Path | None:
+    """The target of ``path`` when it is a symbolic link that leads out of directory ``root``, else None.
+
+    A checkpoint's files are read only inside its directory. The one exception is the Hugging Face cache's blob
+    store (:func:`is_hub_blob`): the files of a snapshot ``<repo>/snapshots/<revision>`` (or of a subfolder of one),
+    and of a ``--local-dir`` download by older huggingface_hub versions, are links to ``<repo>/blobs/<hash>``; those are
+    followed. Anything else (``config.json -> /etc/passwd``, a shard linked into another tree) is not."""
+    if not os.path.islink(path):
+        return None
+    target = Path(os.path.realpath(path))  # a link loop resolves to a path that does not exist
+    real_root = Path(os.path.realpath(root))
+    if target == real_root or real_root in target.parents or is_hub_blob(target):
+        return None
+    return target
 
 
 def copy_file_hashing(source: Path, destination: Path) -> tuple[int, str]:

@@ -21,7 +21,9 @@ from typing import ClassVar
 import numpy as np
 
 from . import layout, strict_json
+from .config_regex import compile_config_regex
 from .errors import InputError
+from .fileio import outside_link
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, TensorInfo, read_header, read_tensor
 from .spec import QuantSpec
 
@@ -109,10 +111,7 @@ def _parse_dynamic(value, where: str) -> tuple[DynamicRule, ...]:
         typed(body, dict, "value", rule_where)
         excluded = key.startswith("-:")
         regex = key[2:] if key.startswith(("-:", "+:")) else key
-        try:
-            pattern = re.compile(regex)
-        except re.error as exc:
-            raise InputError(f"{rule_where}: not a valid regular expression: {exc}") from exc
+        pattern = compile_config_regex(regex, rule_where)
         overrides = {name: typed(body[name], kind, name, rule_where) for name, kind in RULE_KEYS.items()
                      if name in body}
         if "bits" in overrides:
@@ -199,8 +198,11 @@ class QuantConfig:
 
 
 def read_json(path: Path) -> dict:
+    """The JSON object in ``path`` (a config or an index in a checkpoint directory, read there only:
+    :func:`~marlin_convert.fileio.outside_link`). Raises :class:`InputError`."""
     if path.is_symlink() and not path.exists():
         raise InputError(f"{path}: broken link (to {os.readlink(path)})", hint="restore its target, or remove the link")
+    refuse_outside_link(path, path.parent)
     if not path.is_file():  # a FIFO or a device would block or never end
         raise InputError(f"{path}: not a regular file")
     try:
@@ -401,7 +403,8 @@ def shard_path(directory: Path, name: str, where: Path) -> Path:
 
     The name must be a plain file name in ``directory`` (no path separator, not ``.`` or ``..``), so nothing
     outside the directory is reached through it. The entry must be a regular file, or a symbolic link to one
-    (as in the Hugging Face cache, where snapshot files link to ``../../blobs/<hash>``). Raises
+    (as in the Hugging Face cache, where snapshot files link to ``../../blobs/<hash>``; a link anywhere else out of
+    ``directory`` is refused). Raises
     :class:`InputError` naming ``where`` and the name.
     """
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
@@ -413,7 +416,18 @@ def shard_path(directory: Path, name: str, where: Path) -> Path:
     if not path.is_file():
         what = "a broken link" if path.is_symlink() and not path.exists() else "not a regular file"
         raise InputError(f"{where}: shard '{name}' is {what}")
+    refuse_outside_link(path, directory)
     return path
+
+
+def refuse_outside_link(path: Path, directory: Path) -> None:
+    """Raise :class:`InputError` when ``path`` is a link out of ``directory`` (other than the Hugging Face cache's
+    blobs, :func:`~marlin_convert.fileio.outside_link`): nothing outside the checkpoint is read."""
+    target = outside_link(path, directory)
+    if target is not None:
+        raise InputError(f"{path}: a link to {target}, outside {directory}: not read",
+                         hint="copy the file into the directory (links are followed only into a Hugging Face "
+                              "cache's blobs)")
 
 
 @dataclass
@@ -695,7 +709,23 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
     prefixes = find_quantized_prefixes(checkpoint)
     if not prefixes:
         raise InputError(f"{checkpoint.path}: not a GPTQ checkpoint: no tensor named '*.qweight'")
+    _refuse_layers_without_qweight(checkpoint, set(prefixes))
     return [plan_layer(checkpoint, p) for p in prefixes]
+
+
+def _refuse_layers_without_qweight(checkpoint: Checkpoint, prefixes: set[str]) -> None:
+    """A prefix with two or more of a GPTQ layer's other tensors (scales, qzeros, g_idx) but no qweight is a layer
+    whose weights are missing (a shard lost a tensor): refused, not copied through as if it were not quantized."""
+    parts: dict[str, list[str]] = {}
+    for name in checkpoint.location:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in ("scales", "qzeros", "g_idx") and prefix and prefix not in prefixes:
+            parts.setdefault(prefix, []).append(name)
+    for prefix, names in parts.items():
+        if len(names) >= 2:
+            where = checkpoint.location[names[0]].path
+            raise InputError(f"{where}: layer '{prefix}' has {', '.join(sorted(n.rsplit('.', 1)[1] for n in names))} "
+                             f"but no '{prefix}.qweight' in any shard")
 
 
 def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:

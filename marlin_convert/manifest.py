@@ -16,6 +16,7 @@ from pathlib import Path
 from . import strict_json
 from .compressed_tensors import QUANT_METHOD, STORED_KIND
 from .errors import ManifestError
+from .fileio import outside_link
 
 MANIFEST_FILE = "marlin_manifest.json"
 MANIFEST_VERSION = 2
@@ -44,6 +45,9 @@ def load_manifest(directory: Path) -> dict:
     Raises :class:`ManifestError` naming the file and the field (``layers[3].bits``) on the first problem.
     """
     path = Path(directory) / MANIFEST_FILE
+    target = outside_link(path, Path(directory))
+    if target is not None:
+        raise ManifestError(f"{path}: a link to {target}, outside {directory}: not read")
     if not path.is_file():
         raise ManifestError(
             f"{directory}: no {MANIFEST_FILE}: not a directory written by marlin-convert",

@@ -10,7 +10,7 @@ at IN_DIR's top level (tokenizer files, ``generation_config.json``, chat templat
 - weight files of other formats, and ``.safetensors`` files the checkpoint does not use (``*.bin``, ``*.pt``,
   ``*.pth``, ``*.ckpt``, ``*.gguf``, ``*.h5``, ``*.msgpack``, ``*.onnx``, ``*.index.json`` of those): they are not
   the converted model, and a loader could pick them up instead of it;
-- links to files outside IN_DIR (other than the Hugging Face cache's ``../../blobs/<hash>``, which snapshot
+- links to files outside IN_DIR (other than the Hugging Face cache's ``models--*/blobs/<hash>``, which snapshot
   files link to), so that a link such as ``tokenizer.json -> ~/.ssh/id_rsa`` is never copied as content;
 - anything that is not a regular file (sockets, FIFOs, devices).
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import copy_file_hashing, hash_file
+from .fileio import SourceReadError, copy_file_hashing, hash_file, outside_link
 from .workers import run_parallel
 
 #: file names ending so hold weights in another format (or a checkpoint's index of them)
@@ -42,17 +42,6 @@ class ExtraFiles:
 
     copy: dict[str, Path] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    return path == directory or directory in path.parents
-
-
-def _in_hub_blob_store(in_dir: Path, target: Path) -> bool:
-    """``target`` is a blob of the Hugging Face cache repository whose snapshot ``in_dir`` is
-    (``<repo>/snapshots/<revision>`` -> ``<repo>/blobs/<hash>``)."""
-    snapshots = in_dir.parent
-    return snapshots.name == "snapshots" and target.parent == snapshots.parent / "blobs"
 
 
 def _check_readable(path: Path, shown: Path) -> None:
@@ -85,7 +74,7 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
             if target.is_dir():
                 extra.skipped.append(f"{name}: a link to a directory, not followed")
                 continue
-            if not _inside(target, root) and not _in_hub_blob_store(root, target):
+            if outside_link(path, root) is not None:
                 extra.skipped.append(f"{name}: a link to {target}, outside IN_DIR, not copied")
                 continue
         if entry.is_dir():
@@ -107,7 +96,7 @@ def _describe(task: tuple[Path, Path | None]) -> tuple[str, int, str]:
     try:
         return destination.name, *copy_file_hashing(source, destination)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+        if exc.errno == errno.ENOSPC and not isinstance(exc, SourceReadError):
             raise
         raise InputError(f"{source}: cannot copy it into OUT_DIR: {exc.strerror or exc}") from exc
 

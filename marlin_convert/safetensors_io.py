@@ -27,7 +27,7 @@ import numpy as np
 
 from . import strict_json
 from .errors import InputError, OutputError
-from .fileio import copy_hashing, digest_text
+from .fileio import SourceReadError, copy_hashing, digest_text
 
 #: safetensors dtype name -> numpy dtype used to hold the raw bytes (bfloat16 is kept as its uint16 bits)
 NUMPY_DTYPES: dict[str, np.dtype] = {
@@ -293,10 +293,16 @@ class ShardWriter:
         position = self._position(name, 0, nbytes)
         digest = hashlib.sha256()
         try:
-            with open(source, "rb", buffering=0) as src:
-                copy_hashing(src.fileno(), begin, self._fd, position, nbytes, digest)
+            src = open(source, "rb", buffering=0)
         except OSError as exc:
-            raise _os_error(self.path, exc) from exc
+            raise InputError(f"{source}: cannot read: {exc.strerror or exc}") from exc
+        with src:
+            try:
+                copy_hashing(src.fileno(), begin, self._fd, position, nbytes, digest)
+            except SourceReadError as exc:
+                raise InputError(f"{source}: cannot read tensor {name!r}: {exc.strerror or exc}") from exc
+            except OSError as exc:
+                raise _os_error(self.path, exc) from exc
         return nbytes, digest_text(digest)
 
     def close(self) -> None:

@@ -50,10 +50,10 @@ from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
-from .workers import shutdown_pool, worker_pool
+from .workers import MAX_WORKERS, check_workers, shutdown_pool, worker_pool
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
-DEFAULT_WORKERS = max(1, os.cpu_count() or 1)
+DEFAULT_WORKERS = max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 #: bytes read per positioned read when hashing a file
 READ_CHUNK = 8 << 20
 #: staging slots for the workers when the kernel runs (plus two per GPU and a spare); 16 or 32 measured no faster on
@@ -459,6 +459,7 @@ def verify(
     and listed files as they finish (``len(layers) + len(files)`` in all).
     """
     start = time.perf_counter()
+    check_workers(workers)
     timeline: dict[str, float] = {}
     started = _process_age()
     if started is not None:

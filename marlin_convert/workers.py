@@ -25,6 +25,18 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from .errors import InputError
+
+#: the most worker processes a command starts (``--workers``; each is a process with its own buffers: 100000
+#: exhausted a machine's memory)
+MAX_WORKERS = 256
+
+
+def check_workers(workers: int) -> None:
+    """Raise :class:`InputError` unless 1 <= ``workers`` <= MAX_WORKERS."""
+    if not 1 <= workers <= MAX_WORKERS:
+        raise InputError(f"--workers {workers}: expected 1 to {MAX_WORKERS}")
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 

@@ -3,13 +3,17 @@ reason, prints no traceback, and leaves nothing at OUT_DIR (nor a temporary dire
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import resource
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, tiny_llama, write_checkpoint
+from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, qwen3_moe, tiny_llama, write_checkpoint
 from safetensors.numpy import save_file
 
 from marlin_convert import strict_json
@@ -357,16 +361,41 @@ def test_index_shard_names_must_stay_in_the_directory(capsys, tmp_path, sharded,
     _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", repr(shard), "not a plain file name")
 
 
-def test_shard_linked_to_a_blob_elsewhere_converts(capsys, tmp_path, sharded):
+def test_shard_linked_to_a_blob_elsewhere_converts(capsys, tmp_path):
     """The Hugging Face cache layout: snapshot files are links to ../../blobs/<hash>."""
-    blobs = tmp_path / "blobs"
+    repo = tmp_path / "models--org--tiny"
+    snapshot = write_checkpoint(repo / "snapshots" / "0123abc", tiny_llama(num_layers=1, shards=2))
+    blobs = repo / "blobs"
     blobs.mkdir()
-    for shard in sorted(sharded.glob("model-*.safetensors")):
-        blob = blobs / f"blob-{shard.name}"
-        shard.rename(blob)
-        shard.symlink_to(os.path.relpath(blob, sharded))
-    assert main([str(sharded), str(tmp_path / "out"), "-q"]) == 0
+    for path in sorted(snapshot.iterdir()):
+        blob = blobs / hashlib.sha256(path.name.encode()).hexdigest()
+        path.rename(blob)
+        path.symlink_to(os.path.relpath(blob, snapshot))
+    assert main([str(snapshot), str(tmp_path / "out"), "-q"]) == 0
     capsys.readouterr()
+
+
+def test_a_local_dir_download_linked_into_the_hub_cache_converts(capsys, tmp_path):
+    """huggingface_hub before 0.23 left ``--local-dir`` downloads as links to ``~/.cache/.../blobs/<hash>``."""
+    local = write_checkpoint(tmp_path / "local", tiny_llama(num_layers=1))
+    blobs = tmp_path / "cache" / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    for path in sorted(local.iterdir()):
+        blob = blobs / hashlib.sha1(path.name.encode()).hexdigest()
+        path.rename(blob)
+        path.symlink_to(blob)
+    assert main([str(local), str(tmp_path / "out"), "-q"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("name", ["model-00002-of-00002.safetensors", "model.safetensors.index.json", "config.json"])
+def test_a_link_out_of_the_directory_is_not_read(capsys, tmp_path, sharded, name):
+    """Outside the Hugging Face cache's blobs, a checkpoint file that links out of IN_DIR is refused unread."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (sharded / name).rename(elsewhere / name)
+    (sharded / name).symlink_to(elsewhere / name)
+    _convert_fails(capsys, tmp_path, sharded, name, "outside", "not read")
 
 
 def test_shard_that_is_a_directory_or_a_broken_link(capsys, tmp_path, sharded):
@@ -499,8 +528,9 @@ def test_files_linked_into_the_hub_cache_blob_store_are_copied(capsys, tmp_path)
     repo = tmp_path / "models--org--tiny"
     snapshot = write_checkpoint(repo / "snapshots" / "abc123", _spec(group_size=64))
     (repo / "blobs").mkdir()
-    (repo / "blobs" / "f00d").write_text("{{ messages }}")
-    (snapshot / "chat_template.jinja").symlink_to("../../blobs/f00d")
+    blob = "f00d" * 10  # a git hash: 40 hex digits
+    (repo / "blobs" / blob).write_text("{{ messages }}")
+    (snapshot / "chat_template.jinja").symlink_to(f"../../blobs/{blob}")
     assert main([str(snapshot), str(tmp_path / "out"), "-q"]) == 0
     capsys.readouterr()
     assert (tmp_path / "out" / "chat_template.jinja").read_text() == "{{ messages }}"
@@ -547,3 +577,96 @@ def test_layer_errors_name_the_shard_by_its_full_path(capsys, tmp_path, src, cas
     change(src)
     line = _convert_fails(capsys, tmp_path, src, f"{LAYER}.")
     assert line.startswith(f"Error: {src / 'model.safetensors'}: tensor '{LAYER}."), (case, line)
+
+
+def test_a_huge_expert_index_is_refused_at_once(capsys, tmp_path):
+    """Experts 0, 1, 2 and 10^18 - 1: a hole, named at once (a search over 0..10^18 exhausted memory)."""
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64,
+                                                      vocab=256))
+    huge = "9" * 18
+
+    def rename(tensors):
+        for name in [n for n in tensors if ".experts.3." in n]:
+            tensors[name.replace(".experts.3.", f".experts.{huge}.")] = tensors.pop(name)
+
+    _rewrite_tensors(src, rename)
+    _bounded_fails([str(src), str(tmp_path / "out")], "expert(s) 3, 4, 5", "missing")
+    assert not (tmp_path / "out").exists()
+
+
+def _bounded_fails(args, *fragments, seconds=120, memory_bytes=8 << 30):
+    """``main(args)`` in a child process with a time and address-space limit (a regression that would hang or take
+    the machine's memory fails the test instead): exit 2 and one ``Error:`` line holding ``fragments``."""
+    code = "import sys; from marlin_convert.cli.app import main; sys.exit(main(sys.argv[1:]))"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=seconds,
+                          preexec_fn=limit)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("regex, fragment", [("(a+)+$", "repeats a repeat"), ("(a{1,50}){1,50}$", "repeats a repeat"),
+                                             ("(.*.*.*.*.*.*.*.*.*.*.*)!", "11 unbounded repeats")])
+def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, regex, fragment):
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {f"-:{regex}": {}}
+    (src / "config.json").write_text(json.dumps(config))
+    _rewrite_tensors(src, lambda t: t.update({"a" * 40 + "!.qweight": t[f"{LAYER}.qweight"]}))
+    _bounded_fails(["inspect", str(src)], "config.json", regex, fragment)
+
+
+def test_a_newline_in_a_tensor_name_stays_on_the_error_line(capsys, tmp_path, src):
+    bad = "a\nError: fake.qweight"
+    _rewrite_tensors(src, lambda t: t.update({bad: np.zeros((32, 128), np.float32)}))
+    line = _convert_fails(capsys, tmp_path, src, "a\\x0aError: fake.qweight", "dtype float32, expected int32")
+    assert "\x1b" not in line
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_json_report_inside_a_checkpoint_is_refused(capsys, tmp_path, src, command):
+    out = tmp_path / "out"
+    shard = src / "model.safetensors"
+    before = shard.read_bytes()
+    if command == "convert":
+        args = [str(src), str(out), "--json", str(shard)]
+    elif command == "inspect":
+        args = ["inspect", str(src), "--json", str(src / "config.json")]
+    else:
+        assert main([str(src), str(out), "-q"]) == 0
+        capsys.readouterr()
+        args = ["verify", str(out), "--skip-kernel", "--json", str(out / "marlin_manifest.json")]
+    _run_failing(capsys, tmp_path, args, "--json", "which this command reads or writes")
+    assert shard.read_bytes() == before
+    if command == "verify":
+        assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_workers_beyond_the_limit_are_refused(capsys, tmp_path, src, command):
+    args = [str(src), str(tmp_path / "out"), "--workers", "257"] if command == "convert" else \
+        ["verify", str(tmp_path), "--skip-kernel", "--workers", "257"]
+    _run_failing(capsys, tmp_path, args, "--workers", "256")
+
+
+def test_a_source_that_shrinks_while_copied_is_named(tmp_path):
+    from marlin_convert.errors import InputError
+    from marlin_convert.safetensors_io import PlannedTensor, ShardWriter
+
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"x" * 100)
+    writer = ShardWriter(tmp_path / "out.safetensors", [PlannedTensor("t", "U8", (400,))], {})
+    with pytest.raises(InputError, match=r"source\.bin: cannot read tensor 't': it ended early"):
+        writer.copy_range("t", source, 0, 400)
+    writer.abort()
+
+
+def test_a_layer_without_its_qweight_is_refused(capsys, tmp_path):
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1))
+    layer = "model.layers.0.mlp.up_proj"
+    _rewrite_tensors(src, lambda t: t.pop(f"{layer}.qweight"))
+    _convert_fails(capsys, tmp_path, src, layer, "qzeros, scales", "no 'model.layers.0.mlp.up_proj.qweight'")

@@ -480,3 +480,25 @@ def test_a_closed_stdout_loses_no_json_report_and_no_failed_verification(tmp_pat
     _closed_stdout(monkeypatch)
     assert main([str(odd), str(tmp_path / "never"), "--dry-run", "--json", str(tmp_path / "d.json")]) == 2
     assert json.loads((tmp_path / "d.json").read_text())["kept_gptq"] > 0
+
+
+def test_an_os_error_is_one_line_with_exit_2_not_an_internal_error(capsys):
+    from marlin_convert.cli._errors import report_error
+
+    assert report_error(PermissionError(13, "Permission denied", "/x/model.safetensors")) == 2
+    err = capsys.readouterr().err
+    assert err == "Error: /x/model.safetensors: Permission denied\n"
+    assert report_error(OSError(28, "No space left on device")) == 2
+    assert "internal error" not in capsys.readouterr().err
+
+
+def test_control_characters_in_names_are_printed_inert(capsys):
+    from marlin_convert.cli._output import Output
+
+    output = Output("title\x1b[2J", {}, columns=["layer"])
+    output.add_row("model.a\x1b[31m\nb.qweight")
+    output.lines.append("note: c\rd")
+    output.render()
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out
+    assert "model.a\\x1b[31m\\x0ab.qweight" in out and "title\\x1b[2J" in out and "c\\x0dd" in out

@@ -5,6 +5,7 @@ All on the CPU (``--skip-kernel`` / ``gpus=None``); the kernel half is in ``test
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -104,6 +105,22 @@ def test_file_names_outside_the_directory_are_refused(out, capsys, name):
     _edit_manifest(out, lambda m: m["files"].update({name: {"bytes": 1, "sha256": "sha256:" + "0" * 64}}))
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
     assert "not inside the directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../escape.safetensors", "/etc/passwd"])
+def test_a_layer_shard_outside_the_directory_is_refused(out, capsys, name):
+    _edit_manifest(out, lambda m: m["layers"][0]["shards"].update({"B": name}))
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
+    assert "is not a file name in the directory" in capsys.readouterr().err
+
+
+def test_a_file_linked_out_of_the_directory_is_not_read(out, tmp_path):
+    elsewhere = tmp_path / "tokenizer-elsewhere.json"
+    elsewhere.write_text("{}")
+    victim = next(p for p in sorted(out.iterdir()) if p.suffix == ".json" and p.name != MANIFEST_FILE)
+    victim.unlink()
+    victim.symlink_to(elsewhere)
+    _fails(out, f"file {victim.name} is a link out of")
 
 
 def _fails(out, *fragments) -> str:
@@ -347,13 +364,19 @@ def test_a_fifo_added_to_the_directory_is_not_listed(out):
 
 
 def test_files_linked_into_a_blob_store_verify(out, tmp_path):
-    """The Hugging Face cache stores every file of a snapshot as a link to ../../blobs/<hash>."""
-    blobs = tmp_path / "blobs"
+    """The Hugging Face cache stores every file of a snapshot ``<repo>/snapshots/<rev>`` as a link to
+    ``<repo>/blobs/<hash>``."""
+    repo = tmp_path / "models--org--marlin"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.parent.mkdir(parents=True)
+    out.rename(snapshot)
+    blobs = repo / "blobs"
     blobs.mkdir()
-    for path in list(out.iterdir()):
-        path.rename(blobs / path.name)
-        path.symlink_to(blobs / path.name)
-    assert verify(out, gpus=None, workers=1).ok
+    for path in list(snapshot.iterdir()):
+        blob = blobs / hashlib.sha256(path.name.encode()).hexdigest()
+        path.rename(blob)
+        path.symlink_to(os.path.relpath(blob, snapshot))
+    assert verify(snapshot, gpus=None, workers=1).ok
 
 
 def test_a_source_that_is_not_the_converted_checkpoint_is_a_bad_argument(tmp_path, converted, out, capsys):

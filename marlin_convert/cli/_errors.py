@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -24,18 +25,37 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+#: control characters (C0, DEL, C1): a name from a hostile checkpoint holding a newline or a terminal escape must not
+#: turn one ``Error:`` line into two, or reach the terminal raw
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+#: OSError numbers that come from the machine or the files, not from a bug: they exit 2 naming the file
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.ENOENT,
+                       errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EMFILE, errno.ENFILE,
+                       errno.EFBIG, errno.ENXIO, errno.ENODEV, errno.ETXTBSY, errno.EBUSY, errno.ESTALE}
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character written as ``\\xNN``: printed, it is one line."""
+    return text.translate(_CONTROL)
+
+
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` for a person on stderr and return the exit code. Tracebacks only with MARLIN_CONVERT_DEBUG=1.
 
     Interrupts exit 128 + the signal number: 130 for SIGINT (``Error: interrupted``), 143 for SIGTERM
-    (``Error: terminated``), as shells report them.
+    (``Error: terminated``), as shells report them. An OSError the library did not turn into one of its errors (a
+    permission or a full disk met outside the paths it checks, such as stdout; :data:`_ENVIRONMENT_ERRNOS`) exits 2
+    naming the file; any other OSError is an internal error (exit 3), as a bug would be. Messages are
+    printed on one line each (:func:`one_line`).
     """
     if os.environ.get(DEBUG_VARIABLE):
         traceback.print_exception(exc, file=sys.stderr)
     if isinstance(exc, MarlinConvertError):
-        print(f"Error: {exc.message}", file=sys.stderr)
+        print(f"Error: {one_line(exc.message)}", file=sys.stderr)
         if exc.hint:
-            print(f"Hint: {exc.hint}", file=sys.stderr)
+            print(f"Hint: {one_line(exc.hint)}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:
         print("Error: terminated", file=sys.stderr)
@@ -43,7 +63,11 @@ def report_error(exc: BaseException) -> int:
     if isinstance(exc, (Interrupted, KeyboardInterrupt)):
         print("Error: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    print(f"Error: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
+        where = f"{exc.filename}: " if exc.filename is not None else "standard output or a file: "
+        print(one_line(f"Error: {where}{exc.strerror or exc}"), file=sys.stderr)
+        return 2
+    print(one_line(f"Error: internal error: {type(exc).__name__}: {exc}"), file=sys.stderr)
     print(f"Hint: this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it",
           file=sys.stderr)
     return 3

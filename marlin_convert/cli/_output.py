@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import OutputError
+from ._errors import one_line
 
 
 class OutputClosed(Exception):
@@ -77,7 +78,8 @@ class Output:
 
     def render(self) -> None:
         """Print for people. Names, paths and reasons are printed as they are: nothing in them is read as rich
-        markup (a label such as ``P[expert 3]`` stays visible). Where stdout is not a terminal (a pipe, a log
+        markup (a label such as ``P[expert 3]`` stays visible), and control characters in them are written as
+        ``\\xNN`` (:func:`one_line`: a newline or a terminal escape in a tensor name stays inert text). Where stdout is not a terminal (a pipe, a log
         file) nothing is wrapped at 80 columns: the table takes the width it needs and every line stays one
         line, so that logs can be searched."""
         console = _Console()
@@ -86,18 +88,20 @@ class Output:
             return
         wrap = console.is_terminal
         if self.title:
-            console.print(Text(self.title, style="bold"), soft_wrap=not wrap)
+            console.print(Text(one_line(self.title), style="bold"), soft_wrap=not wrap)
         if self.rows:
             table = Table()
             for column in self.columns:
                 table.add_column(column, overflow="fold")
             for row, style in zip(self.rows, self.row_styles):
-                table.add_row(*(Text(cell) for cell in row), style=style)
+                table.add_row(*(Text(one_line(cell)) for cell in row), style=style)
             if not wrap:
                 wanted = console.measure(table, options=console.options.update_width(1 << 16)).maximum
                 console = _Console(width=max(console.width, wanted))
             console.print(table)
         for line in self.lines:
+            if isinstance(line, str):
+                line = one_line(line)
             console.print(line, markup=False, highlight=False, soft_wrap=not wrap)
 
     def render_then_raise(self, error: Exception | None) -> None:
@@ -130,11 +134,17 @@ def is_stdout(path: str | Path | None) -> bool:
     return isinstance(path, str) and path == "-"
 
 
-def check_json_path(path: str | Path | None) -> None:
-    """Refuse a ``--json`` file that cannot be written, before the command does any work. Creates nothing."""
+def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) -> None:
+    """Refuse a ``--json`` file that cannot be written, or that lies inside one of the ``checkpoints`` directories
+    the command reads or writes (it would overwrite a shard, a config or the manifest, or land in a converted
+    directory), before the command does any work. Creates nothing."""
     if path is None or is_stdout(path):
         return
     path = Path(path)
+    for directory in checkpoints:
+        if directory is not None and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(directory)):
+            raise OutputError(f"--json {path}: inside {directory}, which this command reads or writes",
+                              hint="write the report outside the checkpoint directories")
     parent = path.parent
     if path.is_dir():
         raise OutputError(f"--json {path}: is a directory")

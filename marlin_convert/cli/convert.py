@@ -19,6 +19,7 @@ import typer
 
 from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, refusal_error
 from ..outdir import check_out_dir
+from ..workers import MAX_WORKERS
 from ..sources import FORM_NAMES
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
@@ -44,7 +45,7 @@ DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run would stop before writing (OUT_DIR not usable, layers with no Marlin form).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 WorkersOpt = Annotated[int, typer.Option(
-    "--workers", min=1, metavar="N", help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
+    "--workers", min=1, max=MAX_WORKERS, metavar="N", help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar and no per-layer table: only the summary lines (and errors).")]
 
@@ -66,7 +67,7 @@ def convert(
     "marlin". Nothing is left at OUT_DIR unless the whole conversion succeeded.
     """
     started = time.perf_counter()
-    check_json_path(json_file)
+    check_json_path(json_file, in_dir, out_dir)
     check_out_dir(in_dir, Path(os.path.abspath(out_dir)), overwrite)  # before the plan, which reads every header
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:

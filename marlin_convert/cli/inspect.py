@@ -60,7 +60,7 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
 
 def inspect(in_dir: InDirArg, json_file: JsonOpt = None, json_stdout: JsonStdoutOpt = False) -> None:
     """Show the conversion plan: layers found, shapes, group size, what is converted or kept and why, bytes."""
-    check_json_path(json_file)
+    check_json_path(json_file, in_dir)
     plan = build_plan(in_dir, skip_incompatible=True)
     output = plan_output(plan, as_json=json_stdout)
     output.write_json(json_file)  # first: a closed stdout must not lose it

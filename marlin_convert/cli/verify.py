@@ -29,6 +29,8 @@ from ..verify import (
     verify as run_verify,
 )
 from ..sources import FORM_NAMES
+from ..workers import check_workers
+from ._errors import one_line
 from ._output import Output, check_json_path
 from ._progress import item_progress
 
@@ -99,7 +101,7 @@ def verify(
     transform reproducing the source digests (lossless), layers kept in their source form byte for byte, and the Marlin
     kernel against an fp32 dequantization reference (mean relative error < 1e-3, no NaN or unwritten output).
     Exits 1 naming what failed."""
-    check_json_path(json_file)
+    check_json_path(json_file, out_dir, source)
     batches = _parse_batches(batch)
     manifest_sha256 = _parse_digest(manifest_sha256)
     gpus = parse_gpus(gpu)  # checked with --skip-kernel too: a bad argument is refused, not ignored
@@ -107,8 +109,7 @@ def verify(
         activation_dtype({}, dtype)  # likewise (raises InputError naming the value)
     if skip_kernel:
         gpus = None
-    if workers < 1:
-        raise InputError(f"--workers {workers}: expected at least 1")
+    check_workers(workers)
     manifest = load_manifest(out_dir)
     total = len(manifest["layers"]) + len(manifest["files"])
     with item_progress(total, "verifying", enabled=not quiet) as advance:
@@ -143,7 +144,7 @@ def verify(
         state = "ok (bytes equal the source's digests)" if kept.ok else "FAIL: " + "; ".join(kept.problems)
         output.lines.append(f"kept in {form} form: {kept.name} ({kept.reason}): {state}")
     for problem in report.problems:
-        output.lines.append(Text(f"FAIL: {problem}", style="red"))
+        output.lines.append(Text(one_line(f"FAIL: {problem}"), style="red"))
     output.lines += [f"note: {note}" for note in report.notes]
     passed = len(report.results) - len(report.failures) + sum(k.ok for k in report.kept)
     summary = (f"{passed}/{len(report.results) + len(report.kept)} passed: {len(report.results)} converted, "
