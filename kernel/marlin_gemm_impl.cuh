@@ -1511,6 +1511,7 @@ int dispatch_kind(const Launch& L) {
   if (L.m <= 16) {
     const int tiles = L.n / 64;
     const bool one_wave = optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && tiles <= L.sms;
+    const int cfg = small_cfg();  // benchmark-only switch (MARLIN_CONVERT_SMALL_CFG), read once per call
     if constexpr (kBits == 4 && !kZp) {
       // bf16 x 4-bit symmetric (fp16 has dispatch_fp16_int4): the 4-strip, 2-stage kernel where fp16 x 4-bit takes it,
       // grouped with n / 64 > SMs, channelwise at m <= 8 with n / 256 >= SMs (there 8192 x 57344 m = 1 took
@@ -1538,15 +1539,16 @@ int dispatch_kind(const Launch& L) {
       // 11008 x 4096 and 4096 x 4096 (n / 64 <= SMs / 2, against the 4-strip, 4-stage kernel) 1.53 -> 1.61x,
       // 1.49 -> 1.58x, 1.62 -> 1.71x (channelwise -1..+3 %). MARLIN_CONVERT_SMALL_CFG (benchmark only) = 16 skips it,
       // 17 takes it at k >= 16384 channelwise too.
-      if (one_wave && (L.k < 16384 || GROUPED || small_cfg() == 17) && small_cfg() != 16 &&
+      if (one_wave && (L.k < 16384 || GROUPED || cfg == 17) && cfg != 16 &&
           optin >= Tile<1, 1, 8, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 8, GROUPED, true, 2>(L);
       // The split over more resident blocks that fp16 x 4-bit symmetric measured (dispatch_fp16_int4, NOTES.md):
       // SMs / 2 < n / 64 <= SMs, m = 9..16 or long k: 4 strips x 2 stages split in two.
       Launch split_two = L;
       split_two.split_k = L.split_k > 0 ? L.split_k : 2;  // launch_config still caps it to the resident blocks
-      // m = 9..16, and m <= 8 with long k, there: the 4-strip, 2-stage kernel split in two, as fp16 x 4-bit (its
-      // 64-row warps never straddle a group of 64 / 128; the 3-strip kernel's 48 do)
+      // there, m = 9..16 or long k (since the 8-strip kernel above: channelwise with k >= 16384): the 4-strip, 2-stage
+      // kernel split in two, as fp16 x 4-bit (its 64-row warps never straddle a group of 64 / 128; the 3-strip
+      // kernel's 48 do)
       if (one_wave && 2 * tiles > L.sms && (L.m > 8 || L.k >= 16384) &&
           optin >= Tile<1, 1, 4, 2, GROUPED, 4, kZp>::kSmemBytes)
         return launch_small_kind<K, 4, GROUPED, true, 2>(split_two);
@@ -1555,7 +1557,7 @@ int dispatch_kind(const Launch& L) {
       // Benchmark only (MARLIN_CONVERT_SMALL_CFG, `bench_kernel.py --cfgs`): 20 = the 2-strip kernel, 21 = the
       // MB = 2 one-strip kernel, 22 = the 4-strip kernel, whatever n; the split as launch_config picks it (or
       // --split-k).
-      switch (small_cfg()) {
+      switch (cfg) {
         case 20:
           if (optin >= Tile<1, 1, 2, 4, GROUPED, 8, kZp>::kSmemBytes) return launch_small_kind<K, 2, GROUPED, true>(L);
           break;

@@ -57,7 +57,6 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
     """Decide what of ``in_dir``'s top level is copied (see the module docstring). ``produced``: the names the
     converter writes itself (shards, index, configs, manifest). Raises :class:`InputError` for a broken link or
     an unreadable file; reads nothing but directory entries and permissions."""
-    root = Path(os.path.realpath(in_dir))
     extra = ExtraFiles()
     for entry in sorted(os.scandir(in_dir), key=lambda e: e.name):
         name, path = entry.name, Path(entry.path)
@@ -74,7 +73,7 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
             if target.is_dir():
                 extra.skipped.append(f"{name}: a link to a directory, not followed")
                 continue
-            if outside_link(path, root) is not None:
+            if outside_link(path, in_dir) is not None:
                 extra.skipped.append(f"{name}: a link to {target}, outside IN_DIR, not copied")
                 continue
         if entry.is_dir():

@@ -18,7 +18,8 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
     copy   bytes = 2 * size (read + write) of a 2 GiB device-to-device copy, median of 30 event-timed copies, measured
            in the same run: the ceiling for "% copy".
     --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG: fp16 x 4-bit symmetric in
-           kernel/marlin_gemm.cu, 8-bit kinds 20-22 in dispatch_kind, kernel/marlin_gemm_impl.cuh; a value a kind does
+           kernel/marlin_gemm.cu; in dispatch_kind, kernel/marlin_gemm_impl.cuh, 16 / 17 for the other 4-bit kinds'
+           8-strip kernel (skip it / take it channelwise at k >= 16384 too) and 20-22 for 8-bit; a value a kind does
            not know gives its default; "-" = unset)
            against the same torch time and prints a geomean per configuration.
     --stream-k 0,1,2   times each value of MARLIN_CONVERT_STREAM_K (benchmark only: 0 = split-K, N = stream-K over N

@@ -79,9 +79,9 @@ class Output:
     def render(self) -> None:
         """Print for people. Names, paths and reasons are printed as they are: nothing in them is read as rich
         markup (a label such as ``P[expert 3]`` stays visible), and control characters in them are written as
-        ``\\xNN`` (:func:`one_line`: a newline or a terminal escape in a tensor name stays inert text). Where stdout is not a terminal (a pipe, a log
-        file) nothing is wrapped at 80 columns: the table takes the width it needs and every line stays one
-        line, so that logs can be searched."""
+        ``\\xNN`` (:func:`one_line`: a newline or a terminal escape in a tensor name stays inert text). Where
+        stdout is not a terminal (a pipe, a log file) nothing is wrapped at 80 columns: the table takes the width it
+        needs and every line stays one line, so that logs can be searched."""
         console = _Console()
         if self.as_json:
             print_stdout(json.dumps(self.data, indent=2, default=str))
@@ -141,8 +141,9 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
     if path is None or is_stdout(path):
         return
     path = Path(path)
+    resolved = Path(os.path.realpath(path))
     for directory in checkpoints:
-        if directory is not None and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(directory)):
+        if directory is not None and resolved.is_relative_to(os.path.realpath(directory)):
             raise OutputError(f"--json {path}: inside {directory}, which this command reads or writes",
                               hint="write the report outside the checkpoint directories")
     parent = path.parent
