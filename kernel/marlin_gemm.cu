@@ -24,37 +24,55 @@ namespace detail {
 //   m > 16 where the shared memory per block is below those (sm_86 / sm_89): MB=2, 1 strip
 // each once with grouped and once with channelwise scales, plus the benchmark-only m <= 16 variants.
 // The other kinds: dispatch_kind in marlin_gemm_impl.cuh.
+
+// A benchmark / test switch read per call: its value when it starts with a digit, else `unset`.
+int env_switch(const char* name, int unset) {
+  const char* v = getenv(name);
+  return (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : unset;
+}
+
 // Benchmark-only switch for the stream-K schedule (MARLIN_CONVERT_STREAM_K, read per call: 0 = split-K, N = stream-K
 // at <= N blocks per SM; unset = launch_config's choice). Used by scripts/bench_kernel.py --stream-k.
-int stream_k_per_sm() {
-  const char* v = getenv("MARLIN_CONVERT_STREAM_K");
-  return (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : -1;
-}
+int stream_k_per_sm() { return env_switch("MARLIN_CONVERT_STREAM_K", -1); }
 
 // Benchmark-only switch for the m <= 16 configuration (MARLIN_CONVERT_SMALL_CFG, read per call; unset = the
 // default below). Used by scripts/bench_kernel.py --cfgs; see kernel/README.md for the measurements.
-int small_cfg() {
-  const char* v = getenv("MARLIN_CONVERT_SMALL_CFG");
-  return (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : -1;
+int small_cfg() { return env_switch("MARLIN_CONVERT_SMALL_CFG", -1); }
+
+// Whether the current device is compute capability 9.0, the one that takes the sm_90a code (checked for the current
+// device on every call, so an all-architectures build on a machine with a Hopper and an older GPU never launches a
+// Hopper-only kernel on the latter, where it would trap).
+bool device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  return cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+         minor == 0;
 }
 
 // Hopper: whether the wgmma kernels (SWAP 3) can run here: the build has sm_90a code (kernel.py defines
-// MARLIN_CONVERT_SM90A when it compiles for compute_90a) and the device is compute capability 9.0 (which takes that
-// code; checked for the current device on every call, so an all-architectures build on a machine with a Hopper and
-// an older GPU never launches a wgmma kernel on the latter, where it would trap). MARLIN_CONVERT_WGMMA (read per
-// call; benchmark and tests; like the other switches, a value that does not start with a digit counts as unset):
-// 0 = never, 1 or unset = the default (where wgmma_pays), 2..4 = a fixed configuration wherever it fits (try_wgmma).
+// MARLIN_CONVERT_SM90A when it compiles for compute_90a) and the device is compute capability 9.0 (device_is_sm90).
+// MARLIN_CONVERT_WGMMA (read per call; benchmark and tests; like the other switches, a value that does not start with a
+// digit counts as unset): 0 = never, 1 or unset = the default (where wgmma_pays), 2..4 = a fixed configuration wherever
+// it fits (try_wgmma).
 int wgmma_variant() {
 #if defined(MARLIN_CONVERT_SM90A)
-  const char* v = getenv("MARLIN_CONVERT_WGMMA");
-  const int want = (v != nullptr && v[0] >= '0' && v[0] <= '9') ? atoi(v) : 1;
+  const int want = env_switch("MARLIN_CONVERT_WGMMA", 1);
   if (want == 0) return 0;
-  int dev = 0, major = 0, minor = 0;
-  const bool sm90 = cudaGetDevice(&dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-                    major == 9 && minor == 0;
-  return sm90 ? want : 0;
+  return device_is_sm90() ? want : 0;
+#else
+  return 0;
+#endif
+}
+
+// Hopper: whether the direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters) can run here, as
+// wgmma_variant. MARLIN_CONVERT_DIRECT (read per call; benchmark and tests): 0 = never, 1 or unset = the default,
+// 2 = wherever it fits (try_direct).
+int direct_variant() {
+#if defined(MARLIN_CONVERT_SM90A)
+  const int want = env_switch("MARLIN_CONVERT_DIRECT", 1);
+  if (want == 0) return 0;
+  return device_is_sm90() ? want : 0;
 #else
   return 0;
 #endif
@@ -100,7 +118,13 @@ int dispatch_fp16_int4(const Launch& L) {
     const int optin = smem_optin();
     const bool big_smem = optin >= Tile<1, 1, 4, 4, GROUPED>::kSmemBytes;  // sm_86 / sm_89 have ~100 KB
     const bool one_wave = big_smem && L.n / 64 <= L.sms;
-    switch (small_cfg()) {
+    const int cfg = small_cfg();  // benchmark-only switch, read once per call
+    if (cfg < 0) {  // the direct-load kernel where it takes the layer (Hopper; marlin_gemm_direct.cuh)
+      bool launched = false;
+      const int rc = try_direct<K, GROUPED>(L, launched);
+      if (launched) return rc;
+    }
+    switch (cfg) {
       case 0: return launch_small<2, 4, GROUPED>(L, false);  // the previous default (no swap)
       case 1: return launch_small<2, 4, GROUPED>(L, true);
       case 2: return big_smem ? launch_small<4, 4, GROUPED>(L, true) : launch_small<2, 4, GROUPED>(L, true);

@@ -1486,6 +1486,14 @@ int try_wgmma(const Launch& L, bool& launched) {
   return MARLIN_OK;
 }
 
+}  // namespace detail
+}  // namespace marlin_convert
+
+#include "marlin_gemm_direct.cuh"  // the direct-load kernel for m <= 16 on Hopper (try_direct)
+
+namespace marlin_convert {
+namespace detail {
+
 // Every kind but fp16 x 4-bit symmetric (that one is dispatch_fp16_int4 in marlin_gemm.cu, with its benchmark
 // variants). The m <= 16 schedule keeps at least as many bytes of B in flight per SM as fp16 x 4-bit does (for 8-bit
 // that did not make it faster: kernel/NOTES.md):
@@ -1512,6 +1520,11 @@ int dispatch_kind(const Launch& L) {
     const int tiles = L.n / 64;
     const bool one_wave = optin >= Tile<1, 1, 4, 4, GROUPED, kBits, kZp>::kSmemBytes && tiles <= L.sms;
     const int cfg = small_cfg();  // benchmark-only switch (MARLIN_CONVERT_SMALL_CFG), read once per call
+    if (cfg < 0) {  // the direct-load kernel where it takes the layer (Hopper; marlin_gemm_direct.cuh)
+      bool launched = false;
+      const int rc = try_direct<K, GROUPED>(L, launched);
+      if (launched) return rc;
+    }
     if constexpr (kBits == 4 && !kZp) {
       // bf16 x 4-bit symmetric (fp16 has dispatch_fp16_int4): the 4-strip, 2-stage kernel where fp16 x 4-bit takes it,
       // grouped with n / 64 > SMs, channelwise at m <= 8 with n / 256 >= SMs (there 8192 x 57344 m = 1 took

@@ -27,6 +27,9 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
     --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 32, 4-bit kinds: 0 = the mma.sync kernels,
            1 = the default rule, 2..4 = a fixed wgmma configuration, try_wgmma in kernel/marlin_gemm_impl.cuh), crossed
            with the two above.
+    --direct 0,1   times each value of MARLIN_CONVERT_DIRECT (Hopper, m <= 16, 4-bit kinds: 0 = the pipelined kernels,
+           1 = the direct-load kernel where it takes the layer, kernel/marlin_gemm_direct.cuh), crossed with the above;
+           with --split-k N the direct kernel runs N blocks per tile (a cluster of N) where it fits.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
                                                      "(benchmark only; 0 = split-K, N = stream-K at <= N blocks per SM)")
     parser.add_argument("--wgmma", type=str, help="comma-separated MARLIN_CONVERT_WGMMA values to compare "
                                                   "(benchmark only; 0 = mma.sync kernels, N = wgmma variant N)")
+    parser.add_argument("--direct", type=str, help="comma-separated MARLIN_CONVERT_DIRECT values to compare "
+                                                   "(benchmark only; 0 = pipelined kernels, 1 = direct-load kernel)")
     parser.add_argument("--kinds", type=str, default="fp16-int4",
                         help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
     args = parser.parse_args(argv)
@@ -201,8 +206,9 @@ def main(argv=None) -> int:
         return [None if v == "-" else int(v) for v in option.split(",")] if option else [None]
 
     cfgs, sks, wgs = variant_values(args.cfgs), variant_values(args.stream_k), variant_values(args.wgmma)
-    variants = [(cfg, sk, wg) for cfg in cfgs for sk in sks for wg in wgs]
-    switches = ("MARLIN_CONVERT_SMALL_CFG", "MARLIN_CONVERT_STREAM_K", "MARLIN_CONVERT_WGMMA")
+    dis = variant_values(args.direct)
+    variants = [(cfg, sk, wg, di) for cfg in cfgs for sk in sks for wg in wgs for di in dis]
+    switches = ("MARLIN_CONVERT_SMALL_CFG", "MARLIN_CONVERT_STREAM_K", "MARLIN_CONVERT_WGMMA", "MARLIN_CONVERT_DIRECT")
     speedups: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in shapes:
@@ -238,8 +244,8 @@ def main(argv=None) -> int:
                     c = torch.empty(m, n, dtype=dtype, device="cuda")
                     t_torch = torch_us[dtype_name, m]
                     act = m * k * 2 + m * n * 2
-                    for cfg, sk, wg in (variants if kind != TINYGEMM else [(None, None, None)]):
-                        for var, value in zip(switches, (cfg, sk, wg)):
+                    for cfg, sk, wg, di in (variants if kind != TINYGEMM else [(None, None, None, None)]):
+                        for var, value in zip(switches, (cfg, sk, wg, di)):
                             if value is None:
                                 os.environ.pop(var, None)
                             else:
@@ -257,7 +263,8 @@ def main(argv=None) -> int:
                         ours_bw = (op_bytes + act) / t_ours
                         torch_bw = (w_bytes + act) / t_torch
                         sp = t_torch / t_ours
-                        variant = "/".join(f"{name}{v}" for name, v in (("c", cfg), ("sk", sk), ("wg", wg))
+                        variant = "/".join(f"{name}{v}" for name, v in (("c", cfg), ("sk", sk), ("wg", wg),
+                                                                               ("di", di))
                                            if v is not None)
                         speedups.setdefault((kind, variant), {}).setdefault(g, {}).setdefault(m, []).append(sp)
                         tag = f" {variant}" if variant else ""

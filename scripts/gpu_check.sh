@@ -34,7 +34,7 @@ if command -v compute-sanitizer > /dev/null; then
   san_status=ok san_summary=""
   for tool in memcheck racecheck initcheck; do
     few=(); [[ $tool == racecheck ]] && few=(--few); [[ $tool == initcheck ]] && few=(--host-inputs)
-    if ! compute-sanitizer --tool "$tool" --kernel-name kns=marlin_gemm_kernel --error-exitcode 3 \
+    if ! compute-sanitizer --tool "$tool" --kernel-name kns=marlin_ --error-exitcode 3 \
          $PY scripts/sanitize_kernel.py "${few[@]}" > "$OUT/sanitizer_$tool.log" 2>&1; then
       san_status=FAILED; tail -20 "$OUT/sanitizer_$tool.log"
     fi

@@ -12,8 +12,9 @@ check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a 
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408 for the m <= 16 kernels of
-larger n, stream-K grids (MARLIN_CONVERT_STREAM_K) and the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA; every one of
-its cases kept by --few).
+larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA) and the Hopper
+direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; every wgmma and direct case kept
+by --few).
 """
 
 from __future__ import annotations
@@ -75,11 +76,23 @@ def main(argv=None) -> int:
                   (kind, 100, 512, 512, 64, True, 0, None, "4"), (kind, 130, 1024, 256, 128, False, 3, None, "2"),
                   (kind, 64, 2048, 1024, -1, False, 0, None, "3"), (kind, 65, 1024, 768, 64, False, 0, None, "3"),
                   (kind, 40, 2048, 512, 128, False, 2, None, "2")]
+    # the Hopper direct-load kernel (4-bit kinds, m <= 16, k a multiple of 128, group size a multiple of 128 or
+    # channelwise; the default there on compute capability 9.0): one chunk, clusters of 3, 5 and 8 blocks with uneven
+    # chunks (blocks whose warps have none), two batch blocks, act-order
+    direct_cases = [(kind, 1, 128, 64, -1, False, 0, None, None) for kind in KINDS if kind[1] == 4]
+    for kind in [kd for kd in KINDS if kd[1] == 4]:
+        direct_cases += [(kind, 9, 1024, 256, 128, False, 8, None, None),
+                         (kind, 3, 4096, 512, 128, True, 3, None, None), (kind, 16, 640, 128, -1, False, 5, None, None)]
+    cases += direct_cases
     if args.few:
-        cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None]
+        cases = [c for i, c in enumerate(cases)
+                 if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None or c in direct_cases]
     failures = 0
-    for (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma in cases:
-        for var, value in (("MARLIN_CONVERT_STREAM_K", stream_k), ("MARLIN_CONVERT_WGMMA", wgmma)):
+    for case in cases:
+        (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma = case
+        direct = "2" if case in direct_cases else None  # (m = 9..16 takes the direct kernel only when forced)
+        for var, value in (("MARLIN_CONVERT_STREAM_K", stream_k), ("MARLIN_CONVERT_WGMMA", wgmma),
+                           ("MARLIN_CONVERT_DIRECT", direct)):
             if value is None:
                 os.environ.pop(var, None)
             else:

@@ -549,6 +549,66 @@ def test_wgmma_kernel_runs_on_hopper(torch, monkeypatch, variant, m, k, n, group
     assert not torch.equal(c_mma, c_wgmma), "the same outputs bit for bit: the wgmma kernel did not run"
 
 
+# The Hopper direct-load kernel (kernel/marlin_gemm_direct.cuh: 4-bit kinds, m <= 16, k a multiple of 128, group size a
+# multiple of 128 or channelwise; on compute capability 9.0 MARLIN_CONVERT_DIRECT = 2 takes it wherever it fits, 0 never,
+# and by default it runs at m <= 8). Each case runs with it and without; elsewhere both calls run the pipelined
+# kernels, so these pass there too. Shapes:
+# one chunk and one tile, k == group size (one scale row), uneven chunks over the blocks of a cluster (forced splits 3
+# of 32 chunks, 5 of 5, 8 of 8: blocks whose warps have no chunk), one and two batch blocks (m 1..8, 9..16), group
+# 256 with act-order, long k, and shapes it refuses (group 64, k not a multiple of 128: the pipelined kernels).
+DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
+    (1, 128, 64, -1, False, 0),
+    (1, 128, 64, 128, False, 0),
+    (3, 1152, 192, 128, False, 0),
+    (8, 4096, 4096, 128, False, 0),
+    (9, 4096, 4096, -1, False, 0),
+    (16, 11008, 4096, 128, False, 0),
+    (5, 2048, 320, 256, True, 0),
+    (2, 4096, 512, 128, False, 3),
+    (13, 1024, 256, -1, False, 8),
+    (4, 640, 128, 128, False, 5),
+    (16, 256, 64, 128, False, 2),
+    (7, 28672, 256, 128, False, 0),
+    (12, 8192, 1024, -1, True, 0),
+    (6, 1024, 256, 64, False, 0),
+    (11, 1040, 256, -1, False, 0),
+]
+DIRECT_KINDS = [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True)]
+
+
+@pytest.mark.parametrize("kind", DIRECT_KINDS, ids=_kind_id)
+@pytest.mark.parametrize("direct", ["0", "2"])
+@pytest.mark.parametrize("m,k,n,group,act_order,split_k", DIRECT_SHAPES)
+def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_order, split_k):
+    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", direct)
+    dtype, bits, asym = kind
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group, kind)).encode()),
+              split_k=split_k, calls=2, bits=bits, asym=asym, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", DIRECT_KINDS, ids=_kind_id)
+@pytest.mark.parametrize("m,k,n,group", [(1, 4096, 4096, 128), (8, 8192, 8192, -1), (5, 11008, 4096, 128)])
+def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
+    """On compute capability 9.0 the direct kernel really runs by default at m <= 8: its sums come in another order
+    than the pipelined kernels', so over 4-65 K outputs some roundings differ; identical outputs would mean the same
+    kernel ran. Both are checked against the reference."""
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) != (9, 0):
+        pytest.skip("the direct kernel runs on compute capability 9.0 only")
+    dtype, bits, asym = kind
+    rng = np.random.default_rng(zlib.crc32(repr((m, k, n, kind)).encode()))
+    p = Problem(k, n, group, False, rng, torch, bits=bits, asym=asym, dtype=dtype)
+    a = torch.randn(m, k, device="cuda").to(p.dtype)
+    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", "0")
+    c_pipe = p.gemm(a)
+    monkeypatch.delenv("MARLIN_CONVERT_DIRECT")
+    c_direct = p.gemm(a)
+    torch.cuda.synchronize()
+    _check(torch, p, a, c_pipe, "pipelined")
+    _check(torch, p, a, c_direct, "direct")
+    assert not torch.equal(c_pipe, c_direct), "the same outputs bit for bit: the direct kernel did not run"
+
+
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
                                          (13, 8192, 320, 64), (4, 16384, 12288, 128), (1, 8192, 8192, 128),
                                          (16, 8192, 8192, 128), (6, 28672, 8192, 128)])

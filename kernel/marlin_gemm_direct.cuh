@@ -1,0 +1,400 @@
+// marlin-convert: the direct-load kernel for small batches (m <= 16, 4-bit kinds, Hopper), written for this project.
+// Included by marlin_gemm_impl.cuh after the mma.sync kernel; it reuses that file's Kind, Act, Dequant and Launch.
+//
+//   C[m, n] = A[m, k] @ W[k, n],   W = (q - z) * s,   the same sums as marlin_gemm_kernel (fp32 accumulation)
+//
+// Why a second kernel: at m <= 16 the work is reading B once, and the pipelined kernel moves it global -> shared ->
+// registers, with a barrier per stage and the split-K chain through C between blocks. Here every lane loads its B words
+// straight into registers, and the blocks that share an output tile reduce through distributed shared memory.
+//
+// ------------------------------------------------------------------------------------------------ overview
+// Work: a block owns one 64-column tile (32 x 16-byte words of B per 16-row strip, 512 bytes) and a contiguous range of
+// k in chunks of kDirectChunkK = 128 k (8 strips). The `splits` blocks of a tile form one thread-block cluster (cluster
+// rank = split), so their partial sums meet in shared memory, not in C, and no workspace or lock is involved:
+//
+//   grid = (n / 64 tiles) x splits, blockIdx.x = tile * splits + split, cluster = (splits, 1, 1), splits <= 8
+//   block split s: chunks [s * chunks / splits, (s + 1) * chunks / splits) of the k / 128 chunks
+//   warp w of it:   chunks [c_lo + w * nc / 8, c_lo + (w + 1) * nc / 8) of the block's nc
+//
+// Per block:
+//   [LDB]  each warp loads a chunk's B words into registers: lane l, strip i -> the 16-byte word l of the tile's 512
+//          bytes (ld.global.nc, no L1 allocation: read once); with group scales also the chunk's 16-byte scale word and
+//          (zero points) 4-byte zero-point word; and copies the chunk's rows < m of A (256 bytes each) into its own
+//          shared-memory slot (cp.async), rows kARowBytes = 272 bytes apart. Two slots: the next chunk loads while one
+//          is computed.
+//   [S2R]  the activations' fragment of a strip and batch block: two 4-byte ld.shared per lane (k 2t, 2t + 1 and
+//          2t + 8, 2t + 9 of row 8 bb + g); the 16-byte pad per row puts the 32 lanes on 32 banks (row g at word
+//          68 g: bank 4 g + t).
+//   [DEQ]  Dequant<ActT, 4>: q - z exactly, as in the pipelined kernel.
+//   [MMA]  swapped, C^T = W^T A^T: the tile's four fragments are the A operand {f0, f2, f1, f3} of mma.m16n8k16, the
+//          activations' fragment (8 batch rows) the B operand; MB8 batch blocks of 8 rows (m <= 8: 1, m <= 16: 2).
+//          With group scales the chunk lies inside one group (the host requires group_size % 128 == 0): the scales
+//          multiply the dequantized fragments in 16 bits (scale_tile, as the pipelined kernels' kScaleB path; fp32
+//          partial sums per chunk spilled at the 128 registers of two blocks per SM).
+//   [RED]  the 8 warps' accumulators through shared memory into the block's sums P[row][64] (fp32); then, with
+//          splits > 1, a cluster barrier, and block s adds every cluster block's P over the output pairs p with
+//          p % splits == s (ld.shared::cluster), applies channelwise scales in fp32, writes C; a second cluster barrier
+//          keeps each block's P alive until its peers have read it.
+//
+// Only on compute capability 9.0 (clusters; the host's direct_variant decides), built into the sm_90a code. Elsewhere
+// the kernel body traps and is never launched.
+
+#pragma once
+
+namespace marlin_convert {
+namespace detail {
+
+constexpr int kDirectStrips = 8;                   // 16-row k-strips per chunk
+constexpr int kDirectChunkK = 16 * kDirectStrips;  // 128 k per chunk: one group of 128
+constexpr int kDirectMaxSplits = 8;                // the portable cluster size limit
+
+// [LDB] 16-byte load of data read exactly once: not allocated in L1 (ld.global.nc.L1::no_allocate).
+__device__ __forceinline__ uint4 ldg_stream16(const int4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// Cluster helpers (sm_90): the barrier of all blocks of the cluster (release / acquire: shared-memory writes before it
+// are visible to the other blocks' ld.shared::cluster after it), and a float2 load from block `rank`'s shared memory at
+// the address `addr` has in this block.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ float2 ld_cluster_f2(uint32_t addr, uint32_t rank) {
+  float2 v = make_float2(0.0f, 0.0f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+#else
+  __trap();
+#endif
+  return v;
+}
+
+constexpr int kARowBytes = kDirectChunkK * 2 + 16;  // one A row of a chunk (128 16-bit values) + 16 bytes of pad
+
+// Shared memory of one block: each warp's two A slots (m rows of kARowBytes each) and, after the main loop, the warps'
+// accumulators in their place (8 warps x 64 columns x 8 MB8 rows, fp32); the block's sums P (8 MB8 rows x 64 columns,
+// fp32) behind both.
+template <int MB8>
+struct DirectSmem {
+  static constexpr int kRows = 8 * MB8;
+  static constexpr int kRedBytes = kWarps * 64 * kRows * 4;
+  static constexpr int kSumBytes = kRows * 64 * 4;
+  static __host__ __device__ int slot_bytes(int m) { return m * kARowBytes; }
+  static __host__ __device__ int sum_offset(int m) {
+    const int a = kWarps * 2 * slot_bytes(m);
+    return a > kRedBytes ? a : kRedBytes;
+  }
+  static int bytes(int m) { return sum_offset(m) + kSumBytes; }
+};
+
+// One chunk's loads of a lane: 8 strips of B (word j of each = tile j), the group's scale word and zero-point word.
+struct DirectChunk {
+  uint4 b[kDirectStrips];
+  uint4 s;
+  uint32_t z;
+};
+
+// The lane's scale word of a group: the scales of its 8 columns, word j = tile j (low half column 16 j + g, high half
+// 16 j + 8 + g), through L1 (the 4 lanes of a quarter read the same 16 bytes).
+__device__ __forceinline__ uint4 ldg_u4(const int4* p) {
+  const int4 v = __ldg(p);
+  return make_uint4((uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w);
+}
+
+// Template parameters: K a 4-bit Kind; MB8 batch blocks of 8 rows (m <= 8 * MB8); GROUPED: group scales (group size a
+// multiple of 128) or one channelwise scale row.
+// Arguments as marlin_gemm_kernel's (A gathered for act-order; Z as 32-bit words, [scale_rows, n / 8]), plus
+//   chunks_per_group  group_size / 128 (GROUPED)
+//   splits            blocks per tile = the cluster size (1 .. 8)
+template <class K, int MB8, bool GROUPED>
+__global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
+    marlin_direct_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
+                         const uint32_t* __restrict__ Z, typename K::ActT* __restrict__ C, int m, int n, int k,
+                         int chunks_per_group, int splits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(K::kBits == 4, "the direct kernel takes 4-bit weights");
+  using ActT = typename K::ActT;
+  using Ops = Act<ActT>;
+  using DQ = Dequant<ActT, 4>;
+  using SM = DirectSmem<MB8>;
+  constexpr bool ZP = K::kZp;
+  constexpr int kRows = SM::kRows;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g = lane >> 2;  // mma groupID: W^T row (column 16 j + g, + 8), activation row of the batch block
+  const int t = lane & 3;   // mma thread-in-group: k pairs 2t, 2t + 8; output batch rows 2t, 2t + 1
+  const int tile = blockIdx.x / splits;
+  const int split = blockIdx.x % splits;  // the block's rank in its cluster (clusters are splits consecutive blocks)
+  const int chunks = k / kDirectChunkK;
+  const int c_lo = (int)((long)split * chunks / splits);
+  const int nc = (int)((long)(split + 1) * chunks / splits) - c_lo;
+  const int w_lo = c_lo + warp * nc / kWarps;
+  const int w_hi = c_lo + (warp + 1) * nc / kWarps;
+
+  // ---- [LDB] (32-bit offsets in int4: the host checks A and B below 2^32 of them)
+  const uint32_t b_row = (uint32_t)n / 2;  // int4 per B row (one strip: n / 64 tiles x 32)
+  const int4* const b_lane = B + tile * 32 + lane;
+  const int s_row = n / 8;  // int4 per scale row; also 32-bit words per zero-point row
+  const uint32_t a_row = (uint32_t)k / 8;  // int4 per A row
+  const int slot_bytes = SM::slot_bytes(m);
+  unsigned char* const a_slots = smem + warp * 2 * slot_bytes;
+  // chunk c into registers r and A slot `slot`; one cp.async group per call (empty when c >= w_hi), so that waiting
+  // for all but the newest group always means "this chunk's A is here"
+  auto load = [&](DirectChunk& r, int c, int slot) {
+    if (c < w_hi) {
+#pragma unroll
+      for (int i = 0; i < kDirectStrips; ++i)
+        r.b[i] = ldg_stream16(b_lane + ((uint32_t)(c * kDirectStrips + i)) * b_row);
+      if constexpr (GROUPED) {
+        const int grp = c / chunks_per_group;
+        r.s = ldg_u4(S + grp * s_row + tile * 8 + g);
+        if constexpr (ZP) r.z = __ldg(Z + grp * s_row + tile * 8 + g);
+      }
+      __syncwarp();  // every lane is done reading this slot (the chunk before last)
+      unsigned char* const dst = a_slots + slot * slot_bytes;
+      for (int p = lane; p < m * 16; p += 32) {  // row p / 16, 16-byte piece p % 16 of the chunk's 256 bytes
+        const int row = p >> 4, q = p & 15;
+        cp_async16(dst + row * kARowBytes + q * 16, A + row * a_row + (uint32_t)c * 16 + q, true);
+      }
+    }
+    cp_async_commit();
+  };
+  DirectChunk buf0, buf1;
+  load(buf0, w_lo, 0);
+
+  // channelwise zero points: one row, the lane's word read once
+  typename DQ::Zero zero_cw[4] = {};
+  if constexpr (ZP && !GROUPED) {
+    const uint32_t zw[1] = {__ldg(Z + tile * 8 + g)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) zero_cw[j] = DQ::zero(zw, j);
+  }
+
+  // acc[bb][j][e]: column 16 j + g + 8 (e >> 1) of the tile, batch row 8 bb + 2t + (e & 1)
+  float acc[MB8][4][4];
+#pragma unroll
+  for (int bb = 0; bb < MB8; ++bb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[bb][j][e] = 0.0f;
+
+  const uint32_t a_lane = smem_u32(a_slots) + 4 * t;
+  auto compute = [&](const DirectChunk& r, int slot) {
+    cp_async_wait<1>();  // this chunk's A (the newest group is the next chunk's)
+    __syncwarp();
+    const uint32_t a_slot = a_lane + (uint32_t)(slot * slot_bytes);
+    typename DQ::Zero zero[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (ZP && GROUPED) {
+        const uint32_t zw[1] = {r.z};
+        zero[j] = DQ::zero(zw, j);
+      } else {
+        zero[j] = zero_cw[j];
+      }
+    }
+    const uint32_t sw[4] = {r.s.x, r.s.y, r.s.z, r.s.w};
+#pragma unroll
+    for (int i = 0; i < kDirectStrips; ++i) {
+      uint32_t bf[MB8][2];
+#pragma unroll
+      for (int bb = 0; bb < MB8; ++bb) {
+        const int row = 8 * bb + g;
+        bf[bb][0] = bf[bb][1] = 0u;
+        if (row < m) {  // k 16 i + 2t, +1 and 16 i + 2t + 8, +9 of the chunk
+          const uint32_t at = a_slot + (uint32_t)(row * kARowBytes + 32 * i);
+          asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bf[bb][0]) : "r"(at));
+          asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bf[bb][1]) : "r"(at + 16));
+        }
+      }
+      const uint32_t w[4] = {r.b[i].x, r.b[i].y, r.b[i].z, r.b[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t f[4];
+        DQ::template run<ZP>(&w[j], zero[j], f);
+        if constexpr (GROUPED) scale_tile<Ops>(f, sw[j]);  // the chunk lies in one group
+        const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};  // W^T rows g, g + 8 x k 2t.., 2t + 8.. (see the kernel)
+#pragma unroll
+        for (int bb = 0; bb < MB8; ++bb) Ops::mma(acc[bb][j], wa, bf[bb][0], bf[bb][1]);
+      }
+    }
+  };
+
+  // ---- main loop: two chunks of registers, the next one loading while one is computed
+  for (int c = w_lo; c < w_hi; c += 2) {
+    load(buf1, c + 1, 1);
+    compute(buf0, 0);
+    if (c + 1 >= w_hi) break;
+    load(buf0, c + 2, 0);
+    compute(buf1, 1);
+  }
+
+  // ---- [RED] the warps' accumulators: red[(warp * 64 + col) * kRows + row], after every warp is done with A
+  cp_async_wait<0>();
+  __syncthreads();
+  float* const red = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int bb = 0; bb < MB8; ++bb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 16 * j + 8 * h + g;
+        *reinterpret_cast<float2*>(&red[(warp * 64 + col) * kRows + 8 * bb + 2 * t]) =
+            make_float2(acc[bb][j][2 * h], acc[bb][j][2 * h + 1]);
+      }
+  __syncthreads();
+  // the block's sums P[row * 64 + col], rows < kRows
+  const int sum_offset = SM::sum_offset(m);
+  float* const sums = reinterpret_cast<float*>(smem + sum_offset);
+  for (int o = tid; o < kRows * 64; o += kThreads) {
+    const int row = o >> 6, col = o & 63;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[(w * 64 + col) * kRows + row];
+    sums[o] = v;
+  }
+  if (splits > 1) cluster_barrier();
+  else __syncthreads();
+
+  // ---- [OUT] output pairs p = row * 32 + col / 2 (rows < m) with p % splits == split: the cluster's sums added
+  const uint32_t sums_addr = smem_u32(smem) + (uint32_t)sum_offset;
+  const uint32_t* S2 = reinterpret_cast<const uint32_t*>(S);
+  uint32_t* C2 = reinterpret_cast<uint32_t*>(C);
+  for (int p = split + tid * splits; p < m * 32; p += kThreads * splits) {
+    const int row = p >> 5, col = 2 * (p & 31);
+    float2 v;
+    if (splits > 1) {
+      v = make_float2(0.0f, 0.0f);
+      for (int rk = 0; rk < splits; ++rk) {
+        const float2 x = ld_cluster_f2(sums_addr + (uint32_t)(row * 64 + col) * 4, (uint32_t)rk);
+        v.x += x.x;
+        v.y += x.y;
+      }
+    } else {
+      v = *reinterpret_cast<const float2*>(&sums[row * 64 + col]);
+    }
+    if constexpr (!GROUPED) {
+      // channelwise table (runs of 32): the pair col, col + 1 is the word at 32 (col / 32) + 8 ((col % 8) / 2) +
+      // 2 ((col % 32) / 8) of the tile's 64 (as in marlin_gemm_kernel's [OUT])
+      const int pos = tile * 64 + 32 * (col >> 5) + 8 * ((col & 7) >> 1) + 2 * ((col >> 3) & 3);
+      const float2 sc = Ops::to_float2(S2[pos >> 1]);
+      v.x *= sc.x;
+      v.y *= sc.y;
+    }
+    C2[((size_t)row * n + tile * 64 + col) >> 1] = Ops::pack(v.x, v.y);
+  }
+  if (splits > 1) cluster_barrier();  // no block leaves while a peer may still read its sums
+#else
+  __trap();
+#endif
+}
+
+// Hopper: MARLIN_CONVERT_DIRECT's value where the direct kernel can run (marlin_gemm.cu), else 0.
+int direct_variant();
+
+// Whether the direct kernel takes L (4-bit, m <= 8 MB8, k a multiple of 128, group size a multiple of 128 or one scale
+// row) and with how many blocks per tile: 0 = it does not. Two where both halves of every tile are resident at once
+// (2 * n / 64 <= SMs x blocks per SM), else one: H200, fp16 x 4-bit group 128 (kernel/NOTES.md), 4096 x 4096 m = 1
+// 7.8 us at 2 against 10.8 at 4 and 15.3 at 8; 8192 x 8192 15.2 (2) against 16.1 (1); 4096 x 12288 (192 tiles) worse
+// at 2 (17.4 against 12.8): a cluster's blocks start and end together, so every wave pays the whole chain of load,
+// reduction and cluster barrier. forced_splits > 0 (tuning) fixes the split (1 .. 8) where it fits.
+template <int MB8>
+int direct_splits(const Launch& L, int optin, int forced_splits) {
+  if (L.m > 8 * MB8 || L.k % kDirectChunkK != 0) return 0;
+  if (L.scale_rows > 1 && (L.k / L.scale_rows) % kDirectChunkK != 0) return 0;
+  const int smem = DirectSmem<MB8>::bytes(L.m);
+  if (smem > optin) return 0;
+  const int chunks = L.k / kDirectChunkK;
+  const int tiles = L.n / 64;
+  const int by_regs = MB8 == 1 ? 2 : 1;  // __launch_bounds__
+  const int by_smem = kSmemPerSm / (smem + 1024);  // (1 KB per block reserved by the runtime)
+  const long resident = (long)L.sms * (by_smem < by_regs ? by_smem : by_regs);
+  int splits = forced_splits > 0 ? forced_splits : (2L * tiles <= resident ? 2 : 1);
+  if (splits > kDirectMaxSplits || splits > chunks || splits > resident) return 0;
+  return splits;
+}
+
+template <class K, int MB8, bool GROUPED>
+int launch_direct(const Launch& L, int splits) {
+  using ActT = typename K::ActT;
+  auto kernel = marlin_direct_kernel<K, MB8, GROUPED>;
+  const int smem = DirectSmem<MB8>::bytes(L.m);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) {
+    set_error(L.err, L.errlen, "direct kernel: cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem,
+              cudaGetErrorString(e));
+    return MARLIN_CUDA_ERROR;
+  }
+  const long grid = (long)(L.n / 64) * splits;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid, 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = L.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const int chunks_per_group = L.scale_rows > 1 ? (L.k / L.scale_rows) / kDirectChunkK : 1;
+  e = cudaLaunchKernelEx(&cfg, kernel, static_cast<const int4*>(L.A), static_cast<const int4*>(L.B),
+                         static_cast<const int4*>(L.s), static_cast<const uint32_t*>(L.zp), static_cast<ActT*>(L.C),
+                         L.m, L.n, L.k, chunks_per_group, splits);
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    set_error(L.err, L.errlen, "direct kernel launch (grid %ld, cluster %d, %d bytes of shared memory) failed: %s",
+              grid, splits, smem, cudaGetErrorString(e));
+    return MARLIN_CUDA_ERROR;
+  }
+  return MARLIN_OK;
+}
+
+// m <= 16, 4-bit kinds: the direct kernel where direct_variant allows it (1: the default, m <= 8 where direct_splits
+// finds a split; 2: m <= 16 wherever it fits, tests and benchmark). launched = false: the caller takes the pipelined
+// kernels.
+template <class K, bool GROUPED>
+int try_direct(const Launch& L, bool& launched) {
+  launched = false;
+#if defined(MARLIN_CONVERT_SM90A)  // (clusters: compute capability 9.0, built into the sm_90a code only)
+  if constexpr (K::kBits == 4) {
+    if (L.m > 16) return MARLIN_OK;
+    const int variant = direct_variant();
+    // default: m <= 8 only. At m = 9..16 (two batch blocks, 166-182 registers: one block of 8 warps per SM) it was
+    // 1.3-1.9x slower than the pipelined kernels on every shape (H100 and H200, kernel/NOTES.md)
+    if (variant == 0 || (variant == 1 && L.m > 8)) return MARLIN_OK;
+    const int optin = smem_optin();
+    const int forced = L.split_k > 0 ? L.split_k : 0;
+    if (L.m <= 8) {
+      const int s = direct_splits<1>(L, optin, forced);
+      if (s == 0) return MARLIN_OK;
+      launched = true;
+      return launch_direct<K, 1, GROUPED>(L, s);
+    }
+    const int s = direct_splits<2>(L, optin, forced);
+    if (s == 0) return MARLIN_OK;
+    launched = true;
+    return launch_direct<K, 2, GROUPED>(L, s);
+  }
+#endif
+  return MARLIN_OK;
+}
+
+}  // namespace detail
+}  // namespace marlin_convert
