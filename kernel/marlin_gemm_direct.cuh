@@ -97,13 +97,6 @@ struct DirectSmem {
   static int bytes(int m) { return sum_offset(m) + kSumBytes; }
 };
 
-// One chunk's loads of a lane: 8 strips of B (word j of each = tile j), the group's scale word and zero-point word.
-struct DirectChunk {
-  uint4 b[kDirectStrips];
-  uint4 s;
-  uint32_t z;
-};
-
 // The lane's scale word of a group: the scales of its 8 columns, word j = tile j (low half column 16 j + g, high half
 // 16 j + 8 + g), through L1 (the 4 lanes of a quarter read the same 16 bytes).
 __device__ __forceinline__ uint4 ldg_u4(const int4* p) {
@@ -116,7 +109,7 @@ __device__ __forceinline__ uint4 ldg_u4(const int4* p) {
 // Arguments as marlin_gemm_kernel's (A gathered for act-order; Z as 32-bit words, [scale_rows, n / 8]), plus
 //   chunks_per_group  group_size / 128 (GROUPED)
 //   splits            blocks per tile = the cluster size (1 .. 8)
-template <class K, int MB8, bool GROUPED>
+template <class K, int MB8, bool GROUPED, bool F32 = true>
 __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
     marlin_direct_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
                          const uint32_t* __restrict__ Z, typename K::ActT* __restrict__ C, int m, int n, int k,
@@ -129,6 +122,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   using SM = DirectSmem<MB8>;
   constexpr bool ZP = K::kZp;
   constexpr int kRows = SM::kRows;
+  constexpr bool kF32Part = GROUPED && F32;
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x;
@@ -151,19 +145,12 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   const uint32_t a_row = (uint32_t)k / 8;  // int4 per A row
   const int slot_bytes = SM::slot_bytes(m);
   unsigned char* const a_slots = smem + warp * 2 * slot_bytes;
-  // chunk c into registers r and A slot `slot`; one cp.async group per call (empty when c >= w_hi), so that waiting
-  // for all but the newest group always means "this chunk's A is here"
-  auto load = [&](DirectChunk& r, int c, int slot) {
+  auto b_word = [&](int c, int i) { return ldg_stream16(b_lane + ((uint32_t)(c * kDirectStrips + i)) * b_row); };
+  // chunk c's rows < m of A into slot `slot` (cp.async); one group per call, empty when c >= w_hi, so that waiting
+  // for all but the newest group always means "the current chunk's A is here"
+  auto copy_a = [&](int c, int slot) {
     if (c < w_hi) {
-#pragma unroll
-      for (int i = 0; i < kDirectStrips; ++i)
-        r.b[i] = ldg_stream16(b_lane + ((uint32_t)(c * kDirectStrips + i)) * b_row);
-      if constexpr (GROUPED) {
-        const int grp = c / chunks_per_group;
-        r.s = ldg_u4(S + grp * s_row + tile * 8 + g);
-        if constexpr (ZP) r.z = __ldg(Z + grp * s_row + tile * 8 + g);
-      }
-      __syncwarp();  // every lane is done reading this slot (the chunk before last)
+      __syncwarp();  // every lane is done reading this slot (the chunk before)
       unsigned char* const dst = a_slots + slot * slot_bytes;
       for (int p = lane; p < m * 16; p += 32) {  // row p / 16, 16-byte piece p % 16 of the chunk's 256 bytes
         const int row = p >> 4, q = p & 15;
@@ -172,8 +159,26 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
     }
     cp_async_commit();
   };
-  DirectChunk buf0, buf1;
-  load(buf0, w_lo, 0);
+  // the group's scale word and zero-point word of chunk c
+  auto group_words = [&](int c, uint4& sw, uint32_t& zw) {
+    if constexpr (GROUPED) {
+      const int grp = c / chunks_per_group;
+      sw = ldg_u4(S + grp * s_row + tile * 8 + g);
+      if constexpr (ZP) zw = __ldg(Z + grp * s_row + tile * 8 + g);
+    }
+  };
+
+  // The B words in flight: bq[i] holds strip i of the current chunk until it is used, then strip i of the next one
+  // (a ring one chunk = 8 x 512 bytes per warp deep, in half the registers of two whole chunks).
+  uint4 bq[kDirectStrips];
+  uint4 s_next = make_uint4(0u, 0u, 0u, 0u);
+  uint32_t z_next = 0u;
+  if (w_lo < w_hi) {
+#pragma unroll
+    for (int i = 0; i < kDirectStrips; ++i) bq[i] = b_word(w_lo, i);
+    group_words(w_lo, s_next, z_next);
+  }
+  copy_a(w_lo, 0);
 
   // channelwise zero points: one row, the lane's word read once
   typename DQ::Zero zero_cw[4] = {};
@@ -192,8 +197,15 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[bb][j][e] = 0.0f;
 
+  // ---- main loop: chunk c computed strip by strip, each strip's B registers refilled with the next chunk's
   const uint32_t a_lane = smem_u32(a_slots) + 4 * t;
-  auto compute = [&](const DirectChunk& r, int slot) {
+  for (int c = w_lo; c < w_hi; ++c) {
+    const int slot = (c - w_lo) & 1;
+    const bool next = c + 1 < w_hi;
+    copy_a(c + 1, slot ^ 1);
+    const uint4 s_cur = s_next;
+    const uint32_t z_cur = z_next;
+    if (next) group_words(c + 1, s_next, z_next);
     cp_async_wait<1>();  // this chunk's A (the newest group is the next chunk's)
     __syncwarp();
     const uint32_t a_slot = a_lane + (uint32_t)(slot * slot_bytes);
@@ -201,15 +213,18 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if constexpr (ZP && GROUPED) {
-        const uint32_t zw[1] = {r.z};
+        const uint32_t zw[1] = {z_cur};
         zero[j] = DQ::zero(zw, j);
       } else {
         zero[j] = zero_cw[j];
       }
     }
-    const uint32_t sw[4] = {r.s.x, r.s.y, r.s.z, r.s.w};
+    const uint32_t sw[4] = {s_cur.x, s_cur.y, s_cur.z, s_cur.w};
+    float part[MB8][4][4];  // (kF32Part) the chunk's unscaled sums
 #pragma unroll
     for (int i = 0; i < kDirectStrips; ++i) {
+      const uint32_t w[4] = {bq[i].x, bq[i].y, bq[i].z, bq[i].w};
+      if (next) bq[i] = b_word(c + 1, i);
       uint32_t bf[MB8][2];
 #pragma unroll
       for (int bb = 0; bb < MB8; ++bb) {
@@ -221,26 +236,36 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
           asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bf[bb][1]) : "r"(at + 16));
         }
       }
-      const uint32_t w[4] = {r.b[i].x, r.b[i].y, r.b[i].z, r.b[i].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t f[4];
         DQ::template run<ZP>(&w[j], zero[j], f);
-        if constexpr (GROUPED) scale_tile<Ops>(f, sw[j]);  // the chunk lies in one group
+        if constexpr (GROUPED && !kF32Part) scale_tile<Ops>(f, sw[j]);  // the chunk lies in one group
         const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};  // W^T rows g, g + 8 x k 2t.., 2t + 8.. (see the kernel)
 #pragma unroll
-        for (int bb = 0; bb < MB8; ++bb) Ops::mma(acc[bb][j], wa, bf[bb][0], bf[bb][1]);
+        for (int bb = 0; bb < MB8; ++bb) {
+          if constexpr (kF32Part) {
+            if (i == 0) Ops::mma_first(part[bb][j], wa, bf[bb][0], bf[bb][1]);
+            else Ops::mma(part[bb][j], wa, bf[bb][0], bf[bb][1]);
+          } else {
+            Ops::mma(acc[bb][j], wa, bf[bb][0], bf[bb][1]);
+          }
+        }
       }
     }
-  };
-
-  // ---- main loop: two chunks of registers, the next one loading while one is computed
-  for (int c = w_lo; c < w_hi; c += 2) {
-    load(buf1, c + 1, 1);
-    compute(buf0, 0);
-    if (c + 1 >= w_hi) break;
-    load(buf0, c + 2, 0);
-    compute(buf1, 1);
+    if constexpr (kF32Part) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 sc = Ops::to_float2(sw[j]);  // x: column 16 j + g, y: 16 j + 8 + g
+#pragma unroll
+        for (int bb = 0; bb < MB8; ++bb) {
+          acc[bb][j][0] = fmaf(sc.x, part[bb][j][0], acc[bb][j][0]);
+          acc[bb][j][1] = fmaf(sc.x, part[bb][j][1], acc[bb][j][1]);
+          acc[bb][j][2] = fmaf(sc.y, part[bb][j][2], acc[bb][j][2]);
+          acc[bb][j][3] = fmaf(sc.y, part[bb][j][3], acc[bb][j][3]);
+        }
+      }
+    }
   }
 
   // ---- [RED] the warps' accumulators: red[(warp * 64 + col) * kRows + row], after every warp is done with A
@@ -307,12 +332,11 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
 // Hopper: MARLIN_CONVERT_DIRECT's value where the direct kernel can run (marlin_gemm.cu), else 0.
 int direct_variant();
 
-// Whether the direct kernel takes L (4-bit, m <= 8 MB8, k a multiple of 128, group size a multiple of 128 or one scale
-// row) and with how many blocks per tile: 0 = it does not. Two where both halves of every tile are resident at once
-// (2 * n / 64 <= SMs x blocks per SM), else one: H200, fp16 x 4-bit group 128 (kernel/NOTES.md), 4096 x 4096 m = 1
-// 7.8 us at 2 against 10.8 at 4 and 15.3 at 8; 8192 x 8192 15.2 (2) against 16.1 (1); 4096 x 12288 (192 tiles) worse
-// at 2 (17.4 against 12.8): a cluster's blocks start and end together, so every wave pays the whole chain of load,
-// reduction and cluster barrier. forced_splits > 0 (tuning) fixes the split (1 .. 8) where it fits.
+// Whether the direct kernel can take L (4-bit, m <= 8 MB8, k a multiple of 128, group size a multiple of 128 or one
+// scale row) and with how many blocks per tile: 0 = it cannot. Two where both halves of every tile are resident at once
+// (2 * n / 64 <= SMs x blocks per SM), else one; forced_splits > 0 (tuning) fixes the split (1 .. 8) where it fits.
+// H200, fp16 x 4-bit group 128, m = 1 (kernel/NOTES.md): 4096 x 4096 7.8 us at 2 against 10.8 at 4 and 15.3 at 8, a
+// cluster's blocks start and end together, so every wave pays the whole chain of load, reduction and cluster barrier.
 template <int MB8>
 int direct_splits(const Launch& L, int optin, int forced_splits) {
   if (L.m > 8 * MB8 || L.k % kDirectChunkK != 0) return 0;
@@ -324,9 +348,20 @@ int direct_splits(const Launch& L, int optin, int forced_splits) {
   const int by_regs = MB8 == 1 ? 2 : 1;  // __launch_bounds__
   const int by_smem = kSmemPerSm / (smem + 1024);  // (1 KB per block reserved by the runtime)
   const long resident = (long)L.sms * (by_smem < by_regs ? by_smem : by_regs);
-  int splits = forced_splits > 0 ? forced_splits : (2L * tiles <= resident ? 2 : 1);
-  if (splits > kDirectMaxSplits || splits > chunks || splits > resident) return 0;
+  const int splits = forced_splits > 0 ? forced_splits : (2L * tiles <= resident ? 2 : 1);
+  if (splits > kDirectMaxSplits || splits > chunks || splits > resident || (long)tiles * splits > 0x7fffffffL) return 0;
   return splits;
+}
+
+// Where the direct kernel is the default (m <= 8, automatic split): where each tile takes a cluster of two, except
+// with group scales on one wave of tiles with k < 16384 (there the pipelined kernels' 8-strip kernel is as fast).
+// H200, direct / pipelined time at m = 1..8 (kernel/NOTES.md): 4096 x 4096, 11008 x 4096 and 28672 x 8192 0.79-0.89
+// channelwise and 0.86-1.01 grouped over the four 4-bit kinds; 8192 x 8192 0.90-0.97 channelwise, 0.94-1.08 grouped;
+// one block per tile lost where tiles leave a partial second wave (8192 x 10240: 160 tiles, 1.05-1.19; 4096 x 22016:
+// 344, up to 1.22) and was mixed elsewhere (4096 x 12288 0.88-1.13, 8192 x 57344 0.88-1.01).
+inline bool direct_pays(const Launch& L, int splits, bool grouped) {
+  if (L.m > 8 || L.split_k > 0 || splits != 2) return false;
+  return !(grouped && 2 * (L.n / 64) > L.sms && L.k < 16384);
 }
 
 template <class K, int MB8, bool GROUPED>
@@ -366,9 +401,9 @@ int launch_direct(const Launch& L, int splits) {
   return MARLIN_OK;
 }
 
-// m <= 16, 4-bit kinds: the direct kernel where direct_variant allows it (1: the default, m <= 8 where direct_splits
-// finds a split; 2: m <= 16 wherever it fits, tests and benchmark). launched = false: the caller takes the pipelined
-// kernels.
+// m <= 16, 4-bit kinds: the direct kernel where direct_variant allows it (1: the default, where direct_pays; 2: m <= 16
+// wherever it fits, with split_k > 0 as the cluster size; tests and benchmark). launched = false: the caller takes the
+// pipelined kernels.
 template <class K, bool GROUPED>
 int try_direct(const Launch& L, bool& launched) {
   launched = false;
@@ -376,14 +411,14 @@ int try_direct(const Launch& L, bool& launched) {
   if constexpr (K::kBits == 4) {
     if (L.m > 16) return MARLIN_OK;
     const int variant = direct_variant();
-    // default: m <= 8 only. At m = 9..16 (two batch blocks, 166-182 registers: one block of 8 warps per SM) it was
-    // 1.3-1.9x slower than the pipelined kernels on every shape (H100 and H200, kernel/NOTES.md)
-    if (variant == 0 || (variant == 1 && L.m > 8)) return MARLIN_OK;
+    // default: m <= 8 only (direct_pays). At m = 9..16 (two batch blocks, 163-188 registers: one block of 8 warps per
+    // SM) it was 1.3-1.9x slower than the pipelined kernels on every shape (H100 and H200, kernel/NOTES.md)
+    if (variant == 0 || (variant == 1 && (L.m > 8 || L.split_k > 0))) return MARLIN_OK;
     const int optin = smem_optin();
     const int forced = L.split_k > 0 ? L.split_k : 0;
     if (L.m <= 8) {
       const int s = direct_splits<1>(L, optin, forced);
-      if (s == 0) return MARLIN_OK;
+      if (s == 0 || (variant == 1 && !direct_pays(L, s, GROUPED))) return MARLIN_OK;
       launched = true;
       return launch_direct<K, 1, GROUPED>(L, s);
     }
