@@ -28,7 +28,7 @@ else
 fi
 
 # ---- 2b. compute-sanitizer over small calls of every kind (scripts/sanitize_kernel.py; the kernel is built already,
-# and only marlin_gemm_kernel launches are instrumented). racecheck is slow: it gets the --few subset; initcheck gets
+# and only the marlin_ kernels (pipelined and direct) are instrumented). racecheck is slow: it gets the --few subset; initcheck gets
 # inputs made on the host (writes of the uninstrumented torch kernels are not tracked).
 if command -v compute-sanitizer > /dev/null; then
   san_status=ok san_summary=""
