@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   // the group's scale word and zero-point word of chunk c
   auto group_words = [&](int c, uint4& sw, uint32_t& zw) {
     if constexpr (GROUPED) {
-      const int grp = c / chunks_per_group;
+      const int grp = chunks_per_group == 1 ? c : c / chunks_per_group;  // (group 128: no division)
       sw = ldg_u4(S + grp * s_row + tile * 8 + g);
       if constexpr (ZP) zw = __ldg(Z + grp * s_row + tile * 8 + g);
     }
