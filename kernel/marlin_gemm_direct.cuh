@@ -17,27 +17,26 @@
 //   warp w of it:   chunks [c_lo + w * nc / 8, c_lo + (w + 1) * nc / 8) of the block's nc
 //
 // Per block:
-//   [LDB]  each warp loads a chunk's B words into registers: lane l, strip i -> the 16-byte word l of the tile's 512
-//          bytes (ld.global.nc, no L1 allocation: read once); with group scales also the chunk's 16-byte scale word and
-//          (zero points) 4-byte zero-point word; and copies the chunk's rows < m of A (256 bytes each) into its own
-//          shared-memory slot (cp.async), rows kARowBytes = 272 bytes apart. Two slots: the next chunk loads while one
-//          is computed.
+//   [LDB]  each warp keeps one chunk of B in flight in registers: lane l, strip i -> the 16-byte word l of the tile's
+//          512 bytes (ld.global.nc, no L1 allocation: read once), a ring in which strip i's registers are refilled with
+//          the next chunk's strip i as soon as they are dequantized; the next chunk's scale word and zero-point word
+//          (group scales) one chunk ahead too; and the next chunk's rows < m of A (256 bytes each) into the warp's
+//          other shared-memory slot (cp.async, two slots per warp), rows kARowBytes = 272 bytes apart.
 //   [S2R]  the activations' fragment of a strip and batch block: two 4-byte ld.shared per lane (k 2t, 2t + 1 and
 //          2t + 8, 2t + 9 of row 8 bb + g); the 16-byte pad per row puts the 32 lanes on 32 banks (row g at word
 //          68 g: bank 4 g + t).
 //   [DEQ]  Dequant<ActT, 4>: q - z exactly, as in the pipelined kernel.
 //   [MMA]  swapped, C^T = W^T A^T: the tile's four fragments are the A operand {f0, f2, f1, f3} of mma.m16n8k16, the
 //          activations' fragment (8 batch rows) the B operand; MB8 batch blocks of 8 rows (m <= 8: 1, m <= 16: 2).
-//          With group scales the chunk lies inside one group (the host requires group_size % 128 == 0): the scales
-//          multiply the dequantized fragments in 16 bits (scale_tile, as the pipelined kernels' kScaleB path; fp32
-//          partial sums per chunk spilled at the 128 registers of two blocks per SM).
+//          With group scales the chunk lies inside one group (the host requires group_size % 128 == 0): its sums are
+//          formed unscaled and added to the accumulators times the group's scales in fp32 (16 FFMA per batch block).
 //   [RED]  the 8 warps' accumulators through shared memory into the block's sums P[row][64] (fp32); then, with
 //          splits > 1, a cluster barrier, and block s adds every cluster block's P over the output pairs p with
 //          p % splits == s (ld.shared::cluster), applies channelwise scales in fp32, writes C; a second cluster barrier
 //          keeps each block's P alive until its peers have read it.
 //
 // Only on compute capability 9.0 (clusters; the host's direct_variant decides), built into the sm_90a code. Elsewhere
-// the kernel body traps and is never launched.
+// the kernel body traps and is never launched. Where it is the default: direct_pays (m <= 8, two blocks per tile).
 
 #pragma once
 
