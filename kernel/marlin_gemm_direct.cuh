@@ -108,7 +108,7 @@ __device__ __forceinline__ uint4 ldg_u4(const int4* p) {
 // Arguments as marlin_gemm_kernel's (A gathered for act-order; Z as 32-bit words, [scale_rows, n / 8]), plus
 //   chunks_per_group  group_size / 128 (GROUPED)
 //   splits            blocks per tile = the cluster size (1 .. 8)
-template <class K, int MB8, bool GROUPED, bool F32 = true>
+template <class K, int MB8, bool GROUPED>
 __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
     marlin_direct_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
                          const uint32_t* __restrict__ Z, typename K::ActT* __restrict__ C, int m, int n, int k,
@@ -121,7 +121,6 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   using SM = DirectSmem<MB8>;
   constexpr bool ZP = K::kZp;
   constexpr int kRows = SM::kRows;
-  constexpr bool kF32Part = GROUPED && F32;
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x;
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       }
     }
     const uint32_t sw[4] = {s_cur.x, s_cur.y, s_cur.z, s_cur.w};
-    float part[MB8][4][4];  // (kF32Part) the chunk's unscaled sums
+    float part[MB8][4][4];  // (grouped) the chunk's unscaled sums
 #pragma unroll
     for (int i = 0; i < kDirectStrips; ++i) {
       const uint32_t w[4] = {bq[i].x, bq[i].y, bq[i].z, bq[i].w};
@@ -239,11 +238,10 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       for (int j = 0; j < 4; ++j) {
         uint32_t f[4];
         DQ::template run<ZP>(&w[j], zero[j], f);
-        if constexpr (GROUPED && !kF32Part) scale_tile<Ops>(f, sw[j]);  // the chunk lies in one group
         const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};  // W^T rows g, g + 8 x k 2t.., 2t + 8.. (see the kernel)
 #pragma unroll
         for (int bb = 0; bb < MB8; ++bb) {
-          if constexpr (kF32Part) {
+          if constexpr (GROUPED) {
             if (i == 0) Ops::mma_first(part[bb][j], wa, bf[bb][0], bf[bb][1]);
             else Ops::mma(part[bb][j], wa, bf[bb][0], bf[bb][1]);
           } else {
@@ -252,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
         }
       }
     }
-    if constexpr (kF32Part) {
+    if constexpr (GROUPED) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float2 sc = Ops::to_float2(sw[j]);  // x: column 16 j + g, y: 16 j + 8 + g
@@ -333,21 +331,23 @@ int direct_variant();
 
 // Whether the direct kernel can take L (4-bit, m <= 8 MB8, k a multiple of 128, group size a multiple of 128 or one
 // scale row) and with how many blocks per tile: 0 = it cannot. Two where both halves of every tile are resident at once
-// (2 * n / 64 <= SMs x blocks per SM), else one; forced_splits > 0 (tuning) fixes the split (1 .. 8) where it fits.
-// H200, fp16 x 4-bit group 128, m = 1 (kernel/NOTES.md): 4096 x 4096 7.8 us at 2 against 10.8 at 4 and 15.3 at 8, a
-// cluster's blocks start and end together, so every wave pays the whole chain of load, reduction and cluster barrier.
+// (2 * n / 64 <= SMs x blocks per SM) and k has two chunks, else one; forced_splits > 0 (tuning) fixes the split
+// (1 .. 8) where it fits. H200, fp16 x 4-bit group 128, m = 1, the kernel's first form (kernel/NOTES.md): 4096 x 4096
+// 7.8 us at 2 against 8.8 / 11.0 / 15.3 at 3 / 4 / 8: a cluster's blocks start and end together, so every wave pays
+// the whole chain of load, reduction and cluster barrier.
 template <int MB8>
 int direct_splits(const Launch& L, int optin, int forced_splits) {
   if (L.m > 8 * MB8 || L.k % kDirectChunkK != 0) return 0;
   if (L.scale_rows > 1 && (L.k / L.scale_rows) % kDirectChunkK != 0) return 0;
   const int smem = DirectSmem<MB8>::bytes(L.m);
-  if (smem > optin) return 0;
+  if (DirectSmem<MB8>::bytes(8 * MB8) > optin) return 0;  // (launch_direct's attribute)
   const int chunks = L.k / kDirectChunkK;
   const int tiles = L.n / 64;
   const int by_regs = MB8 == 1 ? 2 : 1;  // __launch_bounds__
   const int by_smem = kSmemPerSm / (smem + 1024);  // (1 KB per block reserved by the runtime)
   const long resident = (long)L.sms * (by_smem < by_regs ? by_smem : by_regs);
-  const int splits = forced_splits > 0 ? forced_splits : (2L * tiles <= resident ? 2 : 1);
+  int splits = forced_splits > 0 ? forced_splits : (2L * tiles <= resident ? 2 : 1);
+  if (forced_splits <= 0 && splits > chunks) splits = chunks;  // (k = 128: one chunk, one block per tile)
   if (splits > kDirectMaxSplits || splits > chunks || splits > resident || (long)tiles * splits > 0x7fffffffL) return 0;
   return splits;
 }
@@ -368,9 +368,12 @@ int launch_direct(const Launch& L, int splits) {
   using ActT = typename K::ActT;
   auto kernel = marlin_direct_kernel<K, MB8, GROUPED>;
   const int smem = DirectSmem<MB8>::bytes(L.m);
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // the attribute is set to the largest m's size (a constant per instantiation, so that calls from several host
+  // threads never lower it under another's launch); each launch asks for its own m's
+  const int smem_max = DirectSmem<MB8>::bytes(8 * MB8);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
   if (e != cudaSuccess) {
-    set_error(L.err, L.errlen, "direct kernel: cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem,
+    set_error(L.err, L.errlen, "direct kernel: cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem_max,
               cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }

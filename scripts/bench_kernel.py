@@ -27,9 +27,11 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
     --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 32, 4-bit kinds: 0 = the mma.sync kernels,
            1 = the default rule, 2..4 = a fixed wgmma configuration, try_wgmma in kernel/marlin_gemm_impl.cuh), crossed
            with the two above.
-    --direct 0,1   times each value of MARLIN_CONVERT_DIRECT (Hopper, m <= 16, 4-bit kinds: 0 = the pipelined kernels,
-           1 = the direct-load kernel where it takes the layer, kernel/marlin_gemm_direct.cuh), crossed with the above;
-           with --split-k N the direct kernel runs N blocks per tile (a cluster of N) where it fits.
+    --direct 0,1,2   times each value of MARLIN_CONVERT_DIRECT (Hopper, m <= 16, 4-bit kinds: 0 = the pipelined
+           kernels, 1 = the default (the direct-load kernel where direct_pays, kernel/marlin_gemm_direct.cuh; never
+           with --split-k), 2 = the direct-load kernel wherever it fits, with --split-k N as its blocks per tile (a
+           cluster of N)), crossed with the above; a --cfgs value other than "-" takes the pipelined kernels whatever
+           --direct says.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -167,7 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--wgmma", type=str, help="comma-separated MARLIN_CONVERT_WGMMA values to compare "
                                                   "(benchmark only; 0 = mma.sync kernels, N = wgmma variant N)")
     parser.add_argument("--direct", type=str, help="comma-separated MARLIN_CONVERT_DIRECT values to compare "
-                                                   "(benchmark only; 0 = pipelined kernels, 1 = direct-load kernel)")
+                                                   "(benchmark only; 0 = pipelined kernels, 1 = default, "
+                                                   "2 = direct-load kernel wherever it fits)")
     parser.add_argument("--kinds", type=str, default="fp16-int4",
                         help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
     args = parser.parse_args(argv)

@@ -77,12 +77,13 @@ def main(argv=None) -> int:
                   (kind, 64, 2048, 1024, -1, False, 0, None, "3"), (kind, 65, 1024, 768, 64, False, 0, None, "3"),
                   (kind, 40, 2048, 512, 128, False, 2, None, "2")]
     # the Hopper direct-load kernel (4-bit kinds, m <= 16, k a multiple of 128, group size a multiple of 128 or
-    # channelwise; the default there on compute capability 9.0): one chunk, clusters of 3, 5 and 8 blocks with uneven
-    # chunks (blocks whose warps have none), two batch blocks, act-order
+    # channelwise; forced: MARLIN_CONVERT_DIRECT = 2): one chunk, clusters of 3, 5 and 8 blocks with uneven chunks
+    # (blocks whose warps have none), one block per tile (split 1: no cluster), two batch blocks, act-order
     direct_cases = [(kind, 1, 128, 64, -1, False, 0, None, None) for kind in KINDS if kind[1] == 4]
     for kind in [kd for kd in KINDS if kd[1] == 4]:
         direct_cases += [(kind, 9, 1024, 256, 128, False, 8, None, None),
-                         (kind, 3, 4096, 512, 128, True, 3, None, None), (kind, 16, 640, 128, -1, False, 5, None, None)]
+                         (kind, 3, 4096, 512, 128, True, 3, None, None), (kind, 16, 640, 128, -1, False, 5, None, None),
+                         (kind, 5, 1024, 256, 128, False, 1, None, None)]
     cases += direct_cases
     if args.few:
         cases = [c for i, c in enumerate(cases)

@@ -195,8 +195,10 @@ def test_forced_split_k_reduction(torch, m, split_k):
     _run_case(torch, m, 4096, 256, 128, False, seed=split_k * 1000 + m, split_k=split_k)
 
 
-def test_workspace_is_reusable(torch):
-    """Several calls on one workspace: it is zero after each, and every result is right."""
+def test_workspace_is_reusable(torch, monkeypatch):
+    """Several calls on one workspace: it is zero after each, and every result is right. (The pipelined kernels: on
+    Hopper the direct kernel would take this layer, and it uses no workspace.)"""
+    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", "0")
     _run_case(torch, 5, 4096, 192, 128, False, seed=7, calls=4)
 
 
@@ -550,12 +552,13 @@ def test_wgmma_kernel_runs_on_hopper(torch, monkeypatch, variant, m, k, n, group
 
 
 # The Hopper direct-load kernel (kernel/marlin_gemm_direct.cuh: 4-bit kinds, m <= 16, k a multiple of 128, group size a
-# multiple of 128 or channelwise; on compute capability 9.0 MARLIN_CONVERT_DIRECT = 2 takes it wherever it fits, 0 never,
-# and by default it runs at m <= 8). Each case runs with it and without; elsewhere both calls run the pipelined
+# multiple of 128 or channelwise; on compute capability 9.0 MARLIN_CONVERT_DIRECT = 2 takes it wherever it fits, 0
+# never, and by default it runs at m <= 8). Each case runs with it and without; elsewhere both calls run the pipelined
 # kernels, so these pass there too. Shapes:
 # one chunk and one tile, k == group size (one scale row), uneven chunks over the blocks of a cluster (forced splits 3
-# of 32 chunks, 5 of 5, 8 of 8: blocks whose warps have no chunk), one and two batch blocks (m 1..8, 9..16), group
-# 256 with act-order, long k, and shapes it refuses (group 64, k not a multiple of 128: the pipelined kernels).
+# of 32 chunks, 5 of 5, 8 of 8: blocks whose warps have no chunk), one block per tile (no cluster: forced split 1), one
+# and two batch blocks (m 1..8, 9..16), group 256 with act-order, long k, and shapes it refuses (group 64, k not a
+# multiple of 128: the pipelined kernels).
 DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (1, 128, 64, -1, False, 0),
     (1, 128, 64, 128, False, 0),
@@ -572,6 +575,8 @@ DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (12, 8192, 1024, -1, True, 0),
     (6, 1024, 256, 64, False, 0),
     (11, 1040, 256, -1, False, 0),
+    (6, 2048, 512, 128, False, 1),
+    (14, 1024, 192, -1, True, 1),
 ]
 DIRECT_KINDS = [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True)]
 
@@ -593,8 +598,9 @@ def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
     than the pipelined kernels', so over 4-65 K outputs some roundings differ; identical outputs would mean the same
     kernel ran. Both are checked against the reference."""
     props = torch.cuda.get_device_properties(0)
-    if (props.major, props.minor) != (9, 0):
-        pytest.skip("the direct kernel runs on compute capability 9.0 only")
+    if (props.major, props.minor) != (9, 0) or props.multi_processor_count < 132:
+        pytest.skip("the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: its default "
+                    "takes these shapes where every tile's two blocks are resident)")
     dtype, bits, asym = kind
     rng = np.random.default_rng(zlib.crc32(repr((m, k, n, kind)).encode()))
     p = Problem(k, n, group, False, rng, torch, bits=bits, asym=asym, dtype=dtype)
