@@ -52,33 +52,28 @@ bool device_is_sm90() {
          minor == 0;
 }
 
-// Hopper: whether the wgmma kernels (SWAP 3) can run here: the build has sm_90a code (kernel.py defines
-// MARLIN_CONVERT_SM90A when it compiles for compute_90a) and the device is compute capability 9.0 (device_is_sm90).
-// MARLIN_CONVERT_WGMMA (read per call; benchmark and tests; like the other switches, a value that does not start with a
-// digit counts as unset): 0 = never, 1 or unset = the default (where wgmma_pays), 2..4 = a fixed configuration wherever
-// it fits (try_wgmma).
-int wgmma_variant() {
+// A Hopper-only kernel's switch `name`: its value where that kernel can run here, else 0. It can run where the build
+// has sm_90a code (kernel.py defines MARLIN_CONVERT_SM90A when it compiles for compute_90a) and the device is compute
+// capability 9.0 (device_is_sm90). The switch is read per call (benchmark and tests; like the others, a value that does
+// not start with a digit counts as unset): 0 = never, 1 or unset = the default, other values per kernel.
+int hopper_switch(const char* name) {
 #if defined(MARLIN_CONVERT_SM90A)
-  const int want = env_switch("MARLIN_CONVERT_WGMMA", 1);
+  const int want = env_switch(name, 1);
   if (want == 0) return 0;
   return device_is_sm90() ? want : 0;
 #else
+  (void)name;
   return 0;
 #endif
 }
 
-// Hopper: whether the direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters) can run here, as
-// wgmma_variant. MARLIN_CONVERT_DIRECT (read per call; benchmark and tests): 0 = never, 1 or unset = the default,
+// The wgmma kernels (SWAP 3), MARLIN_CONVERT_WGMMA: 1 = where wgmma_pays, 2..4 = a fixed configuration wherever it fits
+// (try_wgmma).
+int wgmma_variant() { return hopper_switch("MARLIN_CONVERT_WGMMA"); }
+
+// The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters), MARLIN_CONVERT_DIRECT: 1 = where direct_pays,
 // 2 = wherever it fits (try_direct).
-int direct_variant() {
-#if defined(MARLIN_CONVERT_SM90A)
-  const int want = env_switch("MARLIN_CONVERT_DIRECT", 1);
-  if (want == 0) return 0;
-  return device_is_sm90() ? want : 0;
-#else
-  return 0;
-#endif
-}
+int direct_variant() { return hopper_switch("MARLIN_CONVERT_DIRECT"); }
 
 using KindFp16Int4 = Kind<half, 4, false>;
 
@@ -123,7 +118,7 @@ int dispatch_fp16_int4(const Launch& L) {
     const int cfg = small_cfg();  // benchmark-only switch, read once per call
     if (cfg < 0) {  // the direct-load kernel where it takes the layer (Hopper; marlin_gemm_direct.cuh)
       bool launched = false;
-      const int rc = try_direct<K, GROUPED>(L, launched);
+      const int rc = try_direct<K, GROUPED>(L, optin, launched);
       if (launched) return rc;
     }
     switch (cfg) {

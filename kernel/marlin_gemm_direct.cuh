@@ -358,9 +358,9 @@ int direct_splits(const Launch& L, int optin, int forced_splits) {
 // channelwise and 0.86-1.01 grouped over the four 4-bit kinds; 8192 x 8192 0.90-0.97 channelwise, 0.94-1.08 grouped;
 // one block per tile lost where tiles leave a partial second wave (8192 x 10240: 160 tiles, 1.05-1.19; 4096 x 22016:
 // 344, up to 1.22) and was mixed elsewhere (4096 x 12288 0.88-1.13, 8192 x 57344 0.88-1.01).
+// (try_direct has already kept m > 8 and forced splits away from it.)
 inline bool direct_pays(const Launch& L, int splits, bool grouped) {
-  if (L.m > 8 || L.split_k > 0 || splits != 2) return false;
-  return !(grouped && 2 * (L.n / 64) > L.sms && L.k < 16384);
+  return splits == 2 && !(grouped && 2 * (L.n / 64) > L.sms && L.k < 16384);
 }
 
 template <class K, int MB8, bool GROUPED>
@@ -404,10 +404,10 @@ int launch_direct(const Launch& L, int splits) {
 }
 
 // m <= 16, 4-bit kinds: the direct kernel where direct_variant allows it (1: the default, where direct_pays; 2: m <= 16
-// wherever it fits, with split_k > 0 as the cluster size; tests and benchmark). launched = false: the caller takes the
-// pipelined kernels.
+// wherever it fits, with split_k > 0 as the cluster size; tests and benchmark). optin: smem_optin() of the caller.
+// launched = false: the caller takes the pipelined kernels.
 template <class K, bool GROUPED>
-int try_direct(const Launch& L, bool& launched) {
+int try_direct(const Launch& L, int optin, bool& launched) {
   launched = false;
 #if defined(MARLIN_CONVERT_SM90A)  // (clusters: compute capability 9.0, built into the sm_90a code only)
   if constexpr (K::kBits == 4) {
@@ -416,7 +416,6 @@ int try_direct(const Launch& L, bool& launched) {
     // default: m <= 8 only (direct_pays). At m = 9..16 (two batch blocks, 163-188 registers: one block of 8 warps per
     // SM) it was 1.3-1.9x slower than the pipelined kernels on every shape (H100 and H200, kernel/NOTES.md)
     if (variant == 0 || (variant == 1 && (L.m > 8 || L.split_k > 0))) return MARLIN_OK;
-    const int optin = smem_optin();
     const int forced = L.split_k > 0 ? L.split_k : 0;
     if (L.m <= 8) {
       const int s = direct_splits<1>(L, optin, forced);

@@ -1523,7 +1523,7 @@ int dispatch_kind(const Launch& L) {
     const int cfg = small_cfg();  // benchmark-only switch (MARLIN_CONVERT_SMALL_CFG), read once per call
     if (cfg < 0) {  // the direct-load kernel where it takes the layer (Hopper; marlin_gemm_direct.cuh)
       bool launched = false;
-      const int rc = try_direct<K, GROUPED>(L, launched);
+      const int rc = try_direct<K, GROUPED>(L, optin, launched);
       if (launched) return rc;
     }
     if constexpr (kBits == 4 && !kZp) {

@@ -115,6 +115,30 @@ def _run_case(torch, m, k, n, group, act_order, seed, split_k=0, calls=1, bits=4
                                f"act={act_order} split={split_k}")
 
 
+def _skip_unless_hopper_132(torch, reason: str) -> None:
+    """Skip unless GPU 0 is compute capability 9.0 with >= 132 SMs (where the Hopper kernels' defaults are measured)."""
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) != (9, 0) or props.multi_processor_count < 132:
+        pytest.skip(reason)
+
+
+def _check_switch_changes_kernel(torch, monkeypatch, p: Problem, a, var: str, value, off_label: str, on_label: str):
+    """p.gemm(a) with the switch `var` at 0 and at `value` (None: unset, the default): both right, and not the same
+    bit for bit. The two kernels add in other orders, so over thousands of outputs some roundings differ; identical
+    outputs would mean the same kernel ran."""
+    monkeypatch.setenv(var, "0")
+    c_off = p.gemm(a)
+    if value is None:
+        monkeypatch.delenv(var)
+    else:
+        monkeypatch.setenv(var, value)
+    c_on = p.gemm(a)
+    torch.cuda.synchronize()
+    _check(torch, p, a, c_off, off_label)
+    _check(torch, p, a, c_on, on_label)
+    assert not torch.equal(c_off, c_on), f"the same outputs bit for bit: the {on_label} kernel did not run"
+
+
 @pytest.fixture(scope="module")
 def torch():
     import torch as _torch
@@ -515,8 +539,8 @@ WGMMA_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (96, 3072, 10240, 128, False, 0),
     (80, 3072, 512, 256, False, 2),
 ]
-WGMMA_CASES = [(kind, v) for kind in (("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True),
-                                      ("bfloat16", 4, True)) for v in ("1", "2", "3", "4")]
+FOUR_BIT_KINDS = [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True)]
+WGMMA_CASES = [(kind, v) for kind in FOUR_BIT_KINDS for v in ("1", "2", "3", "4")]
 
 
 @pytest.mark.parametrize("kind,variant", WGMMA_CASES, ids=lambda c: c if isinstance(c, str) else _kind_id(c))
@@ -535,20 +559,12 @@ def test_wgmma_kernel_runs_on_hopper(torch, monkeypatch, variant, m, k, n, group
     layer with 132 tiles of 256 columns (k >= 2560 per block on a 132-SM H100 / H200). Its sums come in another order
     than the mma.sync kernels', so over 2-4 M outputs some fp16 roundings differ; identical outputs would mean the same
     kernel ran. Both are checked against the reference."""
-    props = torch.cuda.get_device_properties(0)
-    if (props.major, props.minor) != (9, 0) or props.multi_processor_count < 132:
-        pytest.skip("the wgmma kernels run on compute capability 9.0 only (this check needs 132 SMs)")
+    _skip_unless_hopper_132(torch, "the wgmma kernels run on compute capability 9.0 only (this check needs 132 SMs)")
     rng = np.random.default_rng(zlib.crc32(repr((variant, m, k, n)).encode()))
     p = Problem(k, n, group, False, rng, torch)
     a = torch.randn(m, k, device="cuda").half()
-    monkeypatch.setenv("MARLIN_CONVERT_WGMMA", "0")
-    c_mma = p.gemm(a)
-    monkeypatch.setenv("MARLIN_CONVERT_WGMMA", variant)
-    c_wgmma = p.gemm(a)
-    torch.cuda.synchronize()
-    _check(torch, p, a, c_mma, "mma.sync")
-    _check(torch, p, a, c_wgmma, f"wgmma variant {variant}")
-    assert not torch.equal(c_mma, c_wgmma), "the same outputs bit for bit: the wgmma kernel did not run"
+    _check_switch_changes_kernel(torch, monkeypatch, p, a, "MARLIN_CONVERT_WGMMA", variant, "mma.sync",
+                                 f"wgmma variant {variant}")
 
 
 # The Hopper direct-load kernel (kernel/marlin_gemm_direct.cuh: 4-bit kinds, m <= 16, k a multiple of 128, group size a
@@ -578,10 +594,9 @@ DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (6, 2048, 512, 128, False, 1),
     (14, 1024, 192, -1, True, 1),
 ]
-DIRECT_KINDS = [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True)]
 
 
-@pytest.mark.parametrize("kind", DIRECT_KINDS, ids=_kind_id)
+@pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
 @pytest.mark.parametrize("direct", ["0", "2"])
 @pytest.mark.parametrize("m,k,n,group,act_order,split_k", DIRECT_SHAPES)
 def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_order, split_k):
@@ -591,28 +606,19 @@ def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_ord
               split_k=split_k, calls=2, bits=bits, asym=asym, dtype=dtype)
 
 
-@pytest.mark.parametrize("kind", DIRECT_KINDS, ids=_kind_id)
+@pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
 @pytest.mark.parametrize("m,k,n,group", [(1, 4096, 4096, 128), (8, 8192, 8192, -1), (5, 11008, 4096, 128)])
 def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
     """On compute capability 9.0 the direct kernel really runs by default at m <= 8: its sums come in another order
     than the pipelined kernels', so over 4-65 K outputs some roundings differ; identical outputs would mean the same
     kernel ran. Both are checked against the reference."""
-    props = torch.cuda.get_device_properties(0)
-    if (props.major, props.minor) != (9, 0) or props.multi_processor_count < 132:
-        pytest.skip("the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: its default "
-                    "takes these shapes where every tile's two blocks are resident)")
+    _skip_unless_hopper_132(torch, "the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: "
+                                   "its default takes these shapes where every tile's two blocks are resident)")
     dtype, bits, asym = kind
     rng = np.random.default_rng(zlib.crc32(repr((m, k, n, kind)).encode()))
     p = Problem(k, n, group, False, rng, torch, bits=bits, asym=asym, dtype=dtype)
     a = torch.randn(m, k, device="cuda").to(p.dtype)
-    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", "0")
-    c_pipe = p.gemm(a)
-    monkeypatch.delenv("MARLIN_CONVERT_DIRECT")
-    c_direct = p.gemm(a)
-    torch.cuda.synchronize()
-    _check(torch, p, a, c_pipe, "pipelined")
-    _check(torch, p, a, c_direct, "direct")
-    assert not torch.equal(c_pipe, c_direct), "the same outputs bit for bit: the direct kernel did not run"
+    _check_switch_changes_kernel(torch, monkeypatch, p, a, "MARLIN_CONVERT_DIRECT", None, "pipelined", "direct")
 
 
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
