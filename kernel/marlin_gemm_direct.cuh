@@ -143,7 +143,8 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   const uint32_t a_row = (uint32_t)k / 8;  // int4 per A row
   const int slot_bytes = SM::slot_bytes(m);
   unsigned char* const a_slots = smem + warp * 2 * slot_bytes;
-  auto b_word = [&](int c, int i) { return ldg_stream16(b_lane + ((uint32_t)(c * kDirectStrips + i)) * b_row); };
+  // the lane's word of strip 0 of chunk c; strip i is i B rows further on (b_row int4 each)
+  auto b_chunk = [&](int c) { return b_lane + (uint32_t)(c * kDirectStrips) * b_row; };
   // chunk c's rows < m of A into slot `slot` (cp.async); one group per call, empty when c >= w_hi, so that waiting
   // for all but the newest group always means "the current chunk's A is here"
   auto copy_a = [&](int c, int slot) {
@@ -157,31 +158,28 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
     }
     cp_async_commit();
   };
-  // the group's scale word and zero-point word of chunk c
-  auto group_words = [&](int c, uint4& sw, uint32_t& zw) {
-    if constexpr (GROUPED) {
-      const int grp = chunks_per_group == 1 ? c : c / chunks_per_group;  // (group 128: no division)
-      sw = ldg_u4(S + grp * s_row + tile * 8 + g);
-      if constexpr (ZP) zw = __ldg(Z + grp * s_row + tile * 8 + g);
-    }
-  };
+  // the group of chunk c (group 128: the chunk itself, no division)
+  auto group_of_chunk = [&](int c) { return chunks_per_group == 1 ? c : c / chunks_per_group; };
+  const int4* const s_lane = S + tile * 8 + g;  // the lane's scale word of a group row
+  [[maybe_unused]] const uint32_t* const z_lane = ZP ? Z + tile * 8 + g : nullptr;
 
-  // The B words in flight: bq[i] holds strip i of the current chunk until it is used, then strip i of the next one
-  // (a ring one chunk = 8 x 512 bytes per warp deep, in half the registers of two whole chunks).
+  // The B words in flight: bq[i] holds strip i of the current chunk until it is dequantized, then strip i of the next
+  // one (a ring one chunk = 8 x 512 bytes per warp deep, in half the registers of two whole chunks). The refill is
+  // issued after the strip's dequant, so that it lands in the same registers (no copies at the chunk's end).
   uint4 bq[kDirectStrips];
-  uint4 s_next = make_uint4(0u, 0u, 0u, 0u);
-  uint32_t z_next = 0u;
+  uint32_t z_next = 0u;  // (grouped zero points) the next chunk's word, one chunk ahead: strip 0 needs it at once
   if (w_lo < w_hi) {
+    const int4* bp = b_chunk(w_lo);
 #pragma unroll
-    for (int i = 0; i < kDirectStrips; ++i) bq[i] = b_word(w_lo, i);
-    group_words(w_lo, s_next, z_next);
+    for (int i = 0; i < kDirectStrips; ++i, bp += b_row) bq[i] = ldg_stream16(bp);
+    if constexpr (ZP && GROUPED) z_next = __ldg(z_lane + group_of_chunk(w_lo) * s_row);
   }
   copy_a(w_lo, 0);
 
   // channelwise zero points: one row, the lane's word read once
   typename DQ::Zero zero_cw[4] = {};
   if constexpr (ZP && !GROUPED) {
-    const uint32_t zw[1] = {__ldg(Z + tile * 8 + g)};
+    const uint32_t zw[1] = {__ldg(z_lane)};
 #pragma unroll
     for (int j = 0; j < 4; ++j) zero_cw[j] = DQ::zero(zw, j);
   }
@@ -195,49 +193,64 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[bb][j][e] = 0.0f;
 
-  // ---- main loop: chunk c computed strip by strip, each strip's B registers refilled with the next chunk's
-  const uint32_t a_lane = smem_u32(a_slots) + 4 * t;
+  // ---- main loop: chunk c computed strip by strip, each strip's B registers refilled with the next chunk's.
+  // a_lane: this lane's activation word (row g, k 2t, 2t + 1) of slot 0; row 8 bb + g, strip i, k + 8 are immediate
+  // offsets from it (8 bb x kARowBytes, 32 i, 16)
+  const uint32_t a_lane = smem_u32(a_slots) + (uint32_t)(g * kARowBytes + 4 * t);
+  bool row_ok[MB8];
+#pragma unroll
+  for (int bb = 0; bb < MB8; ++bb) row_ok[bb] = 8 * bb + g < m;
   for (int c = w_lo; c < w_hi; ++c) {
     const int slot = (c - w_lo) & 1;
     const bool next = c + 1 < w_hi;
     copy_a(c + 1, slot ^ 1);
-    const uint4 s_cur = s_next;
+    // (grouped) this chunk's scale word, read now and used at the chunk's end (the strips cover its latency)
+    uint4 s_cur = make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (GROUPED) s_cur = ldg_u4(s_lane + group_of_chunk(c) * s_row);
     const uint32_t z_cur = z_next;
-    if (next) group_words(c + 1, s_next, z_next);
+    if constexpr (ZP && GROUPED) {
+      if (next) z_next = __ldg(z_lane + group_of_chunk(c + 1) * s_row);
+    }
     cp_async_wait<1>();  // this chunk's A (the newest group is the next chunk's)
     __syncwarp();
     const uint32_t a_slot = a_lane + (uint32_t)(slot * slot_bytes);
+    // the four tiles' Zero values: once per chunk, except bf16 with group zero points, which derives them per strip
+    // from the word (2 ALU instructions each; holding all four took the registers past the launch bound's 128)
+    constexpr bool kZeroPerStrip = ZP && GROUPED && std::is_same<ActT, __nv_bfloat16>::value;
     typename DQ::Zero zero[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if constexpr (ZP && GROUPED) {
+      if constexpr (ZP && GROUPED && !kZeroPerStrip) {
         const uint32_t zw[1] = {z_cur};
         zero[j] = DQ::zero(zw, j);
       } else {
         zero[j] = zero_cw[j];
       }
     }
-    const uint32_t sw[4] = {s_cur.x, s_cur.y, s_cur.z, s_cur.w};
+    const int4* bp = b_chunk(next ? c + 1 : c);  // (the last chunk re-reads nothing: the refill is predicated off)
     float part[MB8][4][4];  // (grouped) the chunk's unscaled sums
 #pragma unroll
-    for (int i = 0; i < kDirectStrips; ++i) {
-      const uint32_t w[4] = {bq[i].x, bq[i].y, bq[i].z, bq[i].w};
-      if (next) bq[i] = b_word(c + 1, i);
+    for (int i = 0; i < kDirectStrips; ++i, bp += b_row) {
       uint32_t bf[MB8][2];
 #pragma unroll
       for (int bb = 0; bb < MB8; ++bb) {
-        const int row = 8 * bb + g;
         bf[bb][0] = bf[bb][1] = 0u;
-        if (row < m) {  // k 16 i + 2t, +1 and 16 i + 2t + 8, +9 of the chunk
-          const uint32_t at = a_slot + (uint32_t)(row * kARowBytes + 32 * i);
+        if (row_ok[bb]) {  // k 16 i + 2t, +1 and 16 i + 2t + 8, +9 of the chunk, row 8 bb + g
+          const uint32_t at = a_slot + (uint32_t)(8 * bb * kARowBytes + 32 * i);
           asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bf[bb][0]) : "r"(at));
           asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(bf[bb][1]) : "r"(at + 16));
         }
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
+        const uint32_t w[1] = {j == 0 ? bq[i].x : j == 1 ? bq[i].y : j == 2 ? bq[i].z : bq[i].w};
         uint32_t f[4];
-        DQ::template run<ZP>(&w[j], zero[j], f);
+        if constexpr (kZeroPerStrip) {
+          const uint32_t zw[1] = {z_cur};
+          DQ::template run<ZP>(w, DQ::zero(zw, j), f);
+        } else {
+          DQ::template run<ZP>(w, zero[j], f);
+        }
         const uint32_t wa[4] = {f[0], f[2], f[1], f[3]};  // W^T rows g, g + 8 x k 2t.., 2t + 8.. (see the kernel)
 #pragma unroll
         for (int bb = 0; bb < MB8; ++bb) {
@@ -249,8 +262,10 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
           }
         }
       }
+      if (next) bq[i] = ldg_stream16(bp);  // (after the strip's last dequant: bq[i] is free)
     }
     if constexpr (GROUPED) {
+      const uint32_t sw[4] = {s_cur.x, s_cur.y, s_cur.z, s_cur.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float2 sc = Ops::to_float2(sw[j]);  // x: column 16 j + g, y: 16 j + 8 + g
