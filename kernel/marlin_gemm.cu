@@ -11,8 +11,9 @@ namespace detail {
 
 // The instantiated configurations (see kernel/README.md for why these).
 // fp16 x 4-bit symmetric (the converter's main kind; dispatch_fp16_int4 below):
-//   m <= 8 on Hopper where each 64-column tile takes a cluster of two blocks (direct_pays): the direct-load kernel
-//             (marlin_gemm_direct.cuh; try_direct), for every 4-bit kind; otherwise:
+//   m <= 8 on Hopper, where each 64-column tile takes a cluster of two blocks, or in stream-K where every block gets
+//             enough of the work (direct_pays): the direct-load kernel (marlin_gemm_direct.cuh; try_direct), for every
+//             4-bit kind; otherwise:
 //   m <= 16 : grouped with n / 64 > SMs, or channelwise m <= 8 with n / 256 >= SMs: 4 strips at 2 stages, swapped;
 //             otherwise MB=1, WN=1 (64-column tiles: the most blocks for small n), 4 stages, swapped (C^T = W^T A^T) with
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
@@ -71,8 +72,8 @@ int hopper_switch(const char* name) {
 // (try_wgmma).
 int wgmma_variant() { return hopper_switch("MARLIN_CONVERT_WGMMA"); }
 
-// The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters), MARLIN_CONVERT_DIRECT: 1 = where direct_pays,
-// 2 = wherever it fits (try_direct).
+// The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters or stream-K), MARLIN_CONVERT_DIRECT: 1 = where
+// direct_pays, 2 = wherever it fits in cluster mode, 3 = in stream-K (try_direct).
 int direct_variant() { return hopper_switch("MARLIN_CONVERT_DIRECT"); }
 
 using KindFp16Int4 = Kind<half, 4, false>;

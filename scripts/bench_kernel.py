@@ -9,7 +9,8 @@ Exact command (GPU machine, repo root):
 
 What is timed: one launch per weight copy, replayed from a CUDA graph (so Python/launch overhead is out of the
 numbers), several weight copies rotated so the weight is not L2-resident (L2 is 60 MB on an H200: the copies of each
-operand together exceed 4 x 60 MB), CUDA events, median of the repeats after warm-up. Bandwidth arithmetic:
+operand together exceed 4 x 60 MB), CUDA events, median of the repeats after at least 50 ms of warm-up replays.
+Bandwidth arithmetic:
     ours   bytes = B (k * n * bits / 8) + s (k / g * n * 2) [+ zp (k / g * n * bits / 8)] + A (m * k * 2)
                    + C (m * n * 2)
     torch  bytes = W (k * n * 2) + A + C         (torch.matmul in the kind's activation dtype, fp16 or bf16)
@@ -27,11 +28,11 @@ operand together exceed 4 x 60 MB), CUDA events, median of the repeats after war
     --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 32, 4-bit kinds: 0 = the mma.sync kernels,
            1 = the default rule, 2..4 = a fixed wgmma configuration, try_wgmma in kernel/marlin_gemm_impl.cuh), crossed
            with the two above.
-    --direct 0,1,2   times each value of MARLIN_CONVERT_DIRECT (Hopper, m <= 16, 4-bit kinds: 0 = the pipelined
+    --direct 0,1,2,3   times each value of MARLIN_CONVERT_DIRECT (Hopper, m <= 16, 4-bit kinds: 0 = the pipelined
            kernels, 1 = the default (the direct-load kernel where direct_pays, kernel/marlin_gemm_direct.cuh; never
            with --split-k), 2 = the direct-load kernel wherever it fits, with --split-k N as its blocks per tile (a
-           cluster of N)), crossed with the above; a --cfgs value other than "-" takes the pipelined kernels whatever
-           --direct says.
+           cluster of N), 3 = its stream-K form wherever it fits), crossed with the above; a --cfgs value other than
+           "-" takes the pipelined kernels whatever --direct says.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -76,7 +77,16 @@ def time_graph(torch, fn, calls: int, repeats: int) -> float:
         def run():
             for i in range(calls):
                 fn(i)
+    # warm-up replays for at least 50 ms of GPU time: the first timed replays after a new shape's weights were
+    # allocated ran up to 14 % slow with 3 replays only (8192 x 57344, m = 1: 88 against 77 us, torch 257 against 232)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(3):
+        run()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) / 1e3 / 3, 1e-6)
+    for _ in range(math.ceil(0.05 / one)):
         run()
     torch.cuda.synchronize()
     times = []
@@ -170,7 +180,8 @@ def main(argv=None) -> int:
                                                   "(benchmark only; 0 = mma.sync kernels, N = wgmma variant N)")
     parser.add_argument("--direct", type=str, help="comma-separated MARLIN_CONVERT_DIRECT values to compare "
                                                    "(benchmark only; 0 = pipelined kernels, 1 = default, "
-                                                   "2 = direct-load kernel wherever it fits)")
+                                                   "2 = direct-load kernel wherever it fits, 3 = its stream-K "
+                                                   "form)")
     parser.add_argument("--kinds", type=str, default="fp16-int4",
                         help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
     args = parser.parse_args(argv)

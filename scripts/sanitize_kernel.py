@@ -13,8 +13,8 @@ Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, 
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408 for the m <= 16 kernels of
 larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA) and the Hopper
-direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; every wgmma and direct case kept
-by --few).
+direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, a tile
+over up to 4 blocks; every wgmma and direct case kept by --few).
 """
 
 from __future__ import annotations
@@ -84,14 +84,23 @@ def main(argv=None) -> int:
         direct_cases += [(kind, 9, 1024, 256, 128, False, 8, None, None),
                          (kind, 3, 4096, 512, 128, True, 3, None, None), (kind, 16, 640, 128, -1, False, 5, None, None),
                          (kind, 5, 1024, 256, 128, False, 1, None, None)]
-    cases += direct_cases
+    # its stream-K form (MARLIN_CONVERT_DIRECT = 3): one tile whose 4 units go to 4 blocks (a chain of 4 through the
+    # tile's lock), two batch blocks, a last unit of one chunk (warps with none), act-order
+    direct_sk_cases = []
+    for kind in [kd for kd in KINDS if kd[1] == 4]:
+        direct_sk_cases += [(kind, 1, 4096, 64, 128, False, 0, None, None),
+                            (kind, 9, 2048, 192, -1, False, 0, None, None),
+                            (kind, 4, 1152, 128, 128, True, 0, None, None)]
+    cases += direct_cases + direct_sk_cases
     if args.few:
         cases = [c for i, c in enumerate(cases)
-                 if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None or c in direct_cases]
+                 if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None or c in direct_cases
+                 or c in direct_sk_cases]
     failures = 0
     for case in cases:
         (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma = case
-        direct = "2" if case in direct_cases else None  # (m = 9..16 takes the direct kernel only when forced)
+        # (m = 9..16 takes the direct kernel only when forced)
+        direct = "3" if case in direct_sk_cases else "2" if case in direct_cases else None
         for var, value in (("MARLIN_CONVERT_STREAM_K", stream_k), ("MARLIN_CONVERT_WGMMA", wgmma),
                            ("MARLIN_CONVERT_DIRECT", direct)):
             if value is None:

@@ -113,6 +113,7 @@ def _run_case(torch, m, k, n, group, act_order, seed, split_k=0, calls=1, bits=4
         assert c.data_ptr() == out.data_ptr() and c.shape == (m, n) and c.dtype == p.dtype
         _check(torch, p, a, c, f"{dtype} b{bits}{' zp' if asym else ''} m={m} k={k} n={n} g={group} "
                                f"act={act_order} split={split_k}")
+    assert int(p.workspace.abs().sum()) == 0, "workspace not left zeroed"
 
 
 def _skip_unless_hopper_132(torch, reason: str) -> None:
@@ -606,12 +607,39 @@ def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_ord
               split_k=split_k, calls=2, bits=bits, asym=asym, dtype=dtype)
 
 
+# Its stream-K form (MARLIN_CONVERT_DIRECT = 3: the (tile, unit) space, a unit = one 128-k chunk per warp, cut evenly
+# over the resident blocks, at most 4 contributors per tile; they add through C under the tile's lock, last segment
+# first). With 132 SMs (264 blocks at m <= 8, 132 at m = 9..16): tiles of 11 units (the last of 6 chunks) over blocks
+# of 4, so blocks cross tiles; 344 tiles of 4 units over blocks of 6; 8 tiles of 16 units over blocks of 6 (chains of
+# 3-4); two batch blocks, 3-4 blocks per tile; a last unit of one chunk (warps with none); one chunk. Elsewhere the split
+# differs but every case still runs the same kernel.
+DIRECT_STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
+    (1, 11008, 4096, 128, False),
+    (8, 4096, 22016, -1, False),
+    (5, 16384, 512, 256, True),
+    (16, 8192, 1024, 128, False),
+    (3, 1152, 192, -1, False),
+    (2, 128, 64, 128, False),
+    (12, 28672, 256, 128, False),
+]
+
+
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
-@pytest.mark.parametrize("m,k,n,group", [(1, 4096, 4096, 128), (8, 8192, 8192, -1), (5, 11008, 4096, 128)])
+@pytest.mark.parametrize("m,k,n,group,act_order", DIRECT_STREAM_K_SHAPES)
+def test_direct_kernel_stream_k(torch, monkeypatch, kind, m, k, n, group, act_order):
+    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", "3")
+    dtype, bits, asym = kind
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group, kind, "sk")).encode()),
+              calls=2, bits=bits, asym=asym, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
+@pytest.mark.parametrize("m,k,n,group", [(1, 4096, 4096, 128), (8, 8192, 8192, -1), (5, 11008, 4096, 128),
+                                         (2, 8192, 10240, 128)])
 def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
-    """On compute capability 9.0 the direct kernel really runs by default at m <= 8: its sums come in another order
-    than the pipelined kernels', so over 4-65 K outputs some roundings differ; identical outputs would mean the same
-    kernel ran. Both are checked against the reference."""
+    """On compute capability 9.0 the direct kernel really runs by default at m <= 8 (cluster mode; 8192 x 10240 grouped:
+    stream-K): its sums come in another order than the pipelined kernels', so over 4-65 K outputs some roundings
+    differ; identical outputs would mean the same kernel ran. Both are checked against the reference."""
     _skip_unless_hopper_132(torch, "the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: "
                                    "its default takes these shapes where every tile's two blocks are resident)")
     dtype, bits, asym = kind
