@@ -109,6 +109,13 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                : "r"(smem_u32(smem)));
 }
 
+// The same from a shared-window address (smem_u32): lets a kernel hoist the address arithmetic out of its strip loop.
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // Three-input logic op; LUT is the truth table of f(a, b, c) evaluated on a = 0xF0, b = 0xCC, c = 0xAA.
 template <int LUT>
 __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
@@ -875,6 +882,20 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     //                 and the zero points are read, and the zeros derived, once for all the strips
     // With kOffsetB (bf16 x 4-bit) in kOneGroupF32 mode, B is 128 + q and rs[h] gets the sums of batch block h's
     // activations over the strips (an mma with an all-ones W^T); the caller subtracts (128 + z) * rs.
+    // (swapped mma.sync kernels, MB = 1) the byte offset in a stage's A tile of this lane's ldmatrix row for each of
+    // its STRIPS strips (see the A fragments in strips()): computed once here, so that a strip's A load is one add
+    // from the stage's base. ptxas had recomputed the swizzled address and the shared window's base for every strip
+    // (about 20 of a strip's ~90 instructions, kernel/NOTES.md).
+    [[maybe_unused]] uint32_t a_lane_off[STRIPS] = {};
+    if constexpr (SWAP != 0 && !WG) {
+      const int q = lane >> 3;
+      const int r = (lane & 7) + (q >> 1) * 8;
+#pragma unroll
+      for (int ls = 0; ls < STRIPS; ++ls) {
+        const int ch = 2 * (wk * STRIPS + ls) + (q & 1);
+        a_lane_off[ls] = (uint32_t)(r * T::kStageK + ((ch ^ (r & 7)) * 8)) * 2u;
+      }
+    }
     auto strips = [&](auto mode_tag, float (&d)[MB][kAccN][4], float (&rs)[2][4], int slot, int st) {
       constexpr int kMode = decltype(mode_tag)::value;
       constexpr bool kOneGroup = kMode != kPerStrip;
@@ -882,6 +903,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       [[maybe_unused]] constexpr bool kOffset = kOffsetB && kMode == kOneGroupF32;
       const unsigned char* base = smem + slot * T::kStageBytes;
       const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
+      [[maybe_unused]] const uint32_t a_base = smem_u32(sA);  // (swapped kernels: + a_lane_off[ls])
       const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
       const int4* sS = reinterpret_cast<const int4*>(base + T::kABytes + T::kBBytes);
       const int strip0 = st * T::kStageStrips;
@@ -901,13 +923,19 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
 #pragma unroll
         for (int j = 0; j < 4; ++j) zero_once[j] = DQ::zero(zw, j);
       }
+      // The strips, twice in the 4-bit mma.sync kernels: without a guard per strip where all of this warp's strips lie
+      // inside k (every stage but possibly the last), so that ptxas computes their shared-memory addresses once (with
+      // a branch around every strip it recomputed them for each: ~20 of a strip's ~90 instructions in the swapped
+      // kernels, kernel/NOTES.md); with the guard otherwise.
+      auto strip_loop = [&](auto guard_tag) {
+      constexpr bool kGuard = decltype(guard_tag)::value;
 #pragma unroll
       for (int ls = 0; ls < STRIPS; ++ls) {
         const int strip = wk * STRIPS + ls;  // strip inside the stage
         // (the one-group path's first strip is always there: compute_stage checked it; there the mma starts the
         // partial sums from zero instead of adding to zeroed registers)
         const bool first = kMode == kOneGroupF32 && ls == 0;  // a constant once the loop is unrolled
-        if (first || strip0 + strip < k_strips) {  // warp-uniform
+        if (!kGuard || first || strip0 + strip < k_strips) {  // warp-uniform
           if constexpr (WG) {
             // wgmma: this warp's tiles 2 jh, 2 jh + 1 of its 64 columns (words 2 jh, 2 jh + 1 of the lane's 16 bytes;
             // 8-bit: its second 16 bytes hold tiles 2, 3), unswapped into the W^T fragment order, then one wgmma per
@@ -999,12 +1027,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
             // pair is two consecutive registers, {a0, a1} and {a2, a3} (with the other order the compiler copied the
             // pair into fresh registers for every mma: 8 moves per strip, kernel/NOTES.md).
             uint32_t a[MB][4];
+            if constexpr (SWAP != 0) {
+              ldmatrix_x4_at(a[0], a_base + a_lane_off[ls]);
+            } else {
 #pragma unroll
-            for (int mb = 0; mb < MB; ++mb) {
-              const int q = lane >> 3;
-              const int r = mb * 16 + (lane & 7) + (SWAP != 0 ? (q >> 1) : (q & 1)) * 8;
-              const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
-              ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
+              for (int mb = 0; mb < MB; ++mb) {
+                const int q = lane >> 3;
+                const int r = mb * 16 + (lane & 7) + (q & 1) * 8;
+                const int ch = 2 * strip + (q >> 1);
+                ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
+              }
             }
             if constexpr (kOffset) {  // rs[h] += ones (16 x 16) x A^T: every row the sum over k of each batch row
               const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
@@ -1048,6 +1080,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
           }
         }
       }
+      };
+      // (not the wgmma, 8-bit and unswapped zero-point kernels: their registers do not take two copies, ptxas spilled)
+      if constexpr (!WG && BITS == 4 && !(SWAP == 0 && ZP)) {
+        if (strip0 + wk * STRIPS + STRIPS <= k_strips) {
+          strip_loop(std::false_type{});
+          return;
+        }
+      }
+      strip_loop(std::true_type{});
     };
     const bool strips_share_group = GROUPED && group_size % (16 * STRIPS) == 0;
     auto compute_stage = [&](int slot, int st) {

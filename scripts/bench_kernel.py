@@ -45,6 +45,7 @@ import argparse
 import math
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -98,6 +99,22 @@ def time_graph(torch, fn, calls: int, repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
+
+
+def gpu_state(index: int) -> str:
+    """The GPU's SM and memory clocks, temperature and power now (``nvidia-smi``), or why they are not known. The
+    kernels at m <= 16 are sensitive to the SM clock where torch's memory-bound matmul is not: two lent H200s gave
+    the same torch times and direct-kernel times 10 % apart."""
+    fields = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader",
+                               "-i", str(index)], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+    values = done.stdout.strip().split(", ")
+    if done.returncode != 0 or len(values) != len(fields):
+        return f"unknown (nvidia-smi exit {done.returncode}: {done.stdout.strip() or done.stderr.strip()})"
+    return ", ".join(f"{name} {value}" for name, value in zip(fields, values))
 
 
 def copy_bandwidth(torch, size: int = 2 * 2**30, repeats: int = 30) -> float:
@@ -214,6 +231,7 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(torch)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"D2D copy {copy_bw / 1e9:.0f} GB/s (read + write)")
+    print(f"GPU state at the start: {gpu_state(torch.cuda.current_device())}")
     print(f"{'kind':>12} {'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
           f"{'ours GB/s':>9} {'% copy':>6} {'torch GB/s':>10}")
     def variant_values(option):  # "-" = the default (variable unset)
@@ -310,6 +328,7 @@ def main(argv=None) -> int:
             per_m = " ".join(f"{geomean(sg.get(m, [])):>6.2f}x" for m in ms)
             print(f"{kind:>12} {variant or '-':>8} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | "
                   f"{per_m}")
+    print(f"GPU state at the end: {gpu_state(torch.cuda.current_device())}")
     return 0
 
 
