@@ -150,8 +150,8 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   const bool stream_k = units_per_block > 0;
 
   // ---- the block's segments. Cluster mode: one, chunks [split * chunks / splits, ...) of tile blockIdx.x / splits.
-  // Stream-K: the units [u_lo, u_hi) of the flattened (tile, unit) space, unit = tile * tile_units + u covering chunks
-  // [8 u, 8 u + 8) of the tile, one segment per tile touched, last first: a block's last segment is the head (chunk 0
+  // Stream-K: the units [u_lo, min(u_lo + units_per_block, all units)) of the flattened (tile, unit) space, unit =
+  // tile * tile_units + u covering chunks [8 u, 8 u + 8) of the tile, one segment per tile touched, last first: a block's last segment is the head (chunk 0
   // on) of its tile, contributor 0, which never waits for the lock, so it is done early; its first segment, a tile's
   // tail, waits for the blocks before it, which by then have finished theirs (each takes its last segment first too).
   const int tile_units = (chunks + kDirectUnitChunks - 1) / kDirectUnitChunks;
@@ -461,8 +461,8 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
   const int by_smem = kSmemPerSm / (smem + 1024);  // (1 KB per block reserved by the runtime)
   const long resident = (long)L.sms * (by_smem < by_regs ? by_smem : by_regs);
   if (stream_k) {
-    // at most 4 contributors per tile (units_per_block >= tile_units / 3): each adds its sums to C's 16-bit values, so
-    // a longer chain rounds more often (bf16: a chain of 16 measured 2x torch's error, tests/test_kernel_gpu.py)
+    // at most 4 contributors per tile (units_per_block >= ceil(tile_units / 3)): each adds its sums to C's 16-bit
+    // values, so a longer chain rounds more often (bf16: a chain of 16 measured 2x torch's error, tests/test_kernel_gpu.py)
     const int tile_units = (chunks + kDirectUnitChunks - 1) / kDirectUnitChunks;
     const long units = (long)tiles * tile_units;
     if (resident < 1 || units > 0x7fffffffL) return plan;

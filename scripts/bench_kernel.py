@@ -101,20 +101,28 @@ def time_graph(torch, fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def gpu_state(index: int) -> str:
+def gpu_state(torch) -> str:
     """The GPU's SM and memory clocks, temperature and power now (``nvidia-smi``), or why they are not known. The
     kernels at m <= 16 are sensitive to the SM clock where torch's memory-bound matmul is not: two lent H200s gave
     the same torch times and direct-kernel times 10 % apart."""
     fields = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
-    try:
-        done = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader",
-                               "-i", str(index)], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unknown ({exc})"
-    values = done.stdout.strip().split(", ")
-    if done.returncode != 0 or len(values) != len(fields):
-        return f"unknown (nvidia-smi exit {done.returncode}: {done.stdout.strip() or done.stderr.strip()})"
-    return ", ".join(f"{name} {value}" for name, value in zip(fields, values))
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    ids = [str(index)]  # the GPU by its PCI address first (CUDA's device order need not be nvidia-smi's)
+    if all(hasattr(props, f) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        ids.insert(0, f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0")
+    why = "no answer"
+    for gpu in ids:
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader",
+                                   f"--id={gpu}"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"unknown ({exc})"
+        values = done.stdout.strip().split(", ")
+        if done.returncode == 0 and len(values) == len(fields):
+            return f"GPU {gpu}: " + ", ".join(f"{name} {value}" for name, value in zip(fields, values))
+        why = f"nvidia-smi --id={gpu} exit {done.returncode}: {(done.stdout or done.stderr).strip()[:200]}"
+    return f"unknown ({why})"
 
 
 def copy_bandwidth(torch, size: int = 2 * 2**30, repeats: int = 30) -> float:
@@ -231,7 +239,7 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(torch)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"D2D copy {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"GPU state at the start: {gpu_state(torch.cuda.current_device())}")
+    print(f"GPU state at the start: {gpu_state(torch)}")
     print(f"{'kind':>12} {'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
           f"{'ours GB/s':>9} {'% copy':>6} {'torch GB/s':>10}")
     def variant_values(option):  # "-" = the default (variable unset)
@@ -328,7 +336,7 @@ def main(argv=None) -> int:
             per_m = " ".join(f"{geomean(sg.get(m, [])):>6.2f}x" for m in ms)
             print(f"{kind:>12} {variant or '-':>8} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | "
                   f"{per_m}")
-    print(f"GPU state at the end: {gpu_state(torch.cuda.current_device())}")
+    print(f"GPU state at the end: {gpu_state(torch)}")
     return 0
 
 

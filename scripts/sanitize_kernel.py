@@ -13,8 +13,8 @@ Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, 
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408 for the m <= 16 kernels of
 larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA) and the Hopper
-direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, a tile
-over up to 4 blocks; every wgmma and direct case kept by --few).
+direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, blocks
+of two segments, a tile over 4 blocks; every wgmma and direct case kept by --few).
 """
 
 from __future__ import annotations
@@ -84,12 +84,13 @@ def main(argv=None) -> int:
         direct_cases += [(kind, 9, 1024, 256, 128, False, 8, None, None),
                          (kind, 3, 4096, 512, 128, True, 3, None, None), (kind, 16, 640, 128, -1, False, 5, None, None),
                          (kind, 5, 1024, 256, 128, False, 1, None, None)]
-    # its stream-K form (MARLIN_CONVERT_DIRECT = 3): one tile whose 4 units go to 4 blocks (a chain of 4 through the
-    # tile's lock), two batch blocks, a last unit of one chunk (warps with none), act-order
+    # its stream-K form (MARLIN_CONVERT_DIRECT = 3), with 132 SMs: 3 tiles of 8 units over blocks of 3 (a block with
+    # two segments: the next segment's A copied while one is reduced; a tile over 4 blocks: a chain of 4 through its
+    # lock), the same with two batch blocks and a last unit of one chunk (warps with none), act-order
     direct_sk_cases = []
     for kind in [kd for kd in KINDS if kd[1] == 4]:
-        direct_sk_cases += [(kind, 1, 4096, 64, 128, False, 0, None, None),
-                            (kind, 9, 2048, 192, -1, False, 0, None, None),
+        direct_sk_cases += [(kind, 1, 8192, 192, 128, False, 0, None, None),
+                            (kind, 9, 7296, 192, -1, False, 0, None, None),
                             (kind, 4, 1152, 128, 128, True, 0, None, None)]
     cases += direct_cases + direct_sk_cases
     if args.few:
