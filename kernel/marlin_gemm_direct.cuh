@@ -151,9 +151,10 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
 
   // ---- the block's segments. Cluster mode: one, chunks [split * chunks / splits, ...) of tile blockIdx.x / splits.
   // Stream-K: the units [u_lo, min(u_lo + units_per_block, all units)) of the flattened (tile, unit) space, unit =
-  // tile * tile_units + u covering chunks [8 u, 8 u + 8) of the tile, one segment per tile touched, last first: a block's last segment is the head (chunk 0
-  // on) of its tile, contributor 0, which never waits for the lock, so it is done early; its first segment, a tile's
-  // tail, waits for the blocks before it, which by then have finished theirs (each takes its last segment first too).
+  // tile * tile_units + u covering chunks [8 u, 8 u + 8) of the tile, one segment per tile touched, last first: a
+  // block's last segment is the head (chunk 0 on) of its tile, contributor 0, which never waits for the lock, so it is
+  // done early; its first segment, a tile's tail, waits for the blocks before it, which by then have finished theirs
+  // (each takes its last segment first too).
   const int tile_units = (chunks + kDirectUnitChunks - 1) / kDirectUnitChunks;
   const int u_lo = stream_k ? blockIdx.x * units_per_block : 0;
   int seg_end = stream_k ? min(u_lo + units_per_block, (n / 64) * tile_units) : 1;  // the units still to do
@@ -462,7 +463,8 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
   const long resident = (long)L.sms * (by_smem < by_regs ? by_smem : by_regs);
   if (stream_k) {
     // at most 4 contributors per tile (units_per_block >= ceil(tile_units / 3)): each adds its sums to C's 16-bit
-    // values, so a longer chain rounds more often (bf16: a chain of 16 measured 2x torch's error, tests/test_kernel_gpu.py)
+    // values, so a longer chain rounds more often (bf16: a chain of 16 measured 2x torch's error in
+    // tests/test_kernel_gpu.py)
     const int tile_units = (chunks + kDirectUnitChunks - 1) / kDirectUnitChunks;
     const long units = (long)tiles * tile_units;
     if (resident < 1 || units > 0x7fffffffL) return plan;
@@ -486,7 +488,7 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
 // segment's start, reduction and lock (grouped >= 4, channelwise >= 12). H200, direct / pipelined time at m = 1..8
 // (kernel/NOTES.md, ninth session, fp16 x 4-bit; the other 4-bit kinds alike): cluster mode 4096 x 4096, 11008 x 4096
 // and 28672 x 8192 0.81-0.92, 8192 x 8192 0.92-1.01 grouped (the eighth session's kernel had kept grouped layers
-// there on the pipelined kernels); stream-K grouped 8192 x 57344 (28 units per block) 0.75-0.90, 8192 x 10240 (5)
+// there on the pipelined kernels); stream-K grouped 8192 x 57344 (28 units per block) 0.86-0.90, 8192 x 10240 (5)
 // 0.90-0.98, 4096 x 22016 (6) 0.92-0.97, but 4096 x 12288 (3) 1.11-1.16; channelwise 8192 x 57344 0.91-0.93, the
 // others 0.98-1.08.
 inline bool direct_pays(const DirectPlan& plan, bool grouped) {
