@@ -181,15 +181,24 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
     if len(set(shard_names)) != len(shard_names):
         problems.append(f"manifest lists shard(s) {sorted({n for n in shard_names if shard_names.count(n) > 1})} "
                         "more than once")
-    named = set(shard_names) | {e["shard"] for e in manifest["passthrough"]}
-    named |= {s for entry in (*manifest["layers"], *manifest["kept"]) for s in entry["shards"].values()
-              if isinstance(s, str)}
-    for name in named:
+    named: dict[str, str] = {}  # every shard name the manifest gives -> the first field giving it
+    for i, name in enumerate(shard_names):
+        named.setdefault(name, f"shards[{i}]")
+    for i, entry in enumerate(manifest["passthrough"]):
+        named.setdefault(entry["shard"], f"passthrough[{i}].shard")
+    for key in ("layers", "kept"):
+        for i, entry in enumerate(manifest[key]):
+            for kind, name in entry["shards"].items():
+                if isinstance(name, str):
+                    named.setdefault(name, f"{key}[{i}].shards.{kind}")
+    for name, field in named.items():
         if not _safe_relative(name) or "/" in name:
-            raise InputError(f"{out_dir / MANIFEST_FILE}: shard name {name!r} is not a file name in the directory")
+            raise InputError(f"{out_dir / MANIFEST_FILE}: {field}: shard name {name!r} is not a file name in the "
+                             "directory")
     for name in manifest["files"]:
         if not _safe_relative(name):
-            raise InputError(f"{out_dir / MANIFEST_FILE}: file name {name!r} is not inside the directory")
+            raise InputError(f"{out_dir / MANIFEST_FILE}: files[{name!r}]: file name {name!r} is not inside the "
+                             "directory")
 
     headers: dict[str, SafetensorsFile] = {}
     for name in dict.fromkeys(shard_names):

@@ -104,14 +104,14 @@ def test_a_manifest_with_a_repeated_key_exits_2(out, capsys):
 def test_file_names_outside_the_directory_are_refused(out, capsys, name):
     _edit_manifest(out, lambda m: m["files"].update({name: {"bytes": 1, "sha256": "sha256:" + "0" * 64}}))
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
-    assert "not inside the directory" in capsys.readouterr().err
+    assert f"files[{name!r}]: file name {name!r} is not inside the directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["../escape.safetensors", "/etc/passwd"])
 def test_a_layer_shard_outside_the_directory_is_refused(out, capsys, name):
     _edit_manifest(out, lambda m: m["layers"][0]["shards"].update({"B": name}))
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
-    assert "is not a file name in the directory" in capsys.readouterr().err
+    assert f"layers[0].shards.B: shard name {name!r} is not a file name in the directory" in capsys.readouterr().err
 
 
 def test_a_file_linked_out_of_the_directory_is_not_read(out, tmp_path):
