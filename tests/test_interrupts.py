@@ -53,12 +53,18 @@ def src(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("interrupts") / "in", tiny_llama(num_layers=2, shards=2))
 
 
-def _start(command: str, args: list[str], markers: Path) -> subprocess.Popen:
+def _start(command: str, args: list[str], markers: Path, ignore_sigint: bool = False) -> subprocess.Popen:
     markers.mkdir()
     module, function = SLOW_STEP[command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    # SIGINT's disposition set in the child, whatever this process's is (pytest run as a shell's background job
+    # inherits SIGINT ignored): default, as a terminal's foreground job has it; or, ignore_sigint, ignored, as a shell
+    # starts a background job
+    disposition = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
+    preexec = lambda: signal.signal(signal.SIGINT, disposition)  # noqa: E731
     return subprocess.Popen([sys.executable, "-c", RUNNER, module, function, str(markers), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=preexec)
 
 
 def _wait_for(condition, what: str) -> None:
@@ -118,6 +124,22 @@ def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path, src, command):
     assert _leftovers(tmp_path) == []
     assert out.exists() == (command == "verify")
     assert not any(_alive(pid) for pid in _workers(process, markers))
+
+
+@pytest.mark.slow
+def test_an_inherited_sigint_ignore_stays_for_the_whole_run(tmp_path, src):
+    """Started with SIGINT ignored (a shell's background job), a SIGINT mid-run is ignored like one before the command
+    line's handlers: the run completes, exit 0. (It used to be taken over once the command began: ignored early,
+    an interruption later.)"""
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    process = _start("convert", [str(src), str(out), "--workers", "2"], markers, ignore_sigint=True)
+    _wait_for(lambda: any(markers.iterdir()), "the workers to start")
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # (time for a handler to act, were there one)
+    _open_gate(markers)
+    rc, err = _finish(process)
+    assert rc == 0, err
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
 
 
 @pytest.mark.slow

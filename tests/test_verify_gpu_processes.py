@@ -234,8 +234,10 @@ def test_a_signal_while_the_gpu_processes_work_ends_verify_cleanly(llama, signal
     import sys
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    # (SIGINT at its default in the child, as a terminal's foreground job has it, whatever pytest inherited: a
+    # shell's background job ignores SIGINT, and the command line leaves an inherited ignore alone)
     process = subprocess.Popen([sys.executable, "-c", _DRIVER, str(llama[1])], stderr=subprocess.PIPE, text=True,
-                               env=env)
+                               env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(_descendants(process.pid)) < 3:  # workers and GPU processes up
         time.sleep(0.02)

@@ -84,11 +84,15 @@ def _raise_interrupted(signum: int, _frame) -> None:
 @contextmanager
 def _interrupts_raise() -> Iterator[None]:
     """While the command runs, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so that the
-    library's clean-up runs (partial output removed, worker processes stopped) and the exit code says so."""
+    library's clean-up runs (partial output removed, worker processes stopped) and the exit code says so. A signal
+    that whoever started the process ignores (a shell's background job ignores SIGINT; ``nohup``-like launchers) stays
+    ignored for the whole run, as Python itself leaves it: taking it over here made the same signal ignored before
+    this point and an interruption after it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield
     finally:
