@@ -109,13 +109,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                : "r"(smem_u32(smem)));
 }
 
-// The same from a shared-window address (smem_u32): lets a kernel hoist the address arithmetic out of its strip loop.
-__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
 // Three-input logic op; LUT is the truth table of f(a, b, c) evaluated on a = 0xF0, b = 0xCC, c = 0xAA.
 template <int LUT>
 __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
@@ -882,20 +875,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     //                 and the zero points are read, and the zeros derived, once for all the strips
     // With kOffsetB (bf16 x 4-bit) in kOneGroupF32 mode, B is 128 + q and rs[h] gets the sums of batch block h's
     // activations over the strips (an mma with an all-ones W^T); the caller subtracts (128 + z) * rs.
-    // (swapped mma.sync kernels, MB = 1) the byte offset in a stage's A tile of this lane's ldmatrix row for each of
-    // its STRIPS strips (see the A fragments in strips()): computed once here, so that a strip's A load is one add
-    // from the stage's base. ptxas had recomputed the swizzled address and the shared window's base for every strip
-    // (about 20 of a strip's ~90 instructions, kernel/NOTES.md).
-    [[maybe_unused]] uint32_t a_lane_off[STRIPS] = {};
-    if constexpr (SWAP != 0 && !WG) {
-      const int q = lane >> 3;
-      const int r = (lane & 7) + (q >> 1) * 8;
-#pragma unroll
-      for (int ls = 0; ls < STRIPS; ++ls) {
-        const int ch = 2 * (wk * STRIPS + ls) + (q & 1);
-        a_lane_off[ls] = (uint32_t)(r * T::kStageK + ((ch ^ (r & 7)) * 8)) * 2u;
-      }
-    }
     auto strips = [&](auto mode_tag, float (&d)[MB][kAccN][4], float (&rs)[2][4], int slot, int st) {
       constexpr int kMode = decltype(mode_tag)::value;
       constexpr bool kOneGroup = kMode != kPerStrip;
@@ -903,7 +882,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       [[maybe_unused]] constexpr bool kOffset = kOffsetB && kMode == kOneGroupF32;
       const unsigned char* base = smem + slot * T::kStageBytes;
       const uint16_t* sA = reinterpret_cast<const uint16_t*>(base);
-      [[maybe_unused]] const uint32_t a_base = smem_u32(sA);  // (swapped kernels: + a_lane_off[ls])
       const int4* sB = reinterpret_cast<const int4*>(base + T::kABytes);
       const int4* sS = reinterpret_cast<const int4*>(base + T::kABytes + T::kBBytes);
       const int strip0 = st * T::kStageStrips;
@@ -1027,16 +1005,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
             // pair is two consecutive registers, {a0, a1} and {a2, a3} (with the other order the compiler copied the
             // pair into fresh registers for every mma: 8 moves per strip, kernel/NOTES.md).
             uint32_t a[MB][4];
-            if constexpr (SWAP != 0) {
-              ldmatrix_x4_at(a[0], a_base + a_lane_off[ls]);
-            } else {
 #pragma unroll
-              for (int mb = 0; mb < MB; ++mb) {
-                const int q = lane >> 3;
-                const int r = mb * 16 + (lane & 7) + (q & 1) * 8;
-                const int ch = 2 * strip + (q >> 1);
-                ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
-              }
+            for (int mb = 0; mb < MB; ++mb) {
+              const int q = lane >> 3;
+              const int r = mb * 16 + (lane & 7) + (SWAP != 0 ? (q >> 1) : (q & 1)) * 8;
+              const int ch = 2 * strip + (SWAP != 0 ? (q & 1) : (q >> 1));
+              ldmatrix_x4(a[mb], sA + r * T::kStageK + ((ch ^ (r & 7)) * 8));
             }
             if constexpr (kOffset) {  // rs[h] += ones (16 x 16) x A^T: every row the sum over k of each batch row
               const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
@@ -1046,7 +1020,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
                 else Ops::mma(rs[h], ones, a[0][2 * h], a[0][2 * h + 1]);
               }
             }
-            const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
+            [[maybe_unused]] const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {  // tile j = n8-blocks 2j, 2j + 1
               uint32_t f[4];

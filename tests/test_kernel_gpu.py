@@ -222,7 +222,7 @@ def test_forced_split_k_reduction(torch, m, split_k):
 def test_workspace_is_reusable(torch, monkeypatch):
     """Several calls on one workspace: it is zero after each, and every result is right. (The pipelined kernels: on
     Hopper the direct kernel would take this layer in cluster mode, which uses no workspace; its stream-K form's locks
-    are checked by every _run_case call of test_direct_kernel_stream_k.)"""
+    are checked by every _run_case call of test_direct_kernel with MARLIN_CONVERT_DIRECT = 3.)"""
     monkeypatch.setenv("MARLIN_CONVERT_DIRECT", "0")
     _run_case(torch, 5, 4096, 192, 128, False, seed=7, calls=4)
 
@@ -597,22 +597,12 @@ DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
 ]
 
 
-@pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
-@pytest.mark.parametrize("direct", ["0", "2"])
-@pytest.mark.parametrize("m,k,n,group,act_order,split_k", DIRECT_SHAPES)
-def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_order, split_k):
-    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", direct)
-    dtype, bits, asym = kind
-    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group, kind)).encode()),
-              split_k=split_k, calls=2, bits=bits, asym=asym, dtype=dtype)
-
-
 # Its stream-K form (MARLIN_CONVERT_DIRECT = 3: the (tile, unit) space, a unit = one 128-k chunk per warp, cut evenly
 # over the resident blocks, at most 4 contributors per tile; they add through C under the tile's lock, last segment
 # first). With 132 SMs (264 blocks at m <= 8, 132 at m = 9..16): tiles of 11 units (the last of 6 chunks) over blocks
 # of 4, so blocks cross tiles; 344 tiles of 4 units over blocks of 6; 8 tiles of 16 units over blocks of 6 (chains of
-# 3-4); two batch blocks, 3-4 blocks per tile; a last unit of one chunk (warps with none); one chunk. Elsewhere the split
-# differs but every case still runs the same kernel.
+# 3-4); two batch blocks, 3-4 blocks per tile; a last unit of one chunk (warps with none); one chunk. Elsewhere the
+# split differs but every case still runs the same kernel.
 DIRECT_STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
     (1, 11008, 4096, 128, False),
     (8, 4096, 22016, -1, False),
@@ -624,13 +614,19 @@ DIRECT_STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
 ]
 
 
+# MARLIN_CONVERT_DIRECT value, then the shape: cluster-mode shapes forced ("2") and off ("0"), stream-K shapes forced
+DIRECT_CASES = ([(direct, *shape) for shape in DIRECT_SHAPES for direct in ("0", "2")]
+                + [("3", *shape, 0) for shape in DIRECT_STREAM_K_SHAPES])
+
+
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
-@pytest.mark.parametrize("m,k,n,group,act_order", DIRECT_STREAM_K_SHAPES)
-def test_direct_kernel_stream_k(torch, monkeypatch, kind, m, k, n, group, act_order):
-    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", "3")
+@pytest.mark.parametrize("direct,m,k,n,group,act_order,split_k", DIRECT_CASES)
+def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_order, split_k):
+    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", direct)
     dtype, bits, asym = kind
-    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group, kind, "sk")).encode()),
-              calls=2, bits=bits, asym=asym, dtype=dtype)
+    key = (m, k, n, group, kind) + (("sk",) if direct == "3" else ())  # (the seeds the cases have always had)
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr(key).encode()), split_k=split_k, calls=2,
+              bits=bits, asym=asym, dtype=dtype)
 
 
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
