@@ -72,6 +72,10 @@ int hopper_switch(const char* name) {
 // (try_wgmma).
 int wgmma_variant() { return hopper_switch("MARLIN_CONVERT_WGMMA"); }
 
+// [PDL] on compute capability 9.0 (sm_90a build) unless MARLIN_CONVERT_PDL=0; read at every launch, as the switches
+// above.
+bool pdl_enabled() { return hopper_switch("MARLIN_CONVERT_PDL") != 0; }
+
 // The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters or stream-K), MARLIN_CONVERT_DIRECT: 1 = where
 // direct_pays, 2 = wherever it fits in cluster mode, 3 = in stream-K (try_direct).
 int direct_variant() { return hopper_switch("MARLIN_CONVERT_DIRECT"); }

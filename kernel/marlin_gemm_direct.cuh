@@ -238,6 +238,9 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
 
   DirectSegment seg{0, 0, 0, 0, 1};
   bool have_seg = next_segment(seg);
+  // [PDL] let the next kernel start, then wait for the one before: nothing above read or wrote memory
+  grid_launch_dependents();
+  grid_dependency_wait();
   if (have_seg) start(seg);
   while (have_seg) {
     const int tile = seg.tile;
@@ -510,20 +513,11 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
               cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)plan.grid, 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = L.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)plan.splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = plan.units_per_block > 0 ? 0 : 1;  // (stream-K: no clusters)
+  // (stream-K: no clusters; cluster mode with one block per tile: a cluster of one, none)
+  const LaunchShape shape(plan.grid, smem, L.stream, plan.units_per_block > 0 ? 1 : plan.splits,
+                          pdl_pays(plan.grid, MB8 == 1 ? 2 : 1, L.sms));
   const int chunks_per_group = L.scale_rows > 1 ? (L.k / L.scale_rows) / kDirectChunkK : 1;
-  e = cudaLaunchKernelEx(&cfg, kernel, static_cast<const int4*>(L.A), static_cast<const int4*>(L.B),
+  e = cudaLaunchKernelEx(&shape.cfg, kernel, static_cast<const int4*>(L.A), static_cast<const int4*>(L.B),
                          static_cast<const int4*>(L.s), static_cast<const uint32_t*>(L.zp), static_cast<ActT*>(L.C),
                          L.workspace, L.m, L.n, L.k, chunks_per_group, plan.splits, plan.units_per_block);
   if (e == cudaSuccess) e = cudaGetLastError();

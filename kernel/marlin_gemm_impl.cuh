@@ -102,6 +102,24 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- [PDL] programmatic dependent launch (compute capability 9.0; the host adds the launch attribute where
+// pdl_enabled()). Such a launch may start while the kernel before it in the stream still runs, and the pipelined kernels
+// let their own successor start once all of their blocks run (grid_launch_dependents): its blocks then take the
+// multiprocessors' free room, or each one that a block of ours leaves, and wait there. Until grid_dependency_wait
+// returns, a kernel reads and writes no memory at all (A, C, the workspace and even B / s / zp may be what the kernel
+// before it writes). Without the attribute both instructions are no-ops; a successor launched without it waits for
+// the whole grid as usual.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // [S2R] four 8x8 16-bit matrices; lane l gives the row address of matrix l / 8, row l % 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -834,6 +852,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   };
   Segment seg{0, 0, 0};
   bool have_seg = next_segment(seg);
+  // ---- [PDL] let the next kernel start, then wait for the one before: nothing above read or wrote memory
+  grid_launch_dependents();
+  grid_dependency_wait();
   if (have_seg) prologue(seg);
   while (have_seg) {
     const int ntile = seg.ntile;
@@ -1304,6 +1325,48 @@ inline bool wants_64_row_chunks(const Launch& L) {
 // schedule launch_config picks), 0 = split-K, N = stream-K with at most N blocks per SM.
 int stream_k_per_sm();
 
+// [PDL] Whether launches carry cudaLaunchAttributeProgrammaticStreamSerialization (marlin_gemm.cu): compute
+// capability 9.0 in an sm_90a build, unless MARLIN_CONVERT_PDL=0 (benchmark and tests: the kernels' results are the
+// same either way, only when they may start differs).
+bool pdl_enabled();
+
+// [PDL] Whether a launch of `grid` blocks, at most `per_sm` per multiprocessor, takes it (where pdl_enabled()): where
+// the kernel runs one block per SM, or where its grid has more blocks than there are SMs. Launched early, a grid that
+// fits one block on each SM but may run two places its blocks in the room beside the running grid's, two on some SMs,
+// and then waits for its slowest block. H200, back-to-back calls (kernel/NOTES.md), time with PDL over time without:
+// one block per SM (m = 16 4096 x 4096, 11008 x 4096, 8192 x 8192; m = 128) 0.89-0.99; more blocks than SMs (4096 x
+// 12288 m <= 32, 8192 x 10240 channelwise m <= 8) 0.92-0.98; but up to 132 blocks at two per SM (m = 32 / 64 on 4096 x
+// 4096, 11008 x 4096, 8192 x 8192, 28672 x 8192 split over k; the direct kernel's clusters on 4096 x 4096 and 11008 x
+// 4096) 1.06-1.55.
+inline bool pdl_pays(long grid, int per_sm, int sms) { return pdl_enabled() && (per_sm == 1 || grid > sms); }
+
+// The launch of every kernel here: grid x kThreads threads, smem bytes of dynamic shared memory, a cluster of
+// cluster_x blocks (1: none), the [PDL] attribute where pdl.
+struct LaunchShape {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[2];
+  LaunchShape(long grid, int smem, cudaStream_t stream, int cluster_x, bool pdl) {
+    cfg.gridDim = dim3((unsigned)grid, 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 0;
+    if (cluster_x > 1) {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+      attr[cfg.numAttrs].val.clusterDim.x = (unsigned)cluster_x;
+      attr[cfg.numAttrs].val.clusterDim.y = 1;
+      attr[cfg.numAttrs].val.clusterDim.z = 1;
+      ++cfg.numAttrs;
+    }
+    if (pdl) {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+      ++cfg.numAttrs;
+    }
+  }
+};
+
 // Pick the split over k, then launch one instantiation.
 template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
 int launch_config(const Launch& L) {
@@ -1408,11 +1471,12 @@ int launch_config(const Launch& L) {
     group_shift = 0;
     while ((1 << group_shift) < group_size) ++group_shift;
   }
-  (stream_k ? sk_kernel : kernel)<<<(unsigned)grid, kThreads, smem, L.stream>>>(
-      static_cast<const int4*>(L.A), static_cast<const int4*>(L.B), static_cast<const int4*>(L.s),
-      static_cast<const int4*>(L.zp), static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift,
-      tile_units, units_per_block);
-  e = cudaGetLastError();
+  const LaunchShape shape(grid, smem, L.stream, 1, pdl_pays(grid, per_sm, L.sms));
+  e = cudaLaunchKernelEx(&shape.cfg, stream_k ? sk_kernel : kernel, static_cast<const int4*>(L.A),
+                         static_cast<const int4*>(L.B), static_cast<const int4*>(L.s), static_cast<const int4*>(L.zp),
+                         static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift, tile_units,
+                         units_per_block);
+  if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {
     set_error(L.err, L.errlen, "kernel launch (MB=%d, WN=%d, grid %ld, %d bytes of shared memory) failed: %s", MB,
               WN, grid, smem, cudaGetErrorString(e));

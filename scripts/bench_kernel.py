@@ -33,6 +33,11 @@ Bandwidth arithmetic:
            with --split-k), 2 = the direct-load kernel wherever it fits, with --split-k N as its blocks per tile (a
            cluster of N), 3 = its stream-K form wherever it fits), crossed with the above; a --cfgs value other than
            "-" takes the pipelined kernels whatever --direct says.
+    --pdl 0,1   times each value of MARLIN_CONVERT_PDL (Hopper: 0 = each launch waits for the kernel before it to end,
+           1 = the default, programmatic dependent launch: a launch may start while the one before runs, prefetch its
+           first weights into L2 and wait for that kernel only before it reads the activations). The graph replays
+           one call after another, so with PDL each call overlaps the end of the call before; torch's matmul gets no
+           such overlap. PDL 0 is the kernel-for-kernel comparison; PDL 1 is what a chain of these calls gets.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -207,6 +212,8 @@ def main(argv=None) -> int:
                                                    "(benchmark only; 0 = pipelined kernels, 1 = default, "
                                                    "2 = direct-load kernel wherever it fits, 3 = its stream-K "
                                                    "form)")
+    parser.add_argument("--pdl", type=str, help="comma-separated MARLIN_CONVERT_PDL values to compare (0 = off, "
+                                                "1 = programmatic dependent launch, the default on Hopper)")
     parser.add_argument("--kinds", type=str, default="fp16-int4",
                         help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
     args = parser.parse_args(argv)
@@ -246,9 +253,10 @@ def main(argv=None) -> int:
         return [None if v == "-" else int(v) for v in option.split(",")] if option else [None]
 
     cfgs, sks, wgs = variant_values(args.cfgs), variant_values(args.stream_k), variant_values(args.wgmma)
-    dis = variant_values(args.direct)
-    variants = [(cfg, sk, wg, di) for cfg in cfgs for sk in sks for wg in wgs for di in dis]
-    switches = ("MARLIN_CONVERT_SMALL_CFG", "MARLIN_CONVERT_STREAM_K", "MARLIN_CONVERT_WGMMA", "MARLIN_CONVERT_DIRECT")
+    dis, pdls = variant_values(args.direct), variant_values(args.pdl)
+    variants = [(cfg, sk, wg, di, pd) for cfg in cfgs for sk in sks for wg in wgs for di in dis for pd in pdls]
+    switches = ("MARLIN_CONVERT_SMALL_CFG", "MARLIN_CONVERT_STREAM_K", "MARLIN_CONVERT_WGMMA", "MARLIN_CONVERT_DIRECT",
+                "MARLIN_CONVERT_PDL")
     speedups: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in shapes:
@@ -284,8 +292,8 @@ def main(argv=None) -> int:
                     c = torch.empty(m, n, dtype=dtype, device="cuda")
                     t_torch = torch_us[dtype_name, m]
                     act = m * k * 2 + m * n * 2
-                    for cfg, sk, wg, di in (variants if kind != TINYGEMM else [(None, None, None, None)]):
-                        for var, value in zip(switches, (cfg, sk, wg, di)):
+                    for cfg, sk, wg, di, pd in (variants if kind != TINYGEMM else [(None,) * 5]):
+                        for var, value in zip(switches, (cfg, sk, wg, di, pd)):
                             if value is None:
                                 os.environ.pop(var, None)
                             else:
@@ -304,7 +312,7 @@ def main(argv=None) -> int:
                         torch_bw = (w_bytes + act) / t_torch
                         sp = t_torch / t_ours
                         variant = "/".join(f"{name}{v}" for name, v in (("c", cfg), ("sk", sk), ("wg", wg),
-                                                                               ("di", di))
+                                                                               ("di", di), ("pdl", pd))
                                            if v is not None)
                         speedups.setdefault((kind, variant), {}).setdefault(g, {}).setdefault(m, []).append(sp)
                         tag = f" {variant}" if variant else ""

@@ -645,6 +645,82 @@ def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
     _check_switch_changes_kernel(torch, monkeypatch, p, a, "MARLIN_CONVERT_DIRECT", None, "pipelined", "direct")
 
 
+# [PDL] On compute capability 9.0 a launch may start while the kernel before it in the stream still runs (programmatic
+# dependent launch where pdl_pays: one block per SM, or more blocks than SMs; MARLIN_CONVERT_PDL=0 turns it off), and
+# every kernel lets its successor start once all of its blocks run. Each case runs a chain of four calls on one square
+# layer, each reading the output of the call before and writing into a buffer that a fill kernel wrote just before it,
+# with no synchronization in between: the chain must give the very bits it gives with PDL off (the arithmetic is the
+# same; a read of A or a write of C before the wait would read a NaN or a half-written output, or be overwritten by the
+# fill). `switches`: the environment of each call in turn (cycled): the pipelined kernels split over k, in stream-K,
+# 8-bit, 64-row, wgmma, the direct kernel in cluster mode and in stream-K (256 blocks on 8192 x 8192), and the direct
+# kernel alternating with the pipelined one. Elsewhere both chains run without PDL and the case passes trivially.
+PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
+    ("pipelined-m1", [{"MARLIN_CONVERT_DIRECT": "0"}], 1, 2048, 128, 4, "float16", False),
+    ("pipelined-m16", [{}], 16, 2048, 128, 4, "float16", False),
+    ("pipelined-stream-k", [{"MARLIN_CONVERT_STREAM_K": "1", "MARLIN_CONVERT_DIRECT": "0"}], 8, 4096, 128, 4,
+     "float16", True),
+    ("pipelined-8bit", [{}], 3, 1024, 64, 8, "bfloat16", False),
+    ("pipelined-m64", [{"MARLIN_CONVERT_WGMMA": "0"}], 64, 1024, -1, 4, "float16", False),
+    ("wgmma", [{"MARLIN_CONVERT_WGMMA": "2"}], 128, 2048, 128, 4, "float16", False),
+    ("direct-cluster", [{"MARLIN_CONVERT_DIRECT": "2"}], 1, 8192, 128, 4, "float16", False),
+    ("direct-stream-k", [{"MARLIN_CONVERT_DIRECT": "3"}], 3, 8192, -1, 4, "bfloat16", True),
+    ("direct-then-pipelined", [{"MARLIN_CONVERT_DIRECT": "2"}, {"MARLIN_CONVERT_DIRECT": "0"}], 5, 8192, -1, 4,
+     "bfloat16", True),
+]
+
+
+@pytest.mark.parametrize("label,switches,m,k,group,bits,dtype,asym", PDL_CASES, ids=[c[0] for c in PDL_CASES])
+def test_pdl_chain_matches_serialized(torch, monkeypatch, label, switches, m, k, group, bits, dtype, asym):
+    rng = np.random.default_rng(zlib.crc32(label.encode()))
+    p = Problem(k, k, group, False, rng, torch, bits=bits, asym=asym, dtype=dtype)
+    x = torch.randn(m, k, device="cuda").to(p.dtype)
+    names = {var for env in switches for var in env}
+
+    def chain():
+        outs, a = [], x
+        for i in range(4):
+            for var in names:
+                monkeypatch.delenv(var, raising=False)
+            for var, value in switches[i % len(switches)].items():
+                monkeypatch.setenv(var, value)
+            out = torch.full((m, k), float("nan"), dtype=p.dtype, device="cuda")  # a fill kernel just before
+            a = p.gemm(a, out=out)
+            outs.append(a)
+        torch.cuda.synchronize()
+        return outs
+
+    monkeypatch.setenv("MARLIN_CONVERT_PDL", "0")
+    serialized = chain()
+    monkeypatch.delenv("MARLIN_CONVERT_PDL")
+    overlapped = chain()
+    _check(torch, p, x, serialized[0], f"{label}: first call")
+    for i, (c_ser, c_pdl) in enumerate(zip(serialized, overlapped)):
+        assert int(torch.isnan(c_pdl).sum()) == 0, f"{label}: call {i} left outputs unwritten"
+        assert torch.equal(c_ser, c_pdl), f"{label}: call {i} differs from the serialized chain"
+    assert int(p.workspace.abs().sum()) == 0, "workspace not left zeroed"
+
+
+def test_pdl_weights_written_just_before(torch):
+    """[PDL] A kernel launched to start early computes with the weights that the kernel just before it wrote (an
+    elementwise add into the weight and scale buffers, alternating between two layers, no synchronization): the
+    outputs equal each layer's own."""
+    rng = np.random.default_rng(77)
+    layers = [Problem(4096, 4096, 128, False, rng, torch) for _ in range(2)]
+    a = torch.randn(16, 4096, device="cuda").half()
+    expected = [p.gemm(a) for p in layers]
+    b_buf, s_buf = torch.empty_like(layers[0].B), torch.empty_like(layers[0].s)
+    workspace = layers[0].workspace
+    outs = []
+    for i in range(8):
+        src = layers[i % 2]
+        torch.add(src.B, 0, out=b_buf)  # kernels writing the weights right before the call
+        torch.add(src.s, 0, out=s_buf)
+        outs.append(marlin_gemm(a, b_buf, s_buf, workspace))
+    torch.cuda.synchronize()
+    for i, c in enumerate(outs):
+        assert torch.equal(c, expected[i % 2]), f"call {i}: not the output of the weights written before it"
+
+
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
                                          (13, 8192, 320, 64), (4, 16384, 12288, 128), (1, 8192, 8192, 128),
                                          (16, 8192, 8192, 128), (6, 28672, 8192, 128)])
