@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, tiny_llama, write_checkpoint
 
-from marlin_convert.cli.app import COMMANDS, main
+from marlin_convert.cli.app import COMMANDS, main, with_default_command
 from marlin_convert.manifest import load_manifest
 from marlin_convert.safetensors_io import read_header
 
@@ -43,10 +43,27 @@ def test_top_level_help_lists_every_command(capsys):
 def test_convert_is_the_default_command(tmp_path, src, capsys):
     assert main([str(src), str(tmp_path / "a"), "-q"]) == 0
     assert main(["convert", str(src), str(tmp_path / "b"), "-q"]) == 0
+    # convert's options before the directories, one of them with a value
+    assert main(["-q", "--workers", "2", str(src), str(tmp_path / "c")]) == 0
     capsys.readouterr()
     a = {p.name: p.read_bytes() for p in (tmp_path / "a").glob("*.safetensors")}
-    b = {p.name: p.read_bytes() for p in (tmp_path / "b").glob("*.safetensors")}
-    assert a == b and len(a) == 2
+    for other in ("b", "c"):
+        assert {p.name: p.read_bytes() for p in (tmp_path / other).glob("*.safetensors")} == a
+    assert len(a) == 2
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], []),
+    (["--help"], ["--help"]),
+    (["-h"], ["-h"]),
+    (["--version"], ["--version"]),
+    (["verify", "OUT", "-q"], ["verify", "OUT", "-q"]),
+    (["IN", "OUT"], ["convert", "IN", "OUT"]),
+    (["-q", "IN", "OUT"], ["convert", "-q", "IN", "OUT"]),
+    (["--workers", "4", "IN", "OUT"], ["convert", "--workers", "4", "IN", "OUT"]),
+])
+def test_default_command_rewrite(argv, expected):
+    assert with_default_command(argv) == expected
 
 
 def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):

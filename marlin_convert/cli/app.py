@@ -68,12 +68,17 @@ def _root(
     """Convert GPTQ checkpoints to Marlin format and verify them."""
 
 
+#: the options of ``marlin-convert`` itself (not of a command)
+ROOT_OPTIONS = {"--version", "-h", "--help"}
+
+
 def with_default_command(argv: list[str]) -> list[str]:
-    """``marlin-convert IN OUT ...`` means ``marlin-convert convert IN OUT ...``."""
-    first = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
-    if first is None or argv[first] in COMMANDS:
+    """``marlin-convert IN OUT ...`` means ``marlin-convert convert IN OUT ...``, with convert's options anywhere
+    (``marlin-convert -q --workers 2 IN OUT`` too): everything but a command name or one of the root's own options
+    first is convert's."""
+    if not argv or argv[0] in COMMANDS or argv[0] in ROOT_OPTIONS:
         return argv
-    return [*argv[:first], "convert", *argv[first:]]
+    return ["convert", *argv]
 
 
 def _raise_interrupted(signum: int, _frame) -> None:
