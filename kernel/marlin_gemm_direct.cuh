@@ -504,9 +504,11 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
   using ActT = typename K::ActT;
   auto kernel = marlin_direct_kernel<K, MB8, GROUPED>;
   const int smem = DirectSmem<MB8>::bytes(L.m);
-  // the attribute is set to the largest m's size (a constant per instantiation, so that calls from several host
-  // threads never lower it under another's launch); each launch asks for its own m's
-  const int smem_max = DirectSmem<MB8>::bytes(8 * MB8);
+  // the attribute is set to the largest m's size, or kOneBlockSmem ([PDL]) where larger and allowed (a constant per
+  // instantiation and device, so that calls from several host threads never lower it under another's launch); each
+  // launch asks for its own m's
+  const int optin = smem_optin();
+  const int smem_max = smem_attribute(DirectSmem<MB8>::bytes(8 * MB8), optin);
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
   if (e != cudaSuccess) {
     set_error(L.err, L.errlen, "direct kernel: cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem_max,
@@ -514,17 +516,30 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
     return MARLIN_CUDA_ERROR;
   }
   // (stream-K: no clusters; cluster mode with one block per tile: a cluster of one, none)
-  const LaunchShape shape(plan.grid, smem, L.stream, plan.units_per_block > 0 ? 1 : plan.splits,
-                          pdl_pays(plan.grid, MB8 == 1 ? 2 : 1, L.sms));
+  const int cluster = plan.units_per_block > 0 ? 1 : plan.splits;
+  PdlLaunch pl = pdl_launch(plan.grid, smem, MB8 == 1 ? 2 : 1, L.sms, optin);
+  if (pl.pdl && pl.smem != smem && cluster > 1) {
+    // [PDL] padded to one block per SM: only where all the clusters still fit at once (clusters of two SMs of one
+    // GPC: an odd GPC leaves an SM out)
+    const LaunchShape probe(plan.grid, pl.smem, L.stream, cluster, false);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &probe.cfg) != cudaSuccess ||
+        (long)clusters * cluster < plan.grid) {
+      (void)cudaGetLastError();  // (a failed query leaves no error behind for the launch below)
+      pl = PdlLaunch{smem, false};
+    }
+  }
+  const LaunchShape shape(plan.grid, pl.smem, L.stream, cluster, pl.pdl);
   const int chunks_per_group = L.scale_rows > 1 ? (L.k / L.scale_rows) / kDirectChunkK : 1;
   e = cudaLaunchKernelEx(&shape.cfg, kernel, static_cast<const int4*>(L.A), static_cast<const int4*>(L.B),
                          static_cast<const int4*>(L.s), static_cast<const uint32_t*>(L.zp), static_cast<ActT*>(L.C),
                          L.workspace, L.m, L.n, L.k, chunks_per_group, plan.splits, plan.units_per_block);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // (leave no error behind for the caller's next launch check)
     set_error(L.err, L.errlen,
               "direct kernel launch (grid %ld, cluster %d, %d units per block, %d bytes of shared memory) failed: %s",
-              plan.grid, plan.splits, plan.units_per_block, smem, cudaGetErrorString(e));
+              plan.grid, plan.splits, plan.units_per_block, pl.smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
   return MARLIN_OK;

@@ -103,12 +103,12 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- [PDL] programmatic dependent launch (compute capability 9.0; the host adds the launch attribute where
-// pdl_enabled()). Such a launch may start while the kernel before it in the stream still runs, and the pipelined kernels
-// let their own successor start once all of their blocks run (grid_launch_dependents): its blocks then take the
-// multiprocessors' free room, or each one that a block of ours leaves, and wait there. Until grid_dependency_wait
-// returns, a kernel reads and writes no memory at all (A, C, the workspace and even B / s / zp may be what the kernel
-// before it writes). Without the attribute both instructions are no-ops; a successor launched without it waits for
-// the whole grid as usual.
+// pdl_launch takes it). Such a launch may start while the kernel before it in the stream still runs, if that kernel
+// lets it: every kernel here does (grid_launch_dependents, at its start), so the blocks of a successor launched with
+// the attribute take the multiprocessors' free room, or each one that a block of ours leaves, and wait there. Until
+// grid_dependency_wait returns, a kernel reads and writes no memory at all (A, C, the workspace and even B / s / zp
+// may be what the kernel before it writes). Launched without the attribute, a kernel's wait returns at once (the
+// kernel before it has finished); a successor launched without it waits for the whole grid as usual.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -1330,15 +1330,39 @@ int stream_k_per_sm();
 // same either way, only when they may start differs).
 bool pdl_enabled();
 
-// [PDL] Whether a launch of `grid` blocks, at most `per_sm` per multiprocessor, takes it (where pdl_enabled()): where
-// the kernel runs one block per SM, or where its grid has more blocks than there are SMs. Launched early, a grid that
-// fits one block on each SM but may run two places its blocks in the room beside the running grid's, two on some SMs,
-// and then waits for its slowest block. H200, back-to-back calls (kernel/NOTES.md), time with PDL over time without:
-// one block per SM (m = 16 4096 x 4096, 11008 x 4096, 8192 x 8192; m = 128) 0.89-0.99; more blocks than SMs (4096 x
-// 12288 m <= 32, 8192 x 10240 channelwise m <= 8) 0.92-0.98; but up to 132 blocks at two per SM (m = 32 / 64 on 4096 x
-// 4096, 11008 x 4096, 8192 x 8192, 28672 x 8192 split over k; the direct kernel's clusters on 4096 x 4096 and 11008 x
-// 4096) 1.06-1.55.
-inline bool pdl_pays(long grid, int per_sm, int sms) { return pdl_enabled() && (per_sm == 1 || grid > sms); }
+// Largest dynamic shared memory a block may opt in to on the current device (0 when the query fails).
+inline int smem_optin() {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return 0;
+  return optin;
+}
+
+// [PDL] A launch's dynamic shared memory and whether it takes PDL (where pdl_enabled()). Launched early, a kernel's
+// blocks take the room beside the running grid's, and where that room holds two of them on some SMs the kernel waits
+// for its slowest block: H200, back-to-back calls (kernel/NOTES.md), grids of up to 132 blocks of kernels that may run
+// two per SM (m = 32 / 64 on 4096 x 4096, 11008 x 4096, 8192 x 8192, 28672 x 8192 split over k; the direct kernel's
+// clusters on 4096 x 4096 and 11008 x 4096) took 1.06-1.55x the time with PDL. So PDL is taken where the kernel runs
+// one block per SM, where its grid has more blocks than SMs (both gained: 0.89-0.99 of the time), and where the grid
+// has at most one block per SM anyway: there the launch asks for kOneBlockSmem of shared memory, which keeps a second
+// block of it off any SM (two of them and the runtime's 1 KB each exceed an sm_90 SM's 228 KB). Elsewhere (that much
+// does not fit the opt-in limit) no PDL.
+constexpr int kOneBlockSmem = kSmemPerSm / 2;
+struct PdlLaunch {
+  int smem;
+  bool pdl;
+};
+inline PdlLaunch pdl_launch(long grid, int smem, int per_sm, int sms, int optin) {
+  if (!pdl_enabled()) return PdlLaunch{smem, false};
+  if (per_sm == 1 || grid > sms) return PdlLaunch{smem, true};
+  if (smem < kOneBlockSmem && kOneBlockSmem <= optin) return PdlLaunch{kOneBlockSmem, true};
+  return PdlLaunch{smem, false};
+}
+// The attribute cudaFuncAttributeMaxDynamicSharedMemorySize of a kernel using `smem` bytes: room for kOneBlockSmem
+// too where the device allows it (a constant per kernel and device, so that calls from several host threads never
+// lower it under another's launch).
+inline int smem_attribute(int smem, int optin) { return kOneBlockSmem <= optin && smem < kOneBlockSmem ? kOneBlockSmem : smem; }
 
 // The launch of every kernel here: grid x kThreads threads, smem bytes of dynamic shared memory, a cluster of
 // cluster_x blocks (1: none), the [PDL] attribute where pdl.
@@ -1365,6 +1389,8 @@ struct LaunchShape {
       ++cfg.numAttrs;
     }
   }
+  LaunchShape(const LaunchShape&) = delete;  // (cfg.attrs points into this object)
+  LaunchShape& operator=(const LaunchShape&) = delete;
 };
 
 // Pick the split over k, then launch one instantiation.
@@ -1374,7 +1400,9 @@ int launch_config(const Launch& L) {
   using ActT = typename K::ActT;
   auto kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
   const int smem = T::kSmemBytes;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const int optin = smem_optin();
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       smem_attribute(smem, optin));
   if (e != cudaSuccess) {
     set_error(L.err, L.errlen, "cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem,
               cudaGetErrorString(e));
@@ -1445,7 +1473,8 @@ int launch_config(const Launch& L) {
     const double cost = upb > 0 ? ((double)upb / total_stages + 1.0) / (double)upb : 1.0;
     if (upb > 0 && (sk_env > 0 || gain > cost)) {
       int sk_per_sm = 0;
-      if (cudaFuncSetAttribute(sk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+      if (cudaFuncSetAttribute(sk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_attribute(smem, optin)) !=
+              cudaSuccess ||
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&sk_per_sm, sk_kernel, kThreads, smem) != cudaSuccess) {
         set_error(L.err, L.errlen, "stream-K kernel (MB=%d, WN=%d, %d bytes of shared memory) cannot be set up: %s",
                   MB, WN, smem, cudaGetErrorString(cudaGetLastError()));
@@ -1471,13 +1500,15 @@ int launch_config(const Launch& L) {
     group_shift = 0;
     while ((1 << group_shift) < group_size) ++group_shift;
   }
-  const LaunchShape shape(grid, smem, L.stream, 1, pdl_pays(grid, per_sm, L.sms));
+  const PdlLaunch pl = pdl_launch(grid, smem, per_sm, L.sms, optin);
+  const LaunchShape shape(grid, pl.smem, L.stream, 1, pl.pdl);
   e = cudaLaunchKernelEx(&shape.cfg, stream_k ? sk_kernel : kernel, static_cast<const int4*>(L.A),
                          static_cast<const int4*>(L.B), static_cast<const int4*>(L.s), static_cast<const int4*>(L.zp),
                          static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift, tile_units,
                          units_per_block);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // (leave no error behind for the caller's next launch check)
     set_error(L.err, L.errlen, "kernel launch (MB=%d, WN=%d, grid %ld, %d bytes of shared memory) failed: %s", MB,
               WN, grid, smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
@@ -1485,14 +1516,6 @@ int launch_config(const Launch& L) {
   return MARLIN_OK;
 }
 
-// Largest dynamic shared memory a block may opt in to on the current device (0 when the query fails).
-inline int smem_optin() {
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return 0;
-  return optin;
-}
 
 // m <= 8: swapped, one batch block; m = 9..16: swapped with two (SWAP_MID) or the unswapped kernel.
 template <class K, int STRIPS, bool GROUPED, bool SWAP_MID, int STAGES = 4>

@@ -9,7 +9,9 @@ Exact command (GPU machine, repo root):
 
 What is timed: one launch per weight copy, replayed from a CUDA graph (so Python/launch overhead is out of the
 numbers), several weight copies rotated so the weight is not L2-resident (L2 is 60 MB on an H200: the copies of each
-operand together exceed 4 x 60 MB), CUDA events, median of the repeats after at least 50 ms of warm-up replays.
+operand together exceed 4 x 60 MB), CUDA events, median of the repeats after at least 50 ms of warm-up replays. On
+Hopper our calls run with programmatic dependent launch by default, so each overlaps the end of the call before it in
+the graph (see --pdl; --pdl 0 times them serialized, as torch's are).
 Bandwidth arithmetic:
     ours   bytes = B (k * n * bits / 8) + s (k / g * n * 2) [+ zp (k / g * n * bits / 8)] + A (m * k * 2)
                    + C (m * n * 2)
@@ -34,10 +36,11 @@ Bandwidth arithmetic:
            cluster of N), 3 = its stream-K form wherever it fits), crossed with the above; a --cfgs value other than
            "-" takes the pipelined kernels whatever --direct says.
     --pdl 0,1   times each value of MARLIN_CONVERT_PDL (Hopper: 0 = each launch waits for the kernel before it to end,
-           1 = the default, programmatic dependent launch: a launch may start while the one before runs, prefetch its
-           first weights into L2 and wait for that kernel only before it reads the activations). The graph replays
-           one call after another, so with PDL each call overlaps the end of the call before; torch's matmul gets no
-           such overlap. PDL 0 is the kernel-for-kernel comparison; PDL 1 is what a chain of these calls gets.
+           1 = the default, programmatic dependent launch where the kernel's grid allows it: a launch may start while
+           the one before runs, and waits for it before its first memory access). The graph replays one call after
+           another, so with PDL each call overlaps the end of the call before; torch's matmul gets no such overlap.
+           PDL 0 is the kernel-for-kernel comparison; PDL 1 (and a run without --pdl) is what a chain of these calls
+           gets.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each

@@ -646,14 +646,17 @@ def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
 
 
 # [PDL] On compute capability 9.0 a launch may start while the kernel before it in the stream still runs (programmatic
-# dependent launch where pdl_pays: one block per SM, or more blocks than SMs; MARLIN_CONVERT_PDL=0 turns it off), and
-# every kernel lets its successor start once all of its blocks run. Each case runs a chain of four calls on one square
-# layer, each reading the output of the call before and writing into a buffer that a fill kernel wrote just before it,
-# with no synchronization in between: the chain must give the very bits it gives with PDL off (the arithmetic is the
-# same; a read of A or a write of C before the wait would read a NaN or a half-written output, or be overwritten by the
-# fill). `switches`: the environment of each call in turn (cycled): the pipelined kernels split over k, in stream-K,
-# 8-bit, 64-row, wgmma, the direct kernel in cluster mode and in stream-K (256 blocks on 8192 x 8192), and the direct
-# kernel alternating with the pipelined one. Elsewhere both chains run without PDL and the case passes trivially.
+# dependent launch where pdl_launch takes it; MARLIN_CONVERT_PDL=0 turns it off), and every kernel here lets its
+# successor start once all of its blocks run. That happens only between two of our calls back to back (torch's kernels
+# do not let a successor start early), so each case runs a chain of four calls of ours with nothing in between, on one
+# square layer, ping-ponging between two NaN-filled buffers: each call reads the buffer the call before wrote and
+# writes the one it read. The chain must give the very bits it gives with PDL off (the arithmetic is the same); a read
+# of A before the wait would read NaN or a half-written output, a write of C before it would overwrite the call before's
+# input. `switches`: the environment of each call in turn (cycled): the pipelined kernels split over k, in stream-K,
+# 8-bit, 64-row, wgmma, at most one block per SM of a kernel that could run two (asking for kOneBlockSmem: 4096 x 4096
+# at m = 32), the direct kernel in cluster mode (256 blocks on 8192 x 8192; 128 on 4096 x 4096, one per SM) and in
+# stream-K, and the direct kernel alternating with the pipelined one. Elsewhere both chains run without PDL and the
+# case passes trivially.
 PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
     ("pipelined-m1", [{"MARLIN_CONVERT_DIRECT": "0"}], 1, 2048, 128, 4, "float16", False),
     ("pipelined-m16", [{}], 16, 2048, 128, 4, "float16", False),
@@ -661,64 +664,84 @@ PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
      "float16", True),
     ("pipelined-8bit", [{}], 3, 1024, 64, 8, "bfloat16", False),
     ("pipelined-m64", [{"MARLIN_CONVERT_WGMMA": "0"}], 64, 1024, -1, 4, "float16", False),
+    ("pipelined-m32-one-per-sm", [{}], 32, 4096, 128, 4, "float16", False),
     ("wgmma", [{"MARLIN_CONVERT_WGMMA": "2"}], 128, 2048, 128, 4, "float16", False),
     ("direct-cluster", [{"MARLIN_CONVERT_DIRECT": "2"}], 1, 8192, 128, 4, "float16", False),
+    ("direct-cluster-one-per-sm", [{"MARLIN_CONVERT_DIRECT": "2"}], 2, 4096, 128, 4, "float16", False),
     ("direct-stream-k", [{"MARLIN_CONVERT_DIRECT": "3"}], 3, 8192, -1, 4, "bfloat16", True),
     ("direct-then-pipelined", [{"MARLIN_CONVERT_DIRECT": "2"}, {"MARLIN_CONVERT_DIRECT": "0"}], 5, 8192, -1, 4,
      "bfloat16", True),
 ]
 
 
+def _assert_pdl_changes_no_bit(torch, monkeypatch, run, what: str) -> None:
+    """run() (calls of ours back to back, returning output tensors) with PDL off, then on: the same bits, no NaN."""
+    monkeypatch.setenv("MARLIN_CONVERT_PDL", "0")
+    serialized = run()
+    monkeypatch.delenv("MARLIN_CONVERT_PDL")
+    overlapped = run()
+    for i, (c_ser, c_pdl) in enumerate(zip(serialized, overlapped)):
+        assert int(torch.isnan(c_ser).sum()) == 0, f"{what} {i}: NaN without PDL"
+        assert torch.equal(c_ser, c_pdl), f"{what} {i}: other bits with PDL than without"
+
+
+def _set_switches(monkeypatch, names, env: dict) -> None:
+    for var in names:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+
+
 @pytest.mark.parametrize("label,switches,m,k,group,bits,dtype,asym", PDL_CASES, ids=[c[0] for c in PDL_CASES])
 def test_pdl_chain_matches_serialized(torch, monkeypatch, label, switches, m, k, group, bits, dtype, asym):
     rng = np.random.default_rng(zlib.crc32(label.encode()))
     p = Problem(k, k, group, False, rng, torch, bits=bits, asym=asym, dtype=dtype)
-    x = torch.randn(m, k, device="cuda").to(p.dtype)
+    x = (torch.randn(m, k, device="cuda") * 0.05).to(p.dtype)  # (four layers of ~4-6x growth stay inside fp16)
     names = {var for env in switches for var in env}
+    _set_switches(monkeypatch, names, switches[0])
+    _check(torch, p, x, p.gemm(x), f"{label}: one call")
 
     def chain():
-        outs, a = [], x
+        buffers = [torch.full((m, k), float("nan"), dtype=p.dtype, device="cuda") for _ in range(2)]
+        torch.cuda.synchronize()  # from here on only our calls, back to back
+        a = x
         for i in range(4):
-            for var in names:
-                monkeypatch.delenv(var, raising=False)
-            for var, value in switches[i % len(switches)].items():
-                monkeypatch.setenv(var, value)
-            out = torch.full((m, k), float("nan"), dtype=p.dtype, device="cuda")  # a fill kernel just before
-            a = p.gemm(a, out=out)
-            outs.append(a)
+            _set_switches(monkeypatch, names, switches[i % len(switches)])
+            a = p.gemm(a, out=buffers[i % 2])
         torch.cuda.synchronize()
-        return outs
+        return buffers
 
-    monkeypatch.setenv("MARLIN_CONVERT_PDL", "0")
-    serialized = chain()
-    monkeypatch.delenv("MARLIN_CONVERT_PDL")
-    overlapped = chain()
-    _check(torch, p, x, serialized[0], f"{label}: first call")
-    for i, (c_ser, c_pdl) in enumerate(zip(serialized, overlapped)):
-        assert int(torch.isnan(c_pdl).sum()) == 0, f"{label}: call {i} left outputs unwritten"
-        assert torch.equal(c_ser, c_pdl), f"{label}: call {i} differs from the serialized chain"
+    _assert_pdl_changes_no_bit(torch, monkeypatch, chain, f"{label}: buffer")
     assert int(p.workspace.abs().sum()) == 0, "workspace not left zeroed"
 
 
-def test_pdl_weights_written_just_before(torch):
-    """[PDL] A kernel launched to start early computes with the weights that the kernel just before it wrote (an
-    elementwise add into the weight and scale buffers, alternating between two layers, no synchronization): the
-    outputs equal each layer's own."""
-    rng = np.random.default_rng(77)
-    layers = [Problem(4096, 4096, 128, False, rng, torch) for _ in range(2)]
-    a = torch.randn(16, 4096, device="cuda").half()
-    expected = [p.gemm(a) for p in layers]
-    b_buf, s_buf = torch.empty_like(layers[0].B), torch.empty_like(layers[0].s)
-    workspace = layers[0].workspace
-    outs = []
-    for i in range(8):
-        src = layers[i % 2]
-        torch.add(src.B, 0, out=b_buf)  # kernels writing the weights right before the call
-        torch.add(src.s, 0, out=s_buf)
-        outs.append(marlin_gemm(a, b_buf, s_buf, workspace))
-    torch.cuda.synchronize()
-    for i, c in enumerate(outs):
-        assert torch.equal(c, expected[i % 2]), f"call {i}: not the output of the weights written before it"
+@pytest.mark.parametrize("m", [1, 16])
+def test_pdl_weights_written_by_the_calls_before(torch, monkeypatch, m):
+    """[PDL] A call computes with the weights and scales that the two calls of ours right before it wrote (one writes
+    the layer's B, viewed as fp16 [k / 16, 4 n], the next its scales [k / 128, n]), three rounds back to back with new
+    producer inputs each: bit-equal to the same calls without PDL. (m = 1: the direct kernel's clusters, one block per
+    SM; m = 16: the pipelined one-block-per-SM kernel.)"""
+    rng = np.random.default_rng(78 + m)
+    k = n = 4096
+    layer = Problem(k, n, 128, False, rng, torch)
+    make_b = Problem(256, 4 * n, 128, False, rng, torch)  # its output [k / 16, 4 n] is B's bytes
+    make_s = Problem(256, n, 128, False, rng, torch)      # its output [k / 128, n] has the scales' shape
+    xs_b = [torch.randn(k // 16, 256, device="cuda").half() for _ in range(3)]
+    xs_s = [torch.randn(k // 128, 256, device="cuda").half() for _ in range(3)]
+    a = torch.randn(m, k, device="cuda").half()
+
+    def rounds():
+        b_buf, s_buf = torch.empty_like(layer.B), torch.empty_like(layer.s)
+        outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(3)]
+        torch.cuda.synchronize()  # from here on only our calls, back to back
+        for x_b, x_s, out in zip(xs_b, xs_s, outs):
+            make_b.gemm(x_b, out=b_buf.view(torch.float16))
+            make_s.gemm(x_s, out=s_buf)
+            marlin_gemm(a, b_buf, s_buf, layer.workspace, out=out)
+        torch.cuda.synchronize()
+        return outs
+
+    _assert_pdl_changes_no_bit(torch, monkeypatch, rounds, "round")
 
 
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
