@@ -8,11 +8,12 @@ named:
 
 - a repeat of more than one (``+``, ``*``, ``{2,}``, ``{5}``) anywhere inside another repeat of more than one, where
   either has no upper bound or one above :data:`MAX_BOUND` (``(a{1,50}){1,50}``);
+- alternatives (``|``, of more than one character: ``(a|b)`` is a character class) inside a repeat of more than one
+  (``(a|aa)*c``: overlapping alternatives backtrack exponentially too);
 - more than :data:`MAX_UNBOUNDED` unbounded repeats in one pattern.
 
 The patterns real producers write (``model\\.layers\\.(\\d+)\\.mlp\\..*``, ``.*\\.18\\..*gate.*``,
 ``re:.*lm_head``) pass; a harmless nesting such as ``(\\w+\\.)+mlp`` is refused too (write it ``[\\w.]+mlp``).
-Overlapping alternatives under one repeat (``(a|a)*``) are not detected.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def _nested_repeat(pattern, outer_unbounded: bool | None) -> bool:
                 if _nested_repeat(av[2], unbounded):
                     return True
                 continue
+        if op is sre_constants.BRANCH and outer_unbounded:
+            # alternatives under a repeat: overlapping ones ('(a|aa)*c') backtrack exponentially too
+            return True
         for child in _children(op, av):
             if _nested_repeat(child, outer_unbounded):
                 return True
@@ -104,8 +108,9 @@ def compile_config_regex(text: str, where: str) -> re.Pattern:
     except RecursionError:
         nested, unbounded = True, 0
     if nested:
-        raise InputError(f"{where}: regular expression {text!r} repeats a repeat (such as '(a+)+'), which can take "
-                         f"hours to match a layer name; write it without the nesting")
+        raise InputError(f"{where}: regular expression {text!r} repeats a repeat or alternatives (such as "
+                         f"'(a+)+' or '(a|aa)*'), which can take hours to match a layer name; write it without the "
+                         f"nesting")
     if unbounded > MAX_UNBOUNDED:
         raise InputError(f"{where}: regular expression {text!r} has {unbounded} unbounded repeats ('*', '+'), more "
                          f"than {MAX_UNBOUNDED}: matching it against a layer name can take hours")

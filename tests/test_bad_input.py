@@ -611,6 +611,7 @@ def _bounded_fails(args, *fragments, seconds=120, memory_bytes=8 << 30):
 
 
 @pytest.mark.parametrize("regex, fragment", [("(a+)+$", "repeats a repeat"), ("(a{1,50}){1,50}$", "repeats a repeat"),
+                                             ("(a|aa)*c", "repeats a repeat or alternatives"),
                                              ("(.*.*.*.*.*.*.*.*.*.*.*)!", "11 unbounded repeats")])
 def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, regex, fragment):
     config = json.loads((src / "config.json").read_text())
@@ -644,6 +645,20 @@ def test_json_report_inside_a_checkpoint_is_refused(capsys, tmp_path, src, comma
     assert shard.read_bytes() == before
     if command == "verify":
         assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
+
+
+def test_json_report_over_a_hard_link_to_a_shard_leaves_the_shard_alone(capsys, tmp_path, src):
+    """A --json path outside the checkpoints that is a hard link to a shard: the report replaces the name, never
+    writes through it (the shard keeps its bytes, the conversion succeeds)."""
+    shard = src / "model.safetensors"
+    before = shard.read_bytes()
+    link = tmp_path / "report.json"
+    os.link(shard, link)
+    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(link)]) == 0
+    capsys.readouterr()
+    assert shard.read_bytes() == before
+    assert json.loads(link.read_text())["layers"]
+    assert not list(tmp_path.glob(".report.json.*"))
 
 
 @pytest.mark.parametrize("command", ["convert", "verify"])

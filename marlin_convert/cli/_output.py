@@ -122,9 +122,15 @@ class Output:
             self.as_json = True
             return
         if path is not None:
+            # a new file renamed over the name: an existing file there is replaced, never written through (a hard
+            # link to a shard or a config keeps its content)
+            target = Path(path)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             try:
-                Path(path).write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
+                tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
+                os.replace(tmp, target)
             except OSError as exc:
+                tmp.unlink(missing_ok=True)
                 raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
 
 
