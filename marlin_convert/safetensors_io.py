@@ -103,9 +103,12 @@ def read_header(path: Path) -> SafetensorsFile:
             if len(prefix) < 8:
                 raise InputError(f"{path}: corrupt safetensors file: only {size} bytes, no header")
             (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            if 8 + header_len > size:
                 raise InputError(f"{path}: corrupt safetensors header: its length prefix does not fit a "
                                  f"{size}-byte file (not a safetensors file?)")
+            if header_len > MAX_HEADER_BYTES:
+                raise InputError(f"{path}: safetensors header of {header_len} bytes, more than the "
+                                 f"{MAX_HEADER_BYTES} this tool reads (not a checkpoint's header?)")
             raw = f.read(header_len)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc

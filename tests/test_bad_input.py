@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from marlin_convert import strict_json
 from marlin_convert.cli.app import main
+from marlin_convert.errors import InputError
 from marlin_convert.safetensors_io import read_header, read_tensor
 
 LAYER = "model.layers.0.mlp.down_proj"
@@ -669,7 +670,6 @@ def test_workers_beyond_the_limit_are_refused(capsys, tmp_path, src, command):
 
 
 def test_a_source_that_shrinks_while_copied_is_named(tmp_path):
-    from marlin_convert.errors import InputError
     from marlin_convert.safetensors_io import PlannedTensor, ShardWriter
 
     source = tmp_path / "source.bin"
@@ -685,3 +685,15 @@ def test_a_layer_without_its_qweight_is_refused(capsys, tmp_path):
     layer = "model.layers.0.mlp.up_proj"
     _rewrite_tensors(src, lambda t: t.pop(f"{layer}.qweight"))
     _convert_fails(capsys, tmp_path, src, layer, "qzeros, scales", "no 'model.layers.0.mlp.up_proj.qweight'")
+
+
+@pytest.mark.parametrize("header_len, fragment", [(150 * 2**20, "more than the 100000000 this tool reads"),
+                                                  (300 * 2**20, "does not fit a 209715200-byte file")])
+def test_a_header_length_names_the_right_reason(tmp_path, header_len, fragment):
+    """A length prefix past the file's end and one within it but over the header cap get different reasons."""
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", header_len))
+        f.truncate(200 * 2**20)  # sparse: no 200 MB written
+    with pytest.raises(InputError, match=fragment):
+        read_header(path)
