@@ -20,7 +20,7 @@ from pathlib import Path
 from . import compressed_tensors, layout, strict_json
 from .errors import InputError
 from .experts import split_expert_key
-from .fileio import outside_link
+from .fileio import outside_link, read_inside
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
@@ -296,7 +296,7 @@ def _read_config(path: Path) -> tuple[dict | None, str | None]:
     if not path.is_file():  # a FIFO would block
         return None, f"{path.name}: not a regular file"
     try:
-        data = strict_json.loads(path.read_bytes())
+        data = strict_json.loads(read_inside(path))
     except (OSError, ValueError) as exc:
         return None, f"{path.name}: unreadable: {exc}"
     return (data, None) if isinstance(data, dict) else (None, f"{path.name}: not a JSON object")

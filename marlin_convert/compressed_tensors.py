@@ -32,7 +32,7 @@ import numpy as np
 from . import strict_json
 from .config_regex import compile_config_regex
 from .errors import InputError
-from .fileio import outside_link
+from .fileio import outside_link, read_inside
 from .gptq import (CONFIG_FILE, MARLIN_BITS, QUANTIZE_CONFIG_FILE, SCALE_DTYPES, SUPPORTED_GROUP_SIZES, Checkpoint,
                    LayerPlan, ModuleSettings, check_g_idx, check_model_dtype, expect_tensor, num_groups, open_shards,
                    read_json, stored_zeros, typed)
@@ -235,7 +235,7 @@ def detect(in_dir: Path) -> dict | None:
     if outside_link(path, Path(in_dir)) is not None:
         return None
     try:
-        data = strict_json.loads(path.read_bytes()) if path.is_file() else None
+        data = strict_json.loads(read_inside(path)) if path.is_file() else None
     except (OSError, ValueError):
         return None
     section = data.get("quantization_config") if isinstance(data, dict) else None

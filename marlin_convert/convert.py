@@ -791,7 +791,7 @@ def convert(
         manifest["files"] = files
         write_manifest(tmp, manifest)
         digest = manifest_digest(tmp)
-        partial.finalize(overwrite)
+        notes += partial.finalize(overwrite)
     except BaseException as exc:
         for writer in writers:
             writer.abort()

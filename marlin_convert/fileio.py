@@ -6,9 +6,11 @@ Digests are written ``"sha256:<64 hex digits>"`` everywhere (manifest, reports).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import stat
 from pathlib import Path
 
 #: bytes moved per read/write: large enough that system calls cost nothing, small beside a worker's memory
@@ -77,11 +79,70 @@ def outside_link(path: Path, root: Path) -> Path | None:
     return target
 
 
+class NotReadHere(OSError):
+    """:func:`open_inside` refused a file: it is not a regular file, or what was opened lies outside the directory
+    it must be read from. ``strerror`` says which (callers print it like any OSError's)."""
+
+
+def _opened_path(fd: int, path: Path, opened: os.stat_result) -> Path:
+    """The resolved path of the file open on ``fd`` (opened through ``path``): the kernel's name for the descriptor
+    (``/proc/self/fd``) where there is one, so no later change of ``path`` can make it lie; elsewhere ``path``
+    resolved, accepted only if it is still the same file as the descriptor's."""
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        name = ""
+    if name.startswith("/"):
+        return Path(name.removesuffix(" (deleted)"))
+    target = Path(os.path.realpath(path))
+    try:
+        now = os.stat(target)
+    except OSError:
+        now = None
+    if now is None or (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+        raise NotReadHere(errno.ESTALE, "it was replaced while being opened; not read")
+    return target
+
+
+def open_inside(path: Path, root: Path | None = None) -> int:
+    """Open regular file ``path`` for reading and return the descriptor, checked at the open itself: the file
+    opened must be a regular file lying in directory ``root`` (default: ``path``'s parent) or a file of a Hugging
+    Face cache's blob store (:func:`outside_link`). Checking the file actually opened, not the path beforehand,
+    leaves no gap in which a link swapped in could make the caller read a file outside ``root``, and a FIFO
+    swapped in cannot block the open (it is opened non-blocking, then refused).
+
+    Raises :class:`NotReadHere` (an OSError: ENXIO not a regular file, EACCES outside ``root``, ESTALE replaced
+    while opened), or the open's own OSError."""
+    path = Path(path)
+    root = path.parent if root is None else Path(root)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise NotReadHere(errno.ENXIO, "not a regular file; not read")
+        target = _opened_path(fd, path, opened)
+        real_root = Path(os.path.realpath(root))
+        if not (real_root in target.parents or is_hub_blob(target)):
+            raise NotReadHere(errno.EACCES, f"it leads to {target}, outside {root}; not read (links are followed "
+                                            "only into a Hugging Face cache's blobs)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_inside(path: Path, root: Path | None = None) -> bytes:
+    """The whole content of regular file ``path``, opened with :func:`open_inside`. Raises OSError."""
+    with open(open_inside(path, root), "rb", buffering=0) as f:
+        return f.read()
+
+
 def copy_file_hashing(source: Path, destination: Path) -> tuple[int, str]:
-    """Copy file ``source`` to the new file ``destination`` (which must not exist); returns (bytes, digest).
-    Raises OSError."""
+    """Copy file ``source`` (read from its own directory: :func:`open_inside`) to the new file ``destination``
+    (which must not exist); returns (bytes, digest). Raises OSError."""
     digest = hashlib.sha256()
-    with open(source, "rb", buffering=0) as src:
+    with open(open_inside(source), "rb", buffering=0) as src:
         size = os.fstat(src.fileno()).st_size
         fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -92,9 +153,9 @@ def copy_file_hashing(source: Path, destination: Path) -> tuple[int, str]:
 
 
 def hash_file(path: Path) -> tuple[int, str]:
-    """(bytes, digest) of file ``path``, read once. Raises OSError."""
+    """(bytes, digest) of file ``path`` (in its own directory: :func:`open_inside`), read once. Raises OSError."""
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with open(open_inside(path), "rb", buffering=0) as f:
         buffer = memoryview(bytearray(CHUNK_BYTES))
         size = 0
         while got := f.readinto(buffer):

@@ -23,7 +23,7 @@ import numpy as np
 from . import layout, strict_json
 from .config_regex import compile_config_regex
 from .errors import InputError
-from .fileio import outside_link
+from .fileio import outside_link, read_inside
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, TensorInfo, read_header, read_tensor
 from .spec import QuantSpec
 
@@ -206,7 +206,7 @@ def read_json(path: Path) -> dict:
     if not path.is_file():  # a FIFO or a device would block or never end
         raise InputError(f"{path}: not a regular file")
     try:
-        data = strict_json.loads(path.read_bytes())
+        data = strict_json.loads(read_inside(path))
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     except (UnicodeDecodeError, ValueError) as exc:

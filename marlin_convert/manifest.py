@@ -16,7 +16,7 @@ from pathlib import Path
 from . import strict_json
 from .compressed_tensors import QUANT_METHOD, STORED_KIND
 from .errors import ManifestError
-from .fileio import outside_link
+from .fileio import outside_link, read_inside
 
 MANIFEST_FILE = "marlin_manifest.json"
 MANIFEST_VERSION = 2
@@ -54,7 +54,7 @@ def load_manifest(directory: Path) -> dict:
             hint="run 'marlin-convert IN_DIR OUT_DIR' first, then verify OUT_DIR",
         )
     try:
-        manifest = strict_json.loads(path.read_bytes())
+        manifest = strict_json.loads(read_inside(path))
     except (OSError, ValueError) as exc:
         raise ManifestError(f"{path}: unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != "marlin-convert-manifest":
@@ -70,7 +70,7 @@ def load_manifest(directory: Path) -> dict:
 
 def manifest_digest(directory: Path) -> str:
     """``sha256:`` of the manifest file's bytes (what ``verify`` reports, so a recorded value shows tampering)."""
-    return "sha256:" + hashlib.sha256((Path(directory) / MANIFEST_FILE).read_bytes()).hexdigest()
+    return "sha256:" + hashlib.sha256(read_inside(Path(directory) / MANIFEST_FILE)).hexdigest()
 
 
 # ------------------------------------------------------------------------------------- field types and values

@@ -25,6 +25,7 @@ import glob
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from .errors import OutputError
@@ -109,8 +110,10 @@ def clear_stale_partials(out_dir: Path) -> list[str]:
                 notes.append(f"{path}: partial output of process {pid}, which is still running but does not hold "
                              "the directory's lock (an older marlin-convert?): left in place")
             else:
-                shutil.rmtree(path, ignore_errors=True)
-                notes.append(f"removed {path}, the partial output of an earlier run (process {pid}) that was killed")
+                reason = _remove_tree(path)
+                notes.append(f"removed {path}, the partial output of an earlier run (process {pid}) that was killed"
+                             if reason is None else f"{path}: partial output of an earlier run (process {pid}) "
+                             f"that was killed could not all be removed ({reason}); remove it by hand")
         finally:
             os.close(fd)
     return notes
@@ -143,10 +146,11 @@ class PartialDir:
         shutil.rmtree(self.path, ignore_errors=True)
         self._unlock()
 
-    def finalize(self, overwrite: bool) -> None:
-        """Move the finished directory to OUT_DIR: see the module docstring. Raises :class:`OutputError` (and
-        leaves OUT_DIR as it was) when OUT_DIR was filled by someone else while this run worked, unless
-        ``overwrite``."""
+    def finalize(self, overwrite: bool) -> list[str]:
+        """Move the finished directory to OUT_DIR: see the module docstring. Returns a note for each thing left
+        behind (with ``overwrite``: the previous OUT_DIR's contents, where they could not all be removed). Raises
+        :class:`OutputError` (and leaves OUT_DIR as it was) when OUT_DIR was filled by someone else while this run
+        worked, unless ``overwrite``."""
         out_dir = self.out_dir
         try:
             if overwrite and out_dir.is_symlink():
@@ -158,19 +162,40 @@ class PartialDir:
                     aside = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
                     out_dir.rename(aside)
                     self.path.rename(out_dir)
-                    shutil.rmtree(aside, ignore_errors=True)
-                    self._unlock()
-                    return
-                shutil.rmtree(self.path, ignore_errors=True)  # now OUT_DIR's previous contents
-            else:
-                self.path.rename(out_dir)
+                    return _remove_previous(aside)
+                return _remove_previous(self.path)  # now OUT_DIR's previous contents (unlocked in the finally)
+            self.path.rename(out_dir)
+            return []
         except OSError as exc:
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                 raise OutputError(f"OUT_DIR {out_dir} was created by another process while converting; it is left "
                                   "as it is and this run's output is discarded",
                                   hint="pass --overwrite to replace it, or choose another OUT_DIR") from exc
             raise OutputError(f"{out_dir}: cannot move the finished output into place: {exc.strerror or exc}") from exc
-        self._unlock()
+        finally:
+            self._unlock()
+
+
+def _remove_tree(path: Path) -> str | None:
+    """Remove directory tree ``path``: None once it is gone, else what stopped it (``"FILE: reason"``)."""
+    failures = []
+
+    def failed(function, name, error):  # error: the exception (onexc), or its (type, value, traceback) (onerror)
+        failures.append(f"{name}: {getattr(error[1] if isinstance(error, tuple) else error, 'strerror', None)}")
+
+    shutil.rmtree(path, **({"onexc": failed} if sys.version_info >= (3, 12) else {"onerror": failed}))
+    if not os.path.lexists(path):
+        return None
+    return failures[0] if failures else f"{path}: still there"
+
+
+def _remove_previous(path: Path) -> list[str]:
+    """Remove ``path``, the previous OUT_DIR replaced by ``--overwrite``; a note if some of it stays."""
+    reason = _remove_tree(path)
+    if reason is None:
+        return []
+    return [f"the previous OUT_DIR's contents could not all be removed ({reason}): they are left in {path}; remove "
+            "it by hand"]
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import SourceReadError, copy_file_hashing, hash_file, outside_link
+from .fileio import SourceReadError, copy_file_hashing, hash_file, open_inside, outside_link
 from .workers import run_parallel
 
 #: file names ending so hold weights in another format (or a checkpoint's index of them)
@@ -46,8 +46,7 @@ class ExtraFiles:
 
 def _check_readable(path: Path, shown: Path) -> None:
     try:
-        with open(path, "rb"):
-            pass
+        os.close(open_inside(path))
     except OSError as exc:
         raise InputError(f"{shown}: cannot read: {exc.strerror or exc}",
                          hint="fix its permissions, or move it out of IN_DIR if it is not part of the model") from exc

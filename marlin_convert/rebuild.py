@@ -19,6 +19,7 @@ import numpy as np
 
 from . import compressed_tensors, layout
 from .errors import ManifestError
+from .fileio import open_inside
 from .safetensors_io import TensorInfo
 from .spec import QuantSpec
 
@@ -139,7 +140,10 @@ class TensorReader:
             raise ManifestError(f"{shard}: tensor '{name}' holds {nbytes} bytes per slice, expected {target.nbytes}")
         fd = self._fds.get(shard)
         if fd is None:
-            fd = self._fds[shard] = os.open(self.headers[shard].path, os.O_RDONLY)
+            try:  # (the audit saw a regular file inside OUT_DIR; this checks the file actually opened)
+                fd = self._fds[shard] = open_inside(self.headers[shard].path)
+            except OSError as exc:
+                raise ManifestError(f"{shard}: cannot read: {exc.strerror or exc}") from exc
         done = 0
         while done < nbytes:
             got = os.preadv(fd, [target[done:]], begin + done)

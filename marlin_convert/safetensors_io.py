@@ -27,7 +27,7 @@ import numpy as np
 
 from . import strict_json
 from .errors import InputError, OutputError
-from .fileio import SourceReadError, copy_hashing, digest_text
+from .fileio import SourceReadError, copy_hashing, digest_text, open_inside
 
 #: safetensors dtype name -> numpy dtype used to hold the raw bytes (bfloat16 is kept as its uint16 bits)
 NUMPY_DTYPES: dict[str, np.dtype] = {
@@ -98,7 +98,7 @@ def read_header(path: Path) -> SafetensorsFile:
         if not path.is_file():  # a FIFO would block, a device never end
             raise InputError(f"{path}: not a regular file")
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open(open_inside(path), "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise InputError(f"{path}: corrupt safetensors file: only {size} bytes, no header")
@@ -196,7 +196,7 @@ def read_tensor(file: SafetensorsFile, name: str, index: int | None = None) -> n
     out = np.empty(shape, dtype=NUMPY_DTYPES[info.dtype])
     buffer = memoryview(out.reshape(-1).view(np.uint8))
     try:
-        with open(file.path, "rb", buffering=0) as f:
+        with open(open_inside(file.path), "rb", buffering=0) as f:
             done = 0
             while done < nbytes:
                 got = os.preadv(f.fileno(), [buffer[done:]], begin + done)
@@ -296,7 +296,7 @@ class ShardWriter:
         position = self._position(name, 0, nbytes)
         digest = hashlib.sha256()
         try:
-            src = open(source, "rb", buffering=0)
+            src = open(open_inside(source), "rb", buffering=0)
         except OSError as exc:
             raise InputError(f"{source}: cannot read: {exc.strerror or exc}") from exc
         with src:

@@ -45,6 +45,7 @@ import numpy as np
 
 from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
+from .fileio import open_inside
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
@@ -316,7 +317,12 @@ def _run_file(task: FileTask) -> FileOutcome:
     view = memoryview(buffer)
     read_seconds = hash_seconds = 0.0
     position, first = 0, 0  # ranges[:first] are finished
-    with open(path, "rb", buffering=0) as f:
+    try:  # (the audit saw a regular file inside OUT_DIR; this checks the file actually opened)
+        fd = open_inside(path, _STATE.out_dir)
+    except OSError as exc:
+        return FileOutcome({"read": 0.0, "hash": 0.0}, name=check.name,
+                           problems=[f"file {check.name}: cannot read: {exc.strerror or exc}"], ranges_checked=0)
+    with open(fd, "rb", buffering=0) as f:
         while True:
             start = time.perf_counter()
             got = f.readinto(buffer)

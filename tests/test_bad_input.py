@@ -223,6 +223,31 @@ def test_out_dir_not_empty(capsys, tmp_path, src):
     assert not (out / "precious.txt").exists() and (out / "marlin_manifest.json").exists()
 
 
+def test_an_overwritten_out_dir_that_cannot_all_be_removed_is_named(capsys, tmp_path, src):
+    """--overwrite publishes the new output and names what stays of the old one (here an immutable folder), and
+    the next run on the same OUT_DIR removes it once it can."""
+    out = tmp_path / "out"
+    stuck = out / "stuck"
+    stuck.mkdir(parents=True)
+    (stuck / "old.bin").write_bytes(b"old")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("needs chattr +i (root, a file system with attributes) to make a folder that cannot be removed")
+    try:
+        capsys.readouterr()
+        assert main([str(src), str(out), "--overwrite"]) == 0
+        printed = capsys.readouterr().out
+        assert (out / "marlin_manifest.json").exists() and not (out / "stuck").exists()
+        left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
+        assert len(left) == 1 and (left[0] / "stuck" / "old.bin").exists()
+        assert "the previous OUT_DIR's contents could not all be removed" in printed
+        assert f"they are left in {left[0]}" in printed and "old.bin: Operation not permitted" in printed
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(tmp_path)], capture_output=True)
+    assert main([str(src), str(out), "--overwrite"]) == 0
+    assert f"removed {left[0]}" in capsys.readouterr().out
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def test_out_dir_inside_in_dir(capsys, tmp_path, src):
     _run_failing(capsys, tmp_path, [str(src), str(src / "converted")], "inside")
     assert not (src / "converted").exists()
@@ -659,7 +684,7 @@ def test_json_report_over_a_hard_link_to_a_shard_leaves_the_shard_alone(capsys, 
     capsys.readouterr()
     assert shard.read_bytes() == before
     assert json.loads(link.read_text())["layers"]
-    assert not list(tmp_path.glob(".report.json.*"))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("command", ["convert", "verify"])
@@ -697,3 +722,93 @@ def test_a_header_length_names_the_right_reason(tmp_path, header_len, fragment):
         f.truncate(200 * 2**20)  # sparse: no 200 MB written
     with pytest.raises(InputError, match=fragment):
         read_header(path)
+
+
+# ------------------------------------------------------------------ a file swapped after it was checked
+
+
+def _swap_for_an_outside_link(path, tmp_path):
+    """Replace ``path`` by a link to a byte-identical copy outside its directory: a read through the link would
+    succeed, so only a check of the file actually opened can refuse it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    copy = elsewhere / path.name
+    copy.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(copy)
+
+
+def test_open_inside_checks_the_file_it_opened(tmp_path):
+    from marlin_convert.fileio import NotReadHere, open_inside
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "plain").write_bytes(b"x")
+    (root / "alias").symlink_to("plain")
+    os.close(open_inside(root / "plain"))
+    os.close(open_inside(root / "alias"))  # a link that stays inside
+    (root / "secret").write_bytes(b"s")
+    _swap_for_an_outside_link(root / "secret", tmp_path)
+    with pytest.raises(NotReadHere, match=r"outside .*root; not read"):
+        open_inside(root / "secret")
+    os.mkfifo(root / "fifo")  # opened without blocking (no writer exists), then refused
+    with pytest.raises(NotReadHere, match="not a regular file"):
+        open_inside(root / "fifo")
+    blobs = tmp_path / "models--org--m" / "blobs"
+    blobs.mkdir(parents=True)
+    blob = blobs / ("ab" * 20)
+    blob.write_bytes(b"w")
+    (root / "weights").symlink_to(blob)  # the Hugging Face cache's blob store: read
+    os.close(open_inside(root / "weights"))
+
+
+def test_a_shard_swapped_for_an_outside_link_after_its_header_was_read_is_not_read(tmp_path, src):
+    """Checked once and re-opened per tensor: every re-open checks the file it opened."""
+    from marlin_convert.safetensors_io import PlannedTensor, ShardWriter
+
+    path = src / "model.safetensors"
+    header = read_header(path)
+    _swap_for_an_outside_link(path, tmp_path)
+    name = f"{LAYER}.qweight"
+    with pytest.raises(InputError, match=r"model\.safetensors: cannot read tensor .*: it leads to .*elsewhere"):
+        read_tensor(header, name)
+    info = header.tensors[name]
+    writer = ShardWriter(tmp_path / "out.safetensors", [PlannedTensor("t", "U8", (info.nbytes,))], {})
+    with pytest.raises(InputError, match=r"model\.safetensors: cannot read: it leads to .*elsewhere"):
+        writer.copy_range("t", path, info.begin, info.nbytes)
+    writer.abort()
+
+
+def test_a_shard_swapped_for_an_outside_link_during_the_conversion_stops_it(capsys, tmp_path, src, monkeypatch):
+    import marlin_convert.convert as convert_module
+
+    planned = convert_module.plan_layers
+
+    def plan_then_swap(checkpoint):
+        layers = planned(checkpoint)
+        _swap_for_an_outside_link(src / "model.safetensors", tmp_path)
+        return layers
+
+    monkeypatch.setattr(convert_module, "plan_layers", plan_then_swap)
+    _convert_fails(capsys, tmp_path, src, "model.safetensors", "outside", "not read")
+
+
+def test_a_converted_shard_swapped_for_an_outside_link_after_the_audit_fails_verify(capsys, tmp_path, src,
+                                                                                    monkeypatch):
+    import marlin_convert.verify as verify_module
+
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    audited = verify_module.audit
+
+    def audit_then_swap(out_dir, manifest):
+        checked = audited(out_dir, manifest)
+        _swap_for_an_outside_link(out / "model.safetensors", tmp_path)
+        return checked
+
+    monkeypatch.setattr(verify_module, "audit", audit_then_swap)
+    capsys.readouterr()
+    rc = main(["verify", str(out), "--skip-kernel", "--workers", "1"])
+    captured = capsys.readouterr()
+    assert rc == 1, captured
+    assert "it leads to" in captured.out + captured.err and "Traceback" not in captured.err
