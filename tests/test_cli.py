@@ -66,6 +66,25 @@ def test_default_command_rewrite(argv, expected):
     assert with_default_command(argv) == expected
 
 
+@pytest.mark.parametrize("argv", [["-q", "verify", "OUT"], ["-q", "--overwrite", "inspect", "IN"],
+                                  ["--workers", "2", "IN", "convert"]])
+def test_options_before_a_command_name_are_refused(argv, capsys, tmp_path, monkeypatch):
+    """Not read as a conversion of a directory named like the command (which --overwrite could make destroy the
+    wrong directory): one Error line, exit 2, nothing created."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: option ") and "comes before the command name" in err and "Hint: write" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_named_like_a_command_converts_as_dot_slash_name(capsys, tmp_path, monkeypatch):
+    write_checkpoint(tmp_path / "verify", tiny_llama(num_layers=1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["-q", "./verify", "out"]) == 0
+    assert (tmp_path / "out" / "marlin_manifest.json").exists()
+
+
 def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     report_path = tmp_path / "report.json"
     assert main([str(src), str(tmp_path / "out"), "--json", str(report_path)]) == 0
@@ -519,3 +538,71 @@ def test_control_characters_in_names_are_printed_inert(capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\r" not in out
     assert "model.a\\x1b[31m\\x0ab.qweight" in out and "title\\x1b[2J" in out and "c\\x0dd" in out
+
+
+def test_json_to_a_fifo_is_written_through_and_the_fifo_stays(tmp_path, src, capsys):
+    """A stream (a FIFO here; /dev/stdout and a shell's process substitution alike) gets the report written through
+    it: a new file renamed over it would leave the reader waiting and the FIFO gone."""
+    import threading
+
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert main(["inspect", str(src), "--json", str(fifo)]) == 0
+    capsys.readouterr()
+    reader.join(10)
+    assert json.loads(received[0])["layers"] and fifo.is_fifo()
+
+
+def test_json_through_a_link_replaces_its_target_and_keeps_the_link(tmp_path, src, capsys):
+    target = tmp_path / "reports" / "plan.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "plan.json"
+    link.symlink_to(target)
+    assert main(["inspect", str(src), "--json", str(link)]) == 0
+    capsys.readouterr()
+    assert link.is_symlink() and json.loads(target.read_text())["layers"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["plan.json"]
+
+
+def test_json_with_a_long_name_is_written(tmp_path, src, capsys):
+    """The temporary beside the report has a short name of its own (a name built from the report's could pass
+    the file system's 255-byte limit)."""
+    report = tmp_path / ("r" * 250 + ".json")
+    assert main(["inspect", str(src), "--json", str(report)]) == 0
+    capsys.readouterr()
+    assert json.loads(report.read_text())["layers"]
+
+
+def test_an_interrupt_while_the_report_is_written_leaves_no_temporary(tmp_path, src, capsys, monkeypatch):
+    import signal
+
+    from marlin_convert.cli import _output
+    from marlin_convert.cli._errors import Interrupted
+
+    def interrupted(*_args):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(_output.os, "replace", interrupted)
+    report = tmp_path / "plan.json"
+    assert main(["inspect", str(src), "--json", str(report)]) == 130
+    capsys.readouterr()
+    assert not report.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_report_directory_this_user_cannot_write_is_refused_before_any_work(tmp_path, src, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes any directory")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "plan.json").write_text("old")
+    (locked / "plan.json").chmod(0o666)
+    locked.chmod(0o555)  # the file is writable, its directory is not: a new file cannot be made there
+    try:
+        assert main(["inspect", str(src), "--json", str(locked / "plan.json")]) == 2
+        assert "which this user cannot write" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o755)

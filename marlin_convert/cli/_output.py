@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,21 +119,60 @@ class Output:
 
     def write_json(self, path: str | Path | None) -> None:
         """Write the data as JSON to ``path``; ``-`` means stdout: then :meth:`render` prints the JSON instead of the
-        table (a pipe gets one JSON document, nothing else). A file named ``-`` is ``./-``."""
+        table (a pipe gets one JSON document, nothing else). A file named ``-`` is ``./-``.
+
+        A regular file (or a new one) gets a new file renamed over it, in the directory where it lies (through a
+        symbolic link: the link's target), so an existing file is replaced, never written through: a hard link to a
+        shard or a config keeps its content. A stream (``/dev/stdout``, ``/dev/fd/N`` of a process substitution,
+        ``/dev/null``, a FIFO: :func:`_written_through`) is written through, as a shell's ``>`` would."""
         if is_stdout(path):
             self.as_json = True
             return
-        if path is not None:
-            # a new file renamed over the name: an existing file there is replaced, never written through (a hard
-            # link to a shard or a config keeps its content)
-            target = Path(path)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        if path is None:
+            return
+        text = json.dumps(self.data, indent=2, default=str) + "\n"
+        try:
+            if _written_through(Path(path)):
+                with open(path, "w", encoding="utf-8") as stream:
+                    stream.write(text)
+            else:
+                _replace_file(Path(os.path.realpath(path)), text.encode("utf-8"))
+        except OSError as exc:
+            raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
+
+
+def _written_through(path: Path) -> bool:
+    """Whether a report goes through ``path`` rather than into a new file renamed over it: ``path`` names a stream
+    (anything under /dev or /proc: ``/dev/stdout`` is a link to whatever stdout is, a regular file too), or exists
+    (after links) and is not a regular file (a device, a FIFO, a socket)."""
+    if Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",)):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # absent (or a broken link): a new file
+        return False
+
+
+def _replace_file(target: Path, content: bytes) -> None:
+    """Put ``content`` at ``target`` as a new file (a hidden temporary beside it, renamed over it), with the mode a
+    new file gets here; the temporary never outlives the call. Raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".marlin-report-", suffix=".tmp")
+    renamed = False
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with open(fd, "wb", closefd=False) as stream:
+            stream.write(content)
+        os.replace(tmp, target)
+        renamed = True
+    finally:
+        os.close(fd)
+        if not renamed:
             try:
-                tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
-                os.replace(tmp, target)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 def is_stdout(path: str | Path | None) -> bool:
@@ -152,10 +193,15 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
         if directory is not None and resolved.is_relative_to(os.path.realpath(directory)):
             raise OutputError(f"--json {path}: inside {directory}, which this command reads or writes",
                               hint="write the report outside the checkpoint directories")
-    parent = path.parent
     if path.is_dir():
         raise OutputError(f"--json {path}: is a directory")
+    if _written_through(path):  # (write_json)
+        if not os.access(path, os.W_OK):
+            raise OutputError(f"--json {path}: not writable")
+        return
+    parent = resolved.parent  # where the new file is created and renamed over the name (write_json)
     if not parent.is_dir():
         raise OutputError(f"--json {path}: directory {parent} does not exist")
-    if not os.access(path if path.exists() else parent, os.W_OK):
-        raise OutputError(f"--json {path}: not writable")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"--json {path}: not writable (the report is written as a new file in {parent}, "
+                          "which this user cannot write)")

@@ -22,6 +22,7 @@ import typer
 from typer.core import TyperCommand
 
 from .. import __version__
+from ..errors import InputError
 from ._errors import Interrupted, report_error
 from ._output import OutputClosed, print_stdout
 from .convert import convert
@@ -75,9 +76,19 @@ ROOT_OPTIONS = {"--version", "-h", "--help"}
 def with_default_command(argv: list[str]) -> list[str]:
     """``marlin-convert IN OUT ...`` means ``marlin-convert convert IN OUT ...``, with convert's options anywhere
     (``marlin-convert -q --workers 2 IN OUT`` too): everything but a command name or one of the root's own options
-    first is convert's."""
+    first is convert's. Options first and a command name after them (``marlin-convert -q verify OUT``) are refused
+    (:class:`InputError`): that reads as a command's options put before its name, and taking it as a conversion of
+    a directory named ``verify`` could overwrite the wrong one."""
     if not argv or argv[0] in COMMANDS or argv[0] in ROOT_OPTIONS:
         return argv
+    if argv[0].startswith("-"):
+        words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+        named = next((word for word in words if word in COMMANDS), None)
+        if named is not None:
+            raise InputError(f"option {argv[0]} comes before the command name '{named}': a command's options go "
+                             "after its name",
+                             hint=f"write 'marlin-convert {named} ... {argv[0]}' (a directory called '{named}' is "
+                                  f"'./{named}')")
     return ["convert", *argv]
 
 
@@ -90,9 +101,9 @@ def _raise_interrupted(signum: int, _frame) -> None:
 def _interrupts_raise() -> Iterator[None]:
     """While the command runs, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so that the
     library's clean-up runs (partial output removed, worker processes stopped) and the exit code says so. A signal
-    that whoever started the process ignores (a shell's background job ignores SIGINT; ``nohup``-like launchers) stays
-    ignored for the whole run, as Python itself leaves it: taking it over here made the same signal ignored before
-    this point and an interruption after it."""
+    that whoever started the process ignores (a script's background command, ``cmd &``, gets SIGINT ignored;
+    ``nohup``) stays ignored for the whole run, as Python itself leaves it: taking it over here made the same signal
+    ignored before this point and an interruption after it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -110,8 +121,8 @@ EXIT_BROKEN_PIPE = 141
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = with_default_command(list(sys.argv[1:] if argv is None else argv))
     try:
+        args = with_default_command(list(sys.argv[1:] if argv is None else argv))
         with _interrupts_raise():
             returned = app(args=args, prog_name="marlin-convert", standalone_mode=False)
     except OutputClosed:  # stdout's reader went away (EPIPE, e.g. `inspect ... | head`): as shells report SIGPIPE
