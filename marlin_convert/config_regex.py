@@ -3,17 +3,21 @@ targets and ``ignore`` entries): compiled once, and refused where they could run
 
 Python's ``re`` backtracks, with no time limit. A repeat inside a repeat, such as ``(a+)+$``, takes time exponential
 in the name's length on a name that almost matches (a 41-character layer name kept ``inspect`` busy for minutes), and
-a chain of wildcards (``.*.*.*.*.*.*x``) time polynomial in it, of the chain's degree. Refused, with the config's place
-named:
+a chain of wildcards (``.*.*.*.*.*.*x``) time polynomial in it, of the chain's degree. The time comes from choices:
+a repeat whose count is not fixed (``*``, ``+``, ``?``, ``{1,16}``) and alternatives (``a|aa``). Refused, with the
+config's place named:
 
-- a repeat of more than one (``+``, ``*``, ``{2,}``, ``{5}``) anywhere inside another repeat of more than one, where
-  either has no upper bound or one above :data:`MAX_BOUND` (``(a{1,50}){1,50}``);
-- alternatives (``|``, of more than one character: ``(a|b)`` is a character class) inside a repeat of more than one
-  (``(a|aa)*c``: overlapping alternatives backtrack exponentially too);
-- more than :data:`MAX_UNBOUNDED` unbounded repeats in one pattern.
+- inside a repeat of more than one (``+``, ``*``, ``{2,}``, ``{1,16}``, and fixed counts such as ``{5}`` too), a
+  repeat whose count is a choice, or alternatives of more than one character (``(a|b)`` is a character class):
+  ``(a+)+``, ``(?:a{1,16}){1,16}``, ``(a|aa)*c``, ``(a|aa){2,16}``; a fixed count inside one is fine
+  (``(\\d{2}\\.)+``);
+- more than :data:`MAX_RANGES` repeats of more than one whose count is a choice (``*``, ``+``, ``{2,9}``: each one a
+  factor of up to the name's length in the time), or more than :data:`MAX_OPTIONALS` optional parts (``?``,
+  ``{0,1}``: each one a factor of two), in one pattern.
 
 The patterns real producers write (``model\\.layers\\.(\\d+)\\.mlp\\..*``, ``.*\\.18\\..*gate.*``,
-``re:.*lm_head``) pass; a harmless nesting such as ``(\\w+\\.)+mlp`` is refused too (write it ``[\\w.]+mlp``).
+``re:.*lm_head``, ``model\\.layers\\.(0|1)\\..*``) pass; a harmless nesting such as ``(\\w+\\.)+mlp`` is refused
+too (write it ``[\\w.]+mlp``).
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ except ImportError:  # Python 3.10
 
 from .errors import InputError
 
-#: a repeat bounded above this counts as unbounded for the nesting rule
-MAX_BOUND = 16
-#: the most unbounded repeats one pattern may hold
-MAX_UNBOUNDED = 4
+#: the most repeats of more than one with a choice of count (``*``, ``+``, ``{2,9}``) one pattern may hold
+MAX_RANGES = 4
+#: the most optional parts (``?``, ``{0,1}``) one pattern may hold
+MAX_OPTIONALS = 8
 
 _REPEATS = {sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT}
 if hasattr(sre_constants, "POSSESSIVE_REPEAT"):
@@ -56,40 +60,37 @@ def _children(op, av) -> list:
     return []
 
 
-def _unbounded(high) -> bool:
-    return high is sre_constants.MAXREPEAT or high == sre_constants.MAXREPEAT
-
-
-def _count_unbounded(pattern) -> int:
-    """The number of unbounded repeats in ``pattern`` (a parsed sequence), at any depth."""
-    count = 0
+def _choices(pattern) -> tuple[int, int]:
+    """(repeats of more than one with a choice of count, optional parts) in ``pattern`` (a parsed sequence), at any
+    depth."""
+    ranges = optionals = 0
     for op, av in pattern:
-        if op in _REPEATS and _unbounded(av[1]):
-            count += 1
+        if op in _REPEATS and av[0] < av[1]:
+            if av[1] > 1:
+                ranges += 1
+            else:
+                optionals += 1
         for child in _children(op, av):
-            count += _count_unbounded(child)
-    return count
+            inner = _choices(child)
+            ranges, optionals = ranges + inner[0], optionals + inner[1]
+    return ranges, optionals
 
 
-def _nested_repeat(pattern, outer_unbounded: bool | None) -> bool:
-    """Whether ``pattern`` (a parsed sequence) holds a repeat of more than one nested in another, one of them
-    unbounded (or bounded above MAX_BOUND). ``outer_unbounded``: None outside any repeat, else whether the enclosing
-    repeat counts as unbounded."""
+def _choice_inside_a_repeat(pattern, in_repeat: bool) -> bool:
+    """Whether ``pattern`` (a parsed sequence) holds, inside a repeat of more than one (``in_repeat``: the enclosing
+    one is such a repeat), a repeat whose count is a choice or alternatives."""
     for op, av in pattern:
         if op in _REPEATS:
-            high = av[1]
-            if high > 1:
-                unbounded = _unbounded(high) or high > MAX_BOUND
-                if outer_unbounded is not None and (outer_unbounded or unbounded):
-                    return True
-                if _nested_repeat(av[2], unbounded):
-                    return True
-                continue
-        if op is sre_constants.BRANCH and outer_unbounded:
-            # alternatives under a repeat: overlapping ones ('(a|aa)*c') backtrack exponentially too
-            return True
+            low, high = av[0], av[1]
+            if in_repeat and low < high:
+                return True
+            if _choice_inside_a_repeat(av[2], in_repeat or high > 1):
+                return True
+            continue
+        if op is sre_constants.BRANCH and in_repeat:
+            return True  # overlapping alternatives ('(a|aa)*c') backtrack exponentially
         for child in _children(op, av):
-            if _nested_repeat(child, outer_unbounded):
+            if _choice_inside_a_repeat(child, in_repeat):
                 return True
     return False
 
@@ -103,15 +104,18 @@ def compile_config_regex(text: str, where: str) -> re.Pattern:
         raise InputError(f"{where}: not a valid regular expression: {exc}") from exc
     try:
         parsed = sre_parse.parse(text)
-        nested = _nested_repeat(parsed, None)
-        unbounded = _count_unbounded(parsed)
+        nested = _choice_inside_a_repeat(parsed, False)
+        ranges, optionals = _choices(parsed)
     except RecursionError:
-        nested, unbounded = True, 0
+        nested, ranges, optionals = True, 0, 0
     if nested:
         raise InputError(f"{where}: regular expression {text!r} repeats a repeat or alternatives (such as "
-                         f"'(a+)+' or '(a|aa)*'), which can take hours to match a layer name; write it without the "
-                         f"nesting")
-    if unbounded > MAX_UNBOUNDED:
-        raise InputError(f"{where}: regular expression {text!r} has {unbounded} unbounded repeats ('*', '+'), more "
-                         f"than {MAX_UNBOUNDED}: matching it against a layer name can take hours")
+                         f"'(a+)+', '(a{{1,16}}){{1,16}}' or '(a|aa)*'), which can take hours to match a layer name; "
+                         f"write it without the nesting")
+    if ranges > MAX_RANGES:
+        raise InputError(f"{where}: regular expression {text!r} has {ranges} repeats of a chosen count ('*', '+', "
+                         f"'{{2,9}}'), more than {MAX_RANGES}: matching it against a layer name can take hours")
+    if optionals > MAX_OPTIONALS:
+        raise InputError(f"{where}: regular expression {text!r} has {optionals} optional parts ('?'), more than "
+                         f"{MAX_OPTIONALS}: matching it against a layer name can take hours")
     return pattern

@@ -638,7 +638,13 @@ def _bounded_fails(args, *fragments, seconds=120, memory_bytes=8 << 30):
 
 @pytest.mark.parametrize("regex, fragment", [("(a+)+$", "repeats a repeat"), ("(a{1,50}){1,50}$", "repeats a repeat"),
                                              ("(a|aa)*c", "repeats a repeat or alternatives"),
-                                             ("(.*.*.*.*.*.*.*.*.*.*.*)!", "11 unbounded repeats")])
+                                             # bounded repeats multiply too (each of these ran > 15 s on 40 a's)
+                                             ("((a|aa){1,16}){1,16}c", "repeats a repeat or alternatives"),
+                                             ("(a|aa){2,16}" * 4 + "c", "repeats a repeat or alternatives"),
+                                             ("(?:a{1,16}){1,16}c", "repeats a repeat"),
+                                             ("(.*.*.*.*.*.*.*.*.*.*.*)!", "11 repeats of a chosen count"),
+                                             (".{0,16}" * 5 + "!", "5 repeats of a chosen count"),
+                                             ("a?" * 30 + "a" * 30, "30 optional parts")])
 def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, regex, fragment):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"]["dynamic"] = {f"-:{regex}": {}}
