@@ -4,8 +4,25 @@
 # `marlin-convert verify --gpu 0` on each; a short table comes last.
 # Exact command (repo root, on a machine with an NVIDIA GPU of compute capability >= 8.0, nvcc and ninja):
 #     bash scripts/gpu_check.sh            # OUT=/some/dir to keep the logs there (default: ./bench_out)
+# Settings (environment): OUT (logs and reports), PYTHON (default python3), SKIP_BENCH=1 (no benchmark), E2E_JOBS
+# (end-to-end checkpoints converted and verified at once, default 4), E2E_TIMEOUT (seconds each conversion and each
+# verify may take before its row says FAILED, default 300). Exit status 0 only when the GPU tests, the sanitizer and
+# every end-to-end row pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+E2E_JOBS=${E2E_JOBS:-4} E2E_TIMEOUT=${E2E_TIMEOUT:-300}
+[[ $E2E_JOBS =~ ^[1-9][0-9]*$ ]] || { echo "E2E_JOBS=$E2E_JOBS: expected a positive integer" >&2; exit 2; }
+[[ $E2E_TIMEOUT =~ ^[1-9][0-9]*$ ]] || { echo "E2E_TIMEOUT=$E2E_TIMEOUT: expected a positive integer" >&2; exit 2; }
+# a signal to this script stops its end-to-end jobs too (they would go on writing into $OUT): each job's child (the
+# `timeout` around a command, which passes the signal on) and the job itself
+stop_jobs() {
+  local pid
+  for pid in $(jobs -p); do pkill -TERM -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done
+  return 0
+}
+trap stop_jobs EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench_out}
@@ -124,8 +141,9 @@ done
 e2e_one() {  # name src: convert, verify, and write the row's status and summary to $OUT/e2e_row_$name
   local name=$1 src=$2 status extra=()
   [[ "$name" == moe-per-expert ]] && extra=(--stack-experts)
-  if $PY -m marlin_convert.cli.app "$src" "$E2E/$name-marlin" -q "${extra[@]}" > "$OUT/convert_$name.log" 2>&1 &&
-     $PY -m marlin_convert.cli.app verify "$E2E/$name-marlin" --gpu 0 --batch 1,16,128 -q \
+  if timeout "$E2E_TIMEOUT" $PY -m marlin_convert.cli.app "$src" "$E2E/$name-marlin" -q "${extra[@]}" \
+        > "$OUT/convert_$name.log" 2>&1 &&
+     timeout "$E2E_TIMEOUT" $PY -m marlin_convert.cli.app verify "$E2E/$name-marlin" --gpu 0 --batch 1,16,128 -q \
         --source "$src" --json "$OUT/verify_$name.json" > "$OUT/verify_$name.log" 2>&1; then
     status=ok
   else
@@ -146,8 +164,8 @@ names=()
 for src in "$E2E"/*-gptq; do
   name=$(basename "$src" -gptq)
   names+=("$name")
-  rm -f "$OUT/e2e_row_$name"
-  while (( $(jobs -rp | wc -l) >= ${E2E_JOBS:-4} )); do wait -n || true; done
+  rm -f "$OUT/e2e_row_$name" "$OUT/verify_$name.json"  # (a failed run must not show an earlier run's report)
+  while (( $(jobs -rp | wc -l) >= E2E_JOBS )); do wait -n || true; done
   e2e_one "$name" "$src" &
 done
 wait
