@@ -86,8 +86,9 @@ class SafetensorsFile:
 def read_header(path: Path) -> SafetensorsFile:
     """Parse and check ``path``'s header as strictly as the reference safetensors library does.
 
-    Checked: the length prefix fits the file; the header is one UTF-8 JSON object with no repeated key;
-    ``__metadata__``, if present, maps strings to strings; every other entry has a known ``dtype``, a ``shape``
+    Checked: the length prefix fits the file and is at most :data:`MAX_HEADER_BYTES`; the header is one UTF-8 JSON
+    object with no repeated key; ``__metadata__``, if present, maps strings to strings; every other entry has a
+    known ``dtype``, a ``shape``
     of non-negative integers whose product fits 64 bits, and ``data_offsets`` of two integers whose span is the
     shape's byte size; sorted by offset, the tensors follow each other with no gap and no overlap and end
     exactly where the file does (a shorter file is a truncated download). Raises :class:`InputError` naming the

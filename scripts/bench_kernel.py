@@ -332,7 +332,8 @@ def main(argv=None) -> int:
         return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
     print("\ngeometric-mean speed-up over torch matmul in the same activation dtype (all shapes); "
-          "'vs fp16-int4' = this kind's m = 1..16 figure over fp16-int4's (same group, same run)")
+          "'vs fp16-int4' = this kind's m = 1..16 figure over fp16-int4's (same group and variant, same run; a kind "
+          "without variants: over fp16-int4's first variant)")
     print(f"{'kind':>12} {'variant':>8} {'group':>6} | {'m=1..16':>8} {'m=2..16':>8} {'vs fp16-int4':>12} | "
           + " ".join(f"{'m=' + str(m):>7}" for m in ms))
     for (kind, variant), by_group in speedups.items():
@@ -342,7 +343,9 @@ def main(argv=None) -> int:
                 continue
             small = geomean([v for m, vals in sg.items() if 1 <= m <= 16 for v in vals])
             small2 = geomean([v for m, vals in sg.items() if 2 <= m <= 16 for v in vals])
-            base = speedups.get(("fp16-int4", variant), speedups.get(("fp16-int4", ""), {})).get(g, {})
+            # the same variant's fp16-int4 row; a kind timed without variants (tinygemm) takes fp16-int4's first
+            base = (speedups.get(("fp16-int4", variant)) or speedups.get(("fp16-int4", ""))
+                    or next((rows for (k, _), rows in speedups.items() if k == "fp16-int4"), {})).get(g, {})
             base_small = geomean([v for m, vals in base.items() if 1 <= m <= 16 for v in vals])
             per_m = " ".join(f"{geomean(sg.get(m, [])):>6.2f}x" for m in ms)
             print(f"{kind:>12} {variant or '-':>8} {g:>6} | {small:>7.2f}x {small2:>7.2f}x {small / base_small:>11.2f}x | "
