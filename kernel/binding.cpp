@@ -164,10 +164,13 @@ torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const 
 
 int64_t required_workspace_ints(int64_t n) { return marlin_convert::marlin_required_workspace_ints((int)n); }
 
+int64_t pdl_launches() { return marlin_convert::marlin_pdl_launches(); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "marlin-convert's Marlin GEMM: fp16 / bf16 x 4 / 8-bit weights (see marlin_convert/kernel.py)";
   m.def("marlin_gemm", &marlin_gemm, "C = A[:, perm] @ dequant(B, s, zp)", py::arg("A"), py::arg("B"), py::arg("s"),
         py::arg("workspace"), py::arg("perm") = py::none(), py::arg("out") = py::none(), py::arg("split_k") = 0,
         py::arg("zp") = py::none(), py::arg("bits") = 4);
   m.def("required_workspace_ints", &required_workspace_ints, "(n / 64) * 16", py::arg("n"));
+  m.def("pdl_launches", &pdl_launches, "launches made with programmatic dependent launch so far (tests)");
 }

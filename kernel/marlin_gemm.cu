@@ -6,6 +6,8 @@
 
 #include "marlin_gemm_impl.cuh"
 
+#include <atomic>
+
 namespace marlin_convert {
 namespace detail {
 
@@ -75,6 +77,11 @@ int wgmma_variant() { return hopper_switch("MARLIN_CONVERT_WGMMA"); }
 // [PDL] on compute capability 9.0 (sm_90a build) unless MARLIN_CONVERT_PDL=0; read at every launch, as the switches
 // above.
 bool pdl_enabled() { return hopper_switch("MARLIN_CONVERT_PDL") != 0; }
+
+// Launches made with the [PDL] attribute since the library was loaded (every LaunchShape built with it is launched
+// right away), for the tests: a chain of calls meant to overlap must have taken it.
+std::atomic<long> pdl_launch_count{0};
+void count_pdl_launch() { pdl_launch_count.fetch_add(1, std::memory_order_relaxed); }
 
 // The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters or stream-K), MARLIN_CONVERT_DIRECT: 1 = where
 // direct_pays, 2 = wherever it fits in cluster mode, 3 = in stream-K (try_direct).
@@ -235,6 +242,8 @@ int launch_fp16_int4_sym(const Launch& L) {
 }  // namespace detail
 
 long marlin_required_workspace_ints(int n) { return (long)(n / 64) * 16; }
+
+long marlin_pdl_launches() { return detail::pdl_launch_count.load(std::memory_order_relaxed); }
 
 int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* zp, void* C, int* workspace,
                        long workspace_ints, int m, int n, int k, int scale_rows, int bits, int act, int sms,

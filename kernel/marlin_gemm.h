@@ -29,6 +29,10 @@ enum MarlinActType : int {
 // the kernel leaves it zeroed again after every call.
 long marlin_required_workspace_ints(int n);
 
+// Launches that carried the programmatic-dependent-launch attribute since the library was loaded (compute capability
+// 9.0 only, where pdl_launch in marlin_gemm_impl.cuh takes it; tests check that a chain of calls took it).
+long marlin_pdl_launches();
+
 // C[m, n] = A[m, k] @ ((q - z) * s)[k, n], fp32 accumulation, output in the activation type.
 // b = bits (4 or 8), p = 32 / b values per int32 word, z = 2^(b-1) (8 / 128) when zp is null.
 //   A          act [m, k], row-major, contiguous rows (row stride k), 16-byte aligned

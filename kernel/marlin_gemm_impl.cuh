@@ -1329,6 +1329,8 @@ int stream_k_per_sm();
 // capability 9.0 in an sm_90a build, unless MARLIN_CONVERT_PDL=0 (benchmark and tests: the kernels' results are the
 // same either way, only when they may start differs).
 bool pdl_enabled();
+// [PDL] Counts one launch that carries the attribute (marlin_gemm.cu; marlin_pdl_launches reads the count).
+void count_pdl_launch();
 
 // Largest dynamic shared memory a block may opt in to on the current device (0 when the query fails).
 inline int smem_optin() {
@@ -1387,6 +1389,7 @@ struct LaunchShape {
       attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
       ++cfg.numAttrs;
+      count_pdl_launch();
     }
   }
   LaunchShape(const LaunchShape&) = delete;  // (cfg.attrs points into this object)

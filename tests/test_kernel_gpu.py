@@ -20,7 +20,7 @@ import pytest
 
 from marlin_convert import layout
 from marlin_convert.errors import KernelError
-from marlin_convert.kernel import marlin_gemm, required_workspace_ints, unavailable_reason
+from marlin_convert.kernel import load_kernel, marlin_gemm, required_workspace_ints, unavailable_reason
 
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"GPU kernel unavailable: {_REASON}")]
@@ -674,12 +674,23 @@ PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
 ]
 
 
-def _assert_pdl_changes_no_bit(torch, monkeypatch, run, what: str) -> None:
-    """run() (calls of ours back to back, returning output tensors) with PDL off, then on: the same bits, no NaN."""
+def _assert_pdl_changes_no_bit(torch, monkeypatch, run, what: str, pdl_calls: int) -> None:
+    """run() (calls of ours back to back, returning output tensors) with PDL off, then on: the same bits, no NaN.
+    The launches that took PDL are counted (the library's count): none with it off, and with it on at least
+    ``pdl_calls`` on compute capability 9.0, none elsewhere, so the comparison really is of overlapped calls."""
+    launches = load_kernel(torch.cuda.current_device()).pdl_launches
     monkeypatch.setenv("MARLIN_CONVERT_PDL", "0")
+    before = launches()
     serialized = run()
+    assert launches() == before, f"{what}: a launch took PDL with MARLIN_CONVERT_PDL=0"
     monkeypatch.delenv("MARLIN_CONVERT_PDL")
+    before = launches()
     overlapped = run()
+    took = launches() - before
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert took >= pdl_calls, f"{what}: {took} launches took PDL, expected at least {pdl_calls}"
+    else:
+        assert took == 0, f"{what}: {took} launches took PDL below compute capability 9.0"
     for i, (c_ser, c_pdl) in enumerate(zip(serialized, overlapped)):
         assert int(torch.isnan(c_ser).sum()) == 0, f"{what} {i}: NaN without PDL"
         assert torch.equal(c_ser, c_pdl), f"{what} {i}: other bits with PDL than without"
@@ -711,7 +722,7 @@ def test_pdl_chain_matches_serialized(torch, monkeypatch, label, switches, m, k,
         torch.cuda.synchronize()
         return buffers
 
-    _assert_pdl_changes_no_bit(torch, monkeypatch, chain, f"{label}: buffer")
+    _assert_pdl_changes_no_bit(torch, monkeypatch, chain, f"{label}: buffer", pdl_calls=4)  # every call of the chain
     assert int(p.workspace.abs().sum()) == 0, "workspace not left zeroed"
 
 
@@ -741,7 +752,7 @@ def test_pdl_weights_written_by_the_calls_before(torch, monkeypatch, m):
         torch.cuda.synchronize()
         return outs
 
-    _assert_pdl_changes_no_bit(torch, monkeypatch, rounds, "round")
+    _assert_pdl_changes_no_bit(torch, monkeypatch, rounds, "round", pdl_calls=3)  # at least the layer's three calls
 
 
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
