@@ -248,3 +248,30 @@ def test_a_pool_caught_half_started_does_not_replace_the_interrupt(finished):
             shutdown_pool(HalfStarted(), finished=True)
     else:
         shutdown_pool(HalfStarted(), finished=False)  # no error
+
+
+# argv: marlin-convert's arguments; the console script's first step (launch.run) sends this process SIGTERM while it
+# imports the command line, before the command line's own handler is in place
+EARLY_TERM = """
+import builtins, os, signal, sys
+from marlin_convert.cli import launch
+real_import = builtins.__import__
+def sigterm_at_the_app_import(name, *args, **kwargs):
+    if name == "app":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = sigterm_at_the_app_import
+sys.argv = ["marlin-convert", *sys.argv[1:]]
+launch.run()
+"""
+
+
+def test_a_sigterm_before_the_command_line_is_ready_says_terminated(tmp_path, src):
+    """Not the default action (killed by the signal, no line): the same Error line and 143 as a later SIGTERM."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    proc = subprocess.run([sys.executable, "-c", EARLY_TERM, str(src), str(out)], capture_output=True, text=True,
+                          env=env, timeout=WAIT_SECONDS, preexec_fn=lambda: signal.signal(signal.SIGTERM,
+                                                                                          signal.SIG_DFL))
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == "Error: terminated" and not out.exists()

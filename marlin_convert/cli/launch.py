@@ -9,15 +9,27 @@ else is :func:`marlin_convert.cli.app.run`.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 #: arguments after which verify runs no kernel (or nothing at all), so no GPU process is started early
 _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
 
 
+class _Terminated(BaseException):
+    """SIGTERM before (or after) the command line's own handler is in place."""
+
+
+def _terminated(signum: int, _frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+    raise _Terminated
+
+
 def run() -> None:
     args = sys.argv[1:]
     early = args[:1] == ["verify"] and not _NO_KERNEL & set(args)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (one the process was started ignoring stays ignored)
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         if early:
             from ..gpu_workers import prestart
@@ -29,6 +41,9 @@ def run() -> None:
     except KeyboardInterrupt:  # Ctrl-C during the imports (later, main() turns it into the same line and exit code)
         print("Error: interrupted", file=sys.stderr)
         sys.exit(130)
+    except _Terminated:  # SIGTERM during the imports, or after main() gave its handler back
+        print("Error: terminated", file=sys.stderr)
+        sys.exit(143)
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
         if early:
             from ..gpu_workers import discard_prestarted
