@@ -78,6 +78,21 @@ def test_options_before_a_command_name_are_refused(argv, capsys, tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv", [["IN", "", "--overwrite"], ["convert", "", "OUT"], ["inspect", ""],
+                                  ["verify", "", "--skip-kernel"], ["IN", "OUT", "--json", ""]])
+def test_an_empty_argument_is_refused_and_the_current_directory_left_alone(argv, capsys, tmp_path, monkeypatch):
+    """An unset shell variable ("$OUT") is an empty argument, which a path would read as the current directory:
+    with --overwrite, that directory would be replaced by the output."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("keep me")
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1))
+    argv = [str(src) if a == "IN" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: argument ") and "is empty: an unset shell variable?" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "notes.txt"]
+
+
 def test_a_directory_named_like_a_command_converts_as_dot_slash_name(capsys, tmp_path, monkeypatch):
     write_checkpoint(tmp_path / "verify", tiny_llama(num_layers=1))
     monkeypatch.chdir(tmp_path)

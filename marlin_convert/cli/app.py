@@ -73,12 +73,24 @@ def _root(
 ROOT_OPTIONS = {"--version", "-h", "--help"}
 
 
+def _refuse_empty(argv: list[str]) -> None:
+    """Raise :class:`InputError` for an empty argument: every argument here is a path, a number or a list, and an
+    empty one is nearly always an unset shell variable (``marlin-convert IN "$OUT" --overwrite`` with OUT unset would
+    otherwise take the current directory as OUT_DIR and replace it)."""
+    if "" in argv:
+        i = argv.index("")
+        where = f"after {argv[i - 1]}" if i else "the first"
+        raise InputError(f"argument {i + 1} ({where}) is empty: an unset shell variable?",
+                         hint="give the path (or value) itself; the current directory is '.'")
+
+
 def with_default_command(argv: list[str]) -> list[str]:
     """``marlin-convert IN OUT ...`` means ``marlin-convert convert IN OUT ...``, with convert's options anywhere
     (``marlin-convert -q --workers 2 IN OUT`` too): everything but a command name or one of the root's own options
     first is convert's. Options first and a command name after them (``marlin-convert -q verify OUT``) are refused
     (:class:`InputError`): that reads as a command's options put before its name, and taking it as a conversion of
     a directory named ``verify`` could overwrite the wrong one."""
+    _refuse_empty(argv)
     if not argv or argv[0] in COMMANDS or argv[0] in ROOT_OPTIONS:
         return argv
     if argv[0].startswith("-"):
