@@ -39,7 +39,7 @@ from .experts import ExpertGroup, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, manifest_digest, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
-from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo
+from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo, changed_since_read
 from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, open_checkpoint, plan_layers,
                       plan_notes)
 from .spec import QuantSpec
@@ -791,6 +791,11 @@ def convert(
         manifest["files"] = files
         write_manifest(tmp, manifest)
         digest = manifest_digest(tmp)
+        for shard in checkpoint.shards:  # the checks (planning) and the conversion must have seen the same bytes
+            changed = changed_since_read(shard)
+            if changed is not None:
+                raise InputError(f"{shard.path}: changed while it was being converted: {changed}; the output is "
+                                 "discarded", hint="convert again once nothing writes to IN_DIR")
         notes += partial.finalize(overwrite)
     except BaseException as exc:
         for writer in writers:

@@ -71,12 +71,14 @@ class TensorInfo:
 
 @dataclass
 class SafetensorsFile:
-    """A parsed safetensors header. ``tensors`` keeps the file's data order (by offset)."""
+    """A parsed safetensors header. ``tensors`` keeps the file's data order (by offset). ``identity``: the file's
+    device, inode, size and modification time (ns) when the header was read (:func:`changed_since_read`)."""
 
     path: Path
     data_start: int
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str] = field(default_factory=dict)
+    identity: tuple[int, int, int, int] | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -98,8 +100,9 @@ def read_header(path: Path) -> SafetensorsFile:
     try:
         if not path.is_file():  # a FIFO would block, a device never end
             raise InputError(f"{path}: not a regular file")
-        size = path.stat().st_size
         with open(open_inside(path), "rb") as f:
+            identity = _identity(os.fstat(f.fileno()))
+            size = identity[2]
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise InputError(f"{path}: corrupt safetensors file: only {size} bytes, no header")
@@ -127,7 +130,27 @@ def read_header(path: Path) -> SafetensorsFile:
     tensors = sorted((_tensor_info(path, name, entry, data_start) for name, entry in header.items()),
                      key=lambda t: (t.begin, t.end))
     _check_data_layout(path, tensors, data_start, size)
-    return SafetensorsFile(path, data_start, {t.name: t for t in tensors}, metadata)
+    return SafetensorsFile(path, data_start, {t.name: t for t in tensors}, metadata, identity)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def changed_since_read(file: SafetensorsFile) -> str | None:
+    """What changed about ``file`` since :func:`read_header` read it (another file now at its path, its size, its
+    modification time), or None: a conversion whose source changed under it used bytes the checks never saw."""
+    try:
+        now = _identity(os.stat(file.path))
+    except OSError as exc:
+        return f"it can no longer be read: {exc.strerror or exc}"
+    if file.identity is None or now == file.identity:
+        return None
+    if now[:2] != file.identity[:2]:
+        return "another file is now at its path"
+    if now[2] != file.identity[2]:
+        return f"its size went from {file.identity[2]} to {now[2]} bytes"
+    return "it was written to (its modification time moved)"
 
 
 def _is_count(value: object) -> bool:

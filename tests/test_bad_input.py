@@ -818,3 +818,24 @@ def test_a_converted_shard_swapped_for_an_outside_link_after_the_audit_fails_ver
     captured = capsys.readouterr()
     assert rc == 1, captured
     assert "it leads to" in captured.out + captured.err and "Traceback" not in captured.err
+
+
+def test_a_shard_written_to_during_the_conversion_stops_it(capsys, tmp_path, src, monkeypatch):
+    """g_idx made out of range after planning checked it (same size, same file): the bytes converted are not the
+    ones checked, so nothing is published (it was, with an out-of-range g_idx in the output)."""
+    import marlin_convert.convert as convert_module
+
+    planned = convert_module.plan_layers
+    shard = src / "model.safetensors"
+
+    def plan_then_write(checkpoint):
+        layers = planned(checkpoint)
+        info = read_header(shard).tensors[f"{LAYER}.qweight"]
+        with open(shard, "r+b") as f:
+            f.seek(read_header(shard).data_start + info.begin)
+            f.write(b"\xff" * 16)
+        return layers
+
+    monkeypatch.setattr(convert_module, "plan_layers", plan_then_write)
+    _convert_fails(capsys, tmp_path, src, "model.safetensors", "changed while it was being converted",
+                   "modification time")
