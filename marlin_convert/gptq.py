@@ -402,7 +402,8 @@ def shard_path(directory: Path, name: str, where: Path) -> Path:
     """``directory / name`` for a shard file ``name`` read from ``where`` (an index, a manifest), checked.
 
     The name must be a plain file name in ``directory`` (no path separator, not ``.`` or ``..``), so nothing
-    outside the directory is reached through it. The entry must be a regular file, or a symbolic link to one
+    outside the directory is reached through it, ending in ``.safetensors`` (so no shard has the name of a file the
+    converter writes beside the shards, such as ``marlin_manifest.json``). The entry must be a regular file, or a symbolic link to one
     (as in the Hugging Face cache, where snapshot files link to ``../../blobs/<hash>``; a link anywhere else out of
     ``directory`` is refused). Raises
     :class:`InputError` naming ``where`` and the name.
@@ -410,6 +411,9 @@ def shard_path(directory: Path, name: str, where: Path) -> Path:
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise InputError(f"{where}: shard name {name!r} is not a plain file name in {directory}",
                          hint="shards must lie directly in the checkpoint directory")
+    if not name.endswith(".safetensors"):  # (nor the name of a file the converter writes: a config, the manifest)
+        raise InputError(f"{where}: shard name {name!r} does not end in '.safetensors'",
+                         hint="a checkpoint's shards are safetensors files named *.safetensors")
     path = directory / name
     if not os.path.lexists(path):
         raise InputError(f"{where}: names shard '{name}', which is missing")

@@ -387,6 +387,17 @@ def test_index_shard_names_must_stay_in_the_directory(capsys, tmp_path, sharded,
     _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", repr(shard), "not a plain file name")
 
 
+@pytest.mark.parametrize("name", ["marlin_manifest.json", "tokenizer.json", "model-00002-of-00002.bin"])
+def test_a_shard_not_named_safetensors_is_refused(capsys, tmp_path, sharded, name):
+    """A shard named like a file the converter writes beside the shards (the manifest, a config) was overwritten by
+    it: the output lost that shard's tensors and still exited 0."""
+    old = sorted(sharded.glob("model-*.safetensors"))[-1]
+    old.rename(sharded / name)
+    _edit_index(sharded, lambda index: index["weight_map"].update(
+        {tensor: name for tensor, shard in index["weight_map"].items() if shard == old.name}))
+    _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", repr(name), "does not end in")
+
+
 def test_shard_linked_to_a_blob_elsewhere_converts(capsys, tmp_path):
     """The Hugging Face cache layout: snapshot files are links to ../../blobs/<hash>."""
     repo = tmp_path / "models--org--tiny"
