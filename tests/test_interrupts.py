@@ -275,3 +275,29 @@ def test_a_sigterm_before_the_command_line_is_ready_says_terminated(tmp_path, sr
                                                                                           signal.SIG_DFL))
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr.strip() == "Error: terminated" and not out.exists()
+
+
+def test_the_same_signal_twice_at_once_is_one_interrupt(monkeypatch):
+    """GNU timeout sends its signal to the command, then to the command's process group: the second copy arrives
+    during the clean-up the first started, and must not end the process by the default action there (it left a
+    partial directory of gigabytes and no Error line). A repeat a while later still ends it at once."""
+    from marlin_convert.cli import app
+    from marlin_convert.cli._errors import Interrupted
+
+    previous = signal.getsignal(signal.SIGTERM)
+    sent = []
+    monkeypatch.setattr(app.os, "kill", lambda pid, signum: sent.append(signum))
+    now = [100.0]
+    monkeypatch.setattr(app.time, "monotonic", lambda: now[0])
+    try:
+        with pytest.raises(Interrupted):
+            app._raise_interrupted(signal.SIGTERM, None)
+        repeat = signal.getsignal(signal.SIGTERM)
+        now[0] += 0.001
+        repeat(signal.SIGTERM, None)  # the copy sent to the group: ignored
+        assert sent == [] and signal.getsignal(signal.SIGTERM) is repeat
+        now[0] += app.REPEAT_SECONDS
+        repeat(signal.SIGTERM, None)  # a second request: the default action, at once
+        assert sent == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
