@@ -1,6 +1,7 @@
 """JSON as the reference safetensors library reads it (serde_json, strict RFC 8259): duplicate keys are an error,
-not "the last one wins"; ``NaN`` / ``Infinity`` (not JSON) and escaped lone surrogates (``"\\ud800"``, no
-character) are errors, not values Python would accept and later write back.
+not "the last one wins"; ``NaN`` / ``Infinity`` (not JSON), numbers too large for a float (``1e999``, which Python
+reads as infinity) and escaped lone surrogates (``"\\ud800"``, no character) are errors, not values Python would
+accept and later write back.
 
 Used for every JSON file the converter reads (safetensors headers, the index, the configs, the manifest), so a
 file cannot say two things at once. Nesting too deep for the parser is an error too, never a crash.
@@ -24,6 +25,15 @@ def _not_json(constant: str) -> object:
     raise ValueError(f"{constant} is not a JSON value")
 
 
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent as Python reads it, refused where that is not finite: ``1e999``
+    would become infinity, which Python writes back as ``Infinity`` (not JSON) when a config is rewritten."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is too large for a 64-bit float")
+    return value
+
+
 def _check_strings(value: object) -> None:
     """Every string (key or value) must be text: a lone surrogate escape decodes to something UTF-8 cannot hold."""
     stack = [value]
@@ -43,13 +53,13 @@ def _check_strings(value: object) -> None:
 
 def loads(text: str | bytes) -> object:
     """Parse ``text`` (bytes must be UTF-8). Raises ValueError (a UnicodeDecodeError is one) for malformed JSON,
-    a key repeated within one object, NaN or Infinity, a lone surrogate escape, or nesting deeper than the parser
-    can follow."""
+    a key repeated within one object, NaN or Infinity, a number too large for a float, a lone surrogate escape, or
+    nesting deeper than the parser can follow."""
     from_bytes = isinstance(text, bytes)
     if from_bytes:
         text = text.decode("utf-8")  # strict: a surrogate encoded in the bytes is refused here
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_not_json)
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_not_json, parse_float=_finite)
     except RecursionError:
         raise ValueError("nested too deeply") from None
     # decoded UTF-8 holds no surrogate, so one can only come from a \u escape (a str may hold one itself)

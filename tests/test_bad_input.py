@@ -480,6 +480,16 @@ def test_nan_or_infinity_in_a_config_is_refused(capsys, tmp_path, src, name, con
     _convert_fails(capsys, tmp_path, src, name, f"{constant} is not a JSON value")
 
 
+@pytest.mark.parametrize("name", ["config.json", "quantize_config.json"])
+@pytest.mark.parametrize("number", ["1e999", "-1E400"])
+def test_a_number_too_large_for_a_float_in_a_config_is_refused(capsys, tmp_path, src, name, number):
+    """Python reads it as infinity and would write it back as Infinity, which no JSON reader (verify's included)
+    takes: the output's configs were unreadable."""
+    text = (src / name).read_text()
+    (src / name).write_text(text.replace("{", f'{{"damp_percent": {number}, ', 1))
+    _convert_fails(capsys, tmp_path, src, name, f"number {number} is too large for a 64-bit float")
+
+
 @pytest.mark.parametrize("raw", [
     '{"k": "\\ud800"}', b'["ok", {"\\udfff": 1}]', b'"a \\ud83d b"', b'"\\ude00\\ud83d"',  # escapes, no pair
     '"\ud800"',  # a str may hold a lone surrogate itself, without any escape
