@@ -297,7 +297,9 @@ def _read_config(path: Path) -> tuple[dict | None, str | None]:
         return None, f"{path.name}: not a regular file"
     try:
         data = strict_json.loads(read_inside(path))
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        return None, f"{path.name}: unreadable: {exc.strerror or exc}"
+    except ValueError as exc:
         return None, f"{path.name}: unreadable: {exc}"
     return (data, None) if isinstance(data, dict) else (None, f"{path.name}: not a JSON object")
 

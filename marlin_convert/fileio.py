@@ -132,10 +132,20 @@ def open_inside(path: Path, root: Path | None = None) -> int:
     return fd
 
 
+#: the most bytes :func:`read_inside` reads: its files are JSON (configs, the index, the manifest), megabytes even
+#: for a model of hundreds of experts; a larger one (a sparse file of gigabytes) would take that much memory
+MAX_WHOLE_FILE_BYTES = 256 << 20
+
+
 def read_inside(path: Path, root: Path | None = None) -> bytes:
-    """The whole content of regular file ``path``, opened with :func:`open_inside`. Raises OSError."""
+    """The whole content of regular file ``path``, opened with :func:`open_inside`, at most
+    :data:`MAX_WHOLE_FILE_BYTES`. Raises OSError (:class:`NotReadHere`, EFBIG, for a larger file)."""
     with open(open_inside(path, root), "rb", buffering=0) as f:
-        return f.read()
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_WHOLE_FILE_BYTES:
+            raise NotReadHere(errno.EFBIG, f"{size} bytes, more than the {MAX_WHOLE_FILE_BYTES} this tool reads of a "
+                                           "config, an index or a manifest")
+        return f.read(MAX_WHOLE_FILE_BYTES + 1)
 
 
 def copy_file_hashing(source: Path, destination: Path) -> tuple[int, str]:

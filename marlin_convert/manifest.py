@@ -55,7 +55,9 @@ def load_manifest(directory: Path) -> dict:
         )
     try:
         manifest = strict_json.loads(read_inside(path))
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable: {exc.strerror or exc}") from exc
+    except ValueError as exc:
         raise ManifestError(f"{path}: unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != "marlin-convert-manifest":
         raise ManifestError(f"{path}: not a marlin-convert manifest")

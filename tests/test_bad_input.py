@@ -860,3 +860,21 @@ def test_a_shard_written_to_during_the_conversion_stops_it(capsys, tmp_path, src
     monkeypatch.setattr(convert_module, "plan_layers", plan_then_write)
     _convert_fails(capsys, tmp_path, src, "model.safetensors", "changed while it was being converted",
                    "modification time")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_json_file_of_gigabytes_is_refused_unread(capsys, tmp_path, sharded, name):
+    """Sparse (no disk used): read whole, it took 6 GB of memory before the parser refused it."""
+    with open(sharded / name, "r+b") as f:
+        f.truncate(3 << 30)
+    _bounded_fails([str(sharded), str(tmp_path / "out")], name, "more than the 268435456 this tool reads",
+                   memory_bytes=2 << 30)
+
+
+def test_a_manifest_of_gigabytes_is_refused_unread(capsys, tmp_path, src):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    with open(out / "marlin_manifest.json", "r+b") as f:
+        f.truncate(3 << 30)
+    _bounded_fails(["verify", str(out), "--skip-kernel"], "marlin_manifest.json",
+                   "unreadable: 3221225472 bytes, more than", memory_bytes=2 << 30)
