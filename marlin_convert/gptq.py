@@ -239,6 +239,12 @@ def _format_label(merged: dict, origin: dict[str, str]) -> str:
     return label
 
 
+#: settings that decide a layer's layout: config.json's quantization_config and quantize_config.json must not
+#: state different values for them (the output's configs keep both files' values)
+LAYOUT_KEYS = ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpoint_format", "format",
+               "is_marlin_format", "dynamic", "lm_head")
+
+
 def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | None]:
     """Merge and type-check the GPTQ settings. Returns ``(config, config_json, quantize_config_json)`` (the raw
     dicts or None). Raises :class:`InputError` naming the file and key of a missing or ill-typed value."""
@@ -255,6 +261,11 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         origin.update(dict.fromkeys(section, f"{config_path} (quantization_config)"))
         sources.append(f"{CONFIG_FILE}:quantization_config")
     if quantize_json is not None:
+        for key in LAYOUT_KEYS:  # both files state the same settings (GPTQModel writes them identically)
+            if key in merged and key in quantize_json and merged[key] != quantize_json[key]:
+                raise InputError(f"{config_path} (quantization_config) and {quantize_path}: '{key}' disagrees: "
+                                 f"{json.dumps(merged[key])[:60]} against {json.dumps(quantize_json[key])[:60]}",
+                                 hint="make the two configs agree with the stored tensors")
         merged.update(quantize_json)
         origin.update(dict.fromkeys(quantize_json, str(quantize_path)))
         sources.append(QUANTIZE_CONFIG_FILE)

@@ -168,9 +168,7 @@ def test_wrong_scales_dtype(capsys, tmp_path, src):
 
 def test_config_group_size_disagrees_with_the_scale_rows(capsys, tmp_path):
     src = write_checkpoint(tmp_path / "in", _spec(group_size=64))
-    config = json.loads((src / "quantize_config.json").read_text())
-    config["group_size"] = 96  # valid for K = 256 (groups of 96, 96, 64: 3 rows), but the scales have 4 rows
-    (src / "quantize_config.json").write_text(json.dumps(config))
+    _scale_rows_for_group_96(src)  # valid for K = 256 (groups of 96, 96, 64: 3 rows), but the scales have 4 rows
     _convert_fails(capsys, tmp_path, src, f"{LAYER}.scales", "has 4 rows: that is group size 64 for K = 256",
                    "config says group size 96 (3 rows)")
 
@@ -597,9 +595,24 @@ def test_an_unreadable_extra_file_is_named_before_any_work(capsys, tmp_path, src
 
 
 def _scale_rows_for_group_96(src):
+    """Both configs say group size 96: 3 rows for K = 256; the scales have 4."""
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 96
+    (src / "config.json").write_text(json.dumps(config))
     config = json.loads((src / "quantize_config.json").read_text())
-    config["group_size"] = 96  # 3 rows for K = 256; the scales have 4
+    config["group_size"] = 96
     (src / "quantize_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("key, value", [("bits", 8), ("group_size", 128), ("sym", False), ("desc_act", True)])
+def test_configs_that_disagree_on_a_layer_setting_are_refused(capsys, tmp_path, src, key, value):
+    """config.json's quantization_config and quantize_config.json stating different settings: the later file used
+    to win silently, and the output's config.json kept the other value."""
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"][key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    _convert_fails(capsys, tmp_path, src, "config.json (quantization_config) and", "quantize_config.json",
+                   f"'{key}' disagrees: {json.dumps(value)} against")
 
 
 def _g_idx_value(src, value):
