@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import compressed_tensors, layout, strict_json
 from .errors import InputError
-from .experts import split_expert_key
+from .experts import expert_group_summary, split_expert_key
 from .fileio import outside_link, read_inside
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
 from .manifest import MANIFEST_FILE, layer_outputs_names
@@ -287,6 +287,17 @@ def _format_problems(manifest: dict) -> list[str]:
         if entry["source_format"] != source_format:
             problems.append(f"layer '{entry['name']}': source_format {entry['source_format']!r}, the manifest's "
                             f"source is {source_format!r}")
+    stated, expected = manifest.get("expert_groups"), expert_group_summary(manifest["layers"])
+    if stated != expected:  # what an engine reads to find (and order) the experts of a layer
+        if not isinstance(stated, list):
+            found = f"is {json.dumps(stated)[:40]}"
+        else:
+            first = next((i for i, (a, b) in enumerate(zip(stated, expected)) if a != b), min(len(stated),
+                                                                                             len(expected)))
+            found = (f"has {len(stated)} group(s), the layers make {len(expected)}" if first == len(stated) or
+                     first == len(expected) else f"[{first}] is {json.dumps(stated[first])[:80]}, the layers make "
+                     f"{json.dumps(expected[first])[:80]}")
+        problems.append(f"manifest expert_groups {found}")
     return problems
 
 

@@ -35,7 +35,7 @@ from . import __version__, layout
 from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers
-from .experts import ExpertGroup, group_experts
+from .experts import ExpertGroup, expert_group_summary, group_experts
 from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, manifest_digest, write_manifest
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
@@ -668,28 +668,6 @@ def _quantization_defaults(plan: ConversionPlan) -> dict:
     return plan.checkpoint.config.defaults()
 
 
-def _expert_groups(plan: ConversionPlan) -> list[dict]:
-    """Per-expert keys written per expert (no ``--stack-experts``): one summary per group and projection, so an
-    engine can find all experts of a layer without parsing names. Stacked outputs describe themselves."""
-    converted = [o.plan for o in plan.outputs if not o.members and not o.spec.num_experts]
-    groups, _ = group_experts([layer.prefix for layer in converted])
-    by_prefix = {layer.prefix: layer for layer in converted}
-    summary = []
-    for group in groups:
-        for projection, members in group.members.items():
-            first = by_prefix[members[min(members)]]
-            summary.append({
-                "base": group.base,
-                "projection": projection,
-                "num_experts": len(members),
-                "in_features": first.spec.in_features,
-                "out_features": first.spec.out_features,
-                "workspace_ints_per_expert": first.workspace_ints,
-                "layers": [members[e] for e in sorted(members)],
-            })
-    return summary
-
-
 def convert(
     in_dir: Path,
     out_dir: Path,
@@ -785,7 +763,7 @@ def convert(
             "shards": [shard.file_name for shard in plan.shards],
             "layers": layers,
             "kept": kept,
-            "expert_groups": _expert_groups(plan),
+            "expert_groups": expert_group_summary(layers),
         }
         manifest["passthrough"] = _passthrough_entries(plan, digests, out_shard)
         manifest["files"] = files

@@ -66,3 +66,27 @@ def group_experts(prefixes: list[str]) -> tuple[list[ExpertGroup], list[str]]:
         group = groups.setdefault(base, ExpertGroup(base))
         group.members.setdefault(projection, {})[index] = prefix
     return list(groups.values()), plain
+
+
+def expert_group_summary(layers: list[dict]) -> list[dict]:
+    """The manifest's ``expert_groups``, from its ``layers`` entries: one summary per group of per-expert layers
+    written per expert (entries with ``num_experts`` 0 whose names are expert keys) and projection, in order of
+    first appearance: ``base``, ``projection``, ``num_experts``, ``in_features``, ``out_features`` and
+    ``workspace_ints_per_expert`` (of the lowest expert index) and the ``layers`` in expert order. Stacked entries
+    describe themselves and are not summarised. The converter writes it and ``verify`` recomputes it."""
+    per_expert = {entry["name"]: entry for entry in layers if not entry["num_experts"]}
+    groups, _ = group_experts(list(per_expert))
+    summary = []
+    for group in groups:
+        for projection, members in group.members.items():
+            first = per_expert[members[min(members)]]
+            summary.append({
+                "base": group.base,
+                "projection": projection,
+                "num_experts": len(members),
+                "in_features": first["in_features"],
+                "out_features": first["out_features"],
+                "workspace_ints_per_expert": first["workspace"]["ints"],
+                "layers": [members[e] for e in sorted(members)],
+            })
+    return summary

@@ -415,3 +415,31 @@ def _with_shape(path, name, shape):
     text += b" " * (size - len(text))
     assert len(text) == size
     return data[:8] + text + data[8 + size:]
+
+
+def _swap_first_two_experts(manifest):
+    layers = manifest["expert_groups"][0]["layers"]
+    layers[0], layers[1] = layers[1], layers[0]
+
+
+@pytest.mark.parametrize("change, found", [
+    (_swap_first_two_experts, "expert_groups [0] is"),
+    (lambda m: m["expert_groups"][1].update(num_experts=5), "expert_groups [1] is"),
+    (lambda m: m["expert_groups"].pop(), "expert_groups has 2 group(s), the layers make 3"),
+    (lambda m: m["expert_groups"].append({}), "expert_groups has 4 group(s), the layers make 3"),
+    (lambda m: m.update(expert_groups="x"), 'expert_groups is "x"'),
+])
+def test_expert_groups_that_the_layers_do_not_make_fail(tmp_path, capsys, change, found):
+    """expert_groups is what an engine reads to find and order a layer's experts: verify recomputes it from the
+    layers (it was not read at all: experts swapped, counts changed, groups dropped all passed)."""
+    from make_gptq_checkpoint import qwen3_moe
+
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=3, hidden=128,
+                                                     expert_intermediate=128, vocab=64))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    assert len(load_manifest(out)["expert_groups"]) == 3  # gate, up, down
+    assert verify(out, gpus=None, workers=1).ok
+    _edit_manifest(out, change)
+    report = verify(out, gpus=None, workers=1)
+    assert not report.ok and any(f"manifest {found}" in problem for problem in report.problems), report.problems
