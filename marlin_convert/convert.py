@@ -313,9 +313,15 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     return ConversionPlan(checkpoint, layers, outputs, shards, notes)
 
 
+#: the names a converted layer's Marlin tensors take after its prefix (CONTRACT C; FORMAT.md section 7)
+MARLIN_SUFFIXES = ("B", "s", "zp", "perm", "g_idx")
+
+
 def _check_output_names(shards: list[ShardPlan]) -> None:
     """Every output tensor name once: a source tensor named like a Marlin output (``P.B`` beside ``P.qweight``)
-    would otherwise be written twice under one name."""
+    would otherwise be written twice under one name; and no copied source tensor named like a Marlin tensor of a
+    converted layer, even one the layer does not write (``P.zp`` of a symmetric layer, ``P.perm`` without
+    act-order): beside ``P.B`` and ``P.s`` a loader would take it for the layer's own."""
     made_by: dict[str, Job] = {}
     for shard in shards:
         for job in shard.jobs:
@@ -325,6 +331,13 @@ def _check_output_names(shards: list[ShardPlan]) -> None:
                         else f"the Marlin '{j.kind}' of layer '{j.layer.prefix}'" for j in (other, job)]
                 raise InputError(f"output tensor '{job.output.name}' would be written twice: as {what[0]} and as "
                                  f"{what[1]}", hint="rename or remove the colliding tensor in IN_DIR")
+    converted = {job.layer.prefix for job in made_by.values() if job.kind != "copy"}
+    for name, job in made_by.items():
+        prefix, _, suffix = name.rpartition(".")
+        if job.kind == "copy" and suffix in MARLIN_SUFFIXES and prefix in converted:
+            raise InputError(f"{job.source_path}: tensor '{name}' is named like a Marlin tensor of layer '{prefix}', "
+                             "which is converted: beside its Marlin outputs it would be read as one of them",
+                             hint="rename or remove that tensor in IN_DIR")
 
 
 # --------------------------------------------------------------------------------------------------- jobs

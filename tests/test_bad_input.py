@@ -538,6 +538,19 @@ def test_a_source_tensor_named_like_a_marlin_output_is_refused(capsys, tmp_path,
     assert "partial" not in line
 
 
+@pytest.mark.parametrize("suffix", ["zp", "perm", "g_idx"])
+def test_a_source_tensor_named_like_a_marlin_tensor_the_layer_does_not_write_is_refused(capsys, tmp_path, src,
+                                                                                       suffix):
+    """``P.zp`` of a symmetric layer (``P.perm``, ``P.g_idx`` without act-order) was copied through: beside ``P.B``
+    and ``P.s`` a loader would read it as the layer's zero points (or permutation)."""
+    _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.{suffix}": np.zeros(4, np.int32)}))
+    if suffix == "g_idx":  # a GPTQ layer's own g_idx: here it is the layer's source tensor, read as such
+        _convert_fails(capsys, tmp_path, src, f"{LAYER}.g_idx")
+        return
+    _convert_fails(capsys, tmp_path, src, f"tensor '{LAYER}.{suffix}' is named like a Marlin tensor of layer "
+                   f"'{LAYER}', which is converted")
+
+
 # ------------------------------------------------------------------- what OUT_DIR gets from IN_DIR (issue #8)
 
 
