@@ -331,9 +331,16 @@ def _check_output_names(shards: list[ShardPlan]) -> None:
                         else f"the Marlin '{j.kind}' of layer '{j.layer.prefix}'" for j in (other, job)]
                 raise InputError(f"output tensor '{job.output.name}' would be written twice: as {what[0]} and as "
                                  f"{what[1]}", hint="rename or remove the colliding tensor in IN_DIR")
-    converted = {job.layer.prefix for job in made_by.values() if job.kind != "copy"}
+    converted = {job.layer.prefix: job.layer for job in made_by.values() if job.kind != "copy"}
     for name, job in made_by.items():
         prefix, _, suffix = name.rpartition(".")
+        if job.kind == "copy" and suffix == "bias" and prefix in converted:  # kept as it is, so it must be [N]
+            layer = converted[prefix]
+            expected = (layer.num_experts, layer.spec.out_features) if layer.num_experts else (layer.spec.out_features,)
+            if tuple(job.source.shape) != expected:
+                raise InputError(f"{job.source_path}: tensor '{name}' has shape {list(job.source.shape)}, but layer "
+                                 f"'{prefix}' has N = {layer.spec.out_features} outputs: its bias must be "
+                                 f"{list(expected)}")
         if job.kind == "copy" and suffix in MARLIN_SUFFIXES and prefix in converted:
             raise InputError(f"{job.source_path}: tensor '{name}' is named like a Marlin tensor of layer '{prefix}', "
                              "which is converted: beside its Marlin outputs it would be read as one of them",

@@ -551,6 +551,20 @@ def test_a_source_tensor_named_like_a_marlin_tensor_the_layer_does_not_write_is_
                    f"'{LAYER}', which is converted")
 
 
+@pytest.mark.parametrize("shape", [(7,), (1, 128), (256,)])
+def test_a_bias_whose_shape_is_not_the_layers_outputs_is_refused(capsys, tmp_path, src, shape):
+    _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.bias": np.zeros(shape, np.float16)}))
+    _convert_fails(capsys, tmp_path, src, f"tensor '{LAYER}.bias' has shape {list(shape)}", "N = 128",
+                   "its bias must be [128]")
+
+
+def test_a_bias_of_the_layers_outputs_is_copied(capsys, tmp_path, src):
+    _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.bias": np.arange(128, dtype=np.float16)}))
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    capsys.readouterr()
+    assert read_header(tmp_path / "out" / "model.safetensors").tensors[f"{LAYER}.bias"].shape == (128,)
+
+
 # ------------------------------------------------------------------- what OUT_DIR gets from IN_DIR (issue #8)
 
 
