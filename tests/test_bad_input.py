@@ -705,6 +705,7 @@ def _bounded_fails(args, *fragments, seconds=120, memory_bytes=8 << 30):
                                              ("(?:a{1,16}){1,16}c", "repeats a repeat"),
                                              ("(.*.*.*.*.*.*.*.*.*.*.*)!", "11 repeats of a chosen count"),
                                              (".{0,16}" * 5 + "!", "5 repeats of a chosen count"),
+                                             (".*a" * 4 + "!", "4 repeats of a chosen count"),
                                              ("a?" * 30 + "a" * 30, "30 optional parts")])
 def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, regex, fragment):
     config = json.loads((src / "config.json").read_text())
