@@ -108,6 +108,7 @@ class Job:
     source: TensorInfo | None = None  # for "copy"
     source_path: Path | None = None
     layer: OutputLayer | None = None
+    source_identity: tuple | None = None  # for "copy": the source shard as its header was read
 
     @property
     def input_bytes(self) -> int:
@@ -291,7 +292,8 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
         jobs = []
         for name, info in shard.tensors.items():
             if name not in role:
-                jobs.append(Job("copy", PlannedTensor(name, info.dtype, info.shape), info, shard.path))
+                jobs.append(Job("copy", PlannedTensor(name, info.dtype, info.shape), info, shard.path,
+                                source_identity=shard.identity))
                 continue
             kind, output, anchor = role[name]
             if not anchor:
@@ -452,7 +454,7 @@ def run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter) -> JobResult:
     if job.kind == "copy":  # hashed while copied: the digests of passthrough tensors and of kept layers' tensors
         name = job.output.name
         result.written[name], result.digests[name] = writer.copy_range(name, job.source_path, job.source.begin,
-                                                                       job.source.nbytes)
+                                                                       job.source.nbytes, job.source_identity)
         result.consumed = job.source.nbytes
         return result
     layer = job.layer

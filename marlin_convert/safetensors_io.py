@@ -72,13 +72,14 @@ class TensorInfo:
 @dataclass
 class SafetensorsFile:
     """A parsed safetensors header. ``tensors`` keeps the file's data order (by offset). ``identity``: the file's
-    device, inode, size and modification time (ns) when the header was read (:func:`changed_since_read`)."""
+    device, inode, size, modification and status-change times (ns) when the header was read: every later read
+    checks the file it opens against it (:func:`open_as_read`), and :func:`changed_since_read` the path."""
 
     path: Path
     data_start: int
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str] = field(default_factory=dict)
-    identity: tuple[int, int, int, int] | None = None
+    identity: tuple[int, int, int, int, int] | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -133,24 +134,41 @@ def read_header(path: Path) -> SafetensorsFile:
     return SafetensorsFile(path, data_start, {t.name: t for t in tensors}, metadata, identity)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _what_changed(then: tuple, now: tuple) -> str | None:
+    if now == then:
+        return None
+    if now[:2] != then[:2]:
+        return "another file is now at its path"
+    if now[2] != then[2]:
+        return f"its size went from {then[2]} to {now[2]} bytes"
+    return "it was written to, or its times were reset (its modification or status-change time moved)"
 
 
 def changed_since_read(file: SafetensorsFile) -> str | None:
-    """What changed about ``file`` since :func:`read_header` read it (another file now at its path, its size, its
-    modification time), or None: a conversion whose source changed under it used bytes the checks never saw."""
+    """What changed about the file at ``file``'s path since :func:`read_header` read it (another file there, its
+    size, its times), or None: a conversion whose source changed under it used bytes the checks never saw."""
     try:
         now = _identity(os.stat(file.path))
     except OSError as exc:
         return f"it can no longer be read: {exc.strerror or exc}"
-    if file.identity is None or now == file.identity:
-        return None
-    if now[:2] != file.identity[:2]:
-        return "another file is now at its path"
-    if now[2] != file.identity[2]:
-        return f"its size went from {file.identity[2]} to {now[2]} bytes"
-    return "it was written to (its modification time moved)"
+    return None if file.identity is None else _what_changed(file.identity, now)
+
+
+def open_as_read(path: Path, identity: tuple | None) -> int:
+    """Open ``path`` (:func:`~marlin_convert.fileio.open_inside`) and check that the file opened is the one whose
+    header was read (``identity``, :attr:`SafetensorsFile.identity`; None: no check). Raises OSError from the open,
+    :class:`InputError` when the file is another or has changed."""
+    fd = open_inside(path)
+    changed = None if identity is None else _what_changed(identity, _identity(os.fstat(fd)))
+    if changed is not None:
+        os.close(fd)
+        raise InputError(f"{path}: changed since its header was read: {changed}",
+                         hint="convert again once nothing writes to IN_DIR")
+    return fd
 
 
 def _is_count(value: object) -> bool:
@@ -220,7 +238,7 @@ def read_tensor(file: SafetensorsFile, name: str, index: int | None = None) -> n
     out = np.empty(shape, dtype=NUMPY_DTYPES[info.dtype])
     buffer = memoryview(out.reshape(-1).view(np.uint8))
     try:
-        with open(open_inside(file.path), "rb", buffering=0) as f:
+        with open(open_as_read(file.path, file.identity), "rb", buffering=0) as f:
             done = 0
             while done < nbytes:
                 got = os.preadv(f.fileno(), [buffer[done:]], begin + done)
@@ -314,13 +332,15 @@ class ShardWriter:
             raise _os_error(self.path, exc) from exc
         return data.nbytes
 
-    def copy_range(self, name: str, source: Path, begin: int, nbytes: int) -> tuple[int, str]:
-        """Copy ``nbytes`` at absolute offset ``begin`` of file ``source`` into declared tensor ``name``, hashing
-        them on the way. Returns the bytes written and their ``"sha256:..."`` digest."""
+    def copy_range(self, name: str, source: Path, begin: int, nbytes: int,
+                   identity: tuple | None = None) -> tuple[int, str]:
+        """Copy ``nbytes`` at absolute offset ``begin`` of file ``source`` (the file whose header had ``identity``:
+        :func:`open_as_read`) into declared tensor ``name``, hashing them on the way. Returns the bytes written and
+        their ``"sha256:..."`` digest."""
         position = self._position(name, 0, nbytes)
         digest = hashlib.sha256()
         try:
-            src = open(open_inside(source), "rb", buffering=0)
+            src = open(open_as_read(source, identity), "rb", buffering=0)
         except OSError as exc:
             raise InputError(f"{source}: cannot read: {exc.strerror or exc}") from exc
         with src:

@@ -899,8 +899,25 @@ def test_a_shard_written_to_during_the_conversion_stops_it(capsys, tmp_path, src
         return layers
 
     monkeypatch.setattr(convert_module, "plan_layers", plan_then_write)
+    _convert_fails(capsys, tmp_path, src, "model.safetensors", "changed since its header was read",
+                   "modification or status-change time moved")
+
+
+def test_a_shard_written_to_after_its_last_read_stops_the_conversion_before_publishing(capsys, tmp_path, src,
+                                                                                      monkeypatch):
+    import marlin_convert.convert as convert_module
+
+    digest = convert_module.manifest_digest
+
+    def write_then_digest(directory):
+        with open(src / "model.safetensors", "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x00")
+        return digest(directory)
+
+    monkeypatch.setattr(convert_module, "manifest_digest", write_then_digest)
     _convert_fails(capsys, tmp_path, src, "model.safetensors", "changed while it was being converted",
-                   "modification time")
+                   "the output is discarded")
 
 
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
@@ -919,3 +936,25 @@ def test_a_manifest_of_gigabytes_is_refused_unread(capsys, tmp_path, src):
         f.truncate(3 << 30)
     _bounded_fails(["verify", str(out), "--skip-kernel"], "marlin_manifest.json",
                    "unreadable: 3221225472 bytes, more than", memory_bytes=2 << 30)
+
+
+def test_every_read_of_a_shard_checks_it_is_the_file_whose_header_was_read(tmp_path, src):
+    """Swapped for another file inside IN_DIR (even a byte-identical copy), or written to with its modification time
+    put back: each later read refuses it at once, not only the check before publishing (a shard swapped and swapped
+    back between the two was converted from the other file's bytes)."""
+    path = src / "model.safetensors"
+    name = f"{LAYER}.qweight"
+    header = read_header(path)
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(path.read_bytes())
+    os.replace(copy, path)  # another inode at the path, same bytes
+    with pytest.raises(InputError, match="changed since its header was read: another file is now at its path"):
+        read_tensor(header, name)
+    header = read_header(path)
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(header.data_start + header.tensors[name].begin)
+        f.write(b"\x00" * 8)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the modification time put back
+    with pytest.raises(InputError, match="modification or status-change time moved"):
+        read_tensor(header, name)
