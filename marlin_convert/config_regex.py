@@ -64,7 +64,8 @@ def _children(op, av) -> list:
 
 def _choices(pattern) -> tuple[int, int]:
     """(repeats of more than one with a choice of count, optional parts) in ``pattern`` (a parsed sequence), at any
-    depth."""
+    depth; of alternatives, the costliest one's (a match tries them one after another: ``.*q_proj.*|.*k_proj.*``
+    costs what one of them does)."""
     ranges = optionals = 0
     for op, av in pattern:
         if op in _REPEATS and av[0] < av[1]:
@@ -72,6 +73,10 @@ def _choices(pattern) -> tuple[int, int]:
                 ranges += 1
             else:
                 optionals += 1
+        if op is sre_constants.BRANCH:
+            inner = [_choices(alternative) for alternative in av[1]]
+            ranges, optionals = ranges + max(r for r, _ in inner), optionals + max(o for _, o in inner)
+            continue
         for child in _children(op, av):
             inner = _choices(child)
             ranges, optionals = ranges + inner[0], optionals + inner[1]

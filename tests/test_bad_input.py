@@ -715,6 +715,19 @@ def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, reg
     _bounded_fails(["inspect", str(src)], "config.json", regex, fragment)
 
 
+@pytest.mark.parametrize("regex", [
+    # GPTQModel's documented dynamic rules, and llm-compressor's usual ignore / target entries
+    r".*\.18\..*gate.*", r".*\.19\..*gate.*", r".*\.20\..*gate.*", r".*down.*", r".*\.(?:1[0-5])\..*",
+    r"model\.layers\.(0|1)\..*", r"model\.layers\.(\d+)\.mlp\..*", r".*lm_head", r".*mlp.gate$",
+    r"model.layers.\d+.mlp.experts.\d+.(gate|up|down)_proj", r"(\d{2}\.)+x",
+    r".*q_proj.*|.*k_proj.*|.*v_proj.*",  # alternatives: the costliest one counts, not their sum
+])
+def test_the_rules_producers_write_compile(regex):
+    from marlin_convert.config_regex import compile_config_regex
+
+    assert compile_config_regex(regex, "test").pattern == regex
+
+
 def test_a_newline_in_a_tensor_name_stays_on_the_error_line(capsys, tmp_path, src):
     bad = "a\nError: fake.qweight"
     _rewrite_tensors(src, lambda t: t.update({bad: np.zeros((32, 128), np.float32)}))
