@@ -621,3 +621,15 @@ def test_a_report_directory_this_user_cannot_write_is_refused_before_any_work(tm
         assert "which this user cannot write" in capsys.readouterr().err
     finally:
         locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("path, through", [
+    ("/dev/stdout", True), ("/dev/stderr", True), ("/dev/fd/63", True), ("/proc/self/fd/1", True),
+    ("/dev/shm/report.json", False), ("report.json", False),  # a new file: made beside and renamed over the name
+])
+def test_only_descriptors_are_written_through_by_name(path, through):
+    """/dev/stdout names whatever stdout is (a regular file too): written through; a new file under /dev/shm is a
+    file like any other (it was refused as 'not writable' when every /dev path counted as a stream)."""
+    from marlin_convert.cli._output import _written_through
+
+    assert _written_through(Path(path)) is through

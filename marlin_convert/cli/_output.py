@@ -142,10 +142,13 @@ class Output:
 
 
 def _written_through(path: Path) -> bool:
-    """Whether a report goes through ``path`` rather than into a new file renamed over it: ``path`` names a stream
-    (anything under /dev or /proc: ``/dev/stdout`` is a link to whatever stdout is, a regular file too), or exists
-    (after links) and is not a regular file (a device, a FIFO, a socket)."""
-    if Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",)):
+    """Whether a report goes through ``path`` rather than into a new file renamed over it: ``path`` names one of
+    this process's descriptors (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N``: a link to
+    whatever the descriptor is, a regular file too), or exists (after links) and is not a regular file (a device,
+    a FIFO, a socket). A new or regular file elsewhere, ``/dev/shm`` included, is not."""
+    parts = Path(os.path.abspath(path)).parts
+    if parts[1:3] in (("dev", "stdout"), ("dev", "stderr"), ("dev", "fd")) or (
+            parts[1:2] == ("proc",) and parts[3:4] == ("fd",)):
         return True
     try:
         return not stat.S_ISREG(os.stat(path).st_mode)
