@@ -245,6 +245,16 @@ LAYOUT_KEYS = ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpo
                "is_marlin_format", "dynamic", "lm_head")
 
 
+def _stated(key: str, value) -> str:
+    """A layout setting as the two configs are compared: JSON text, so the order of ``dynamic``'s rules counts (the
+    first match wins); no rules (null or {}) are one thing; labels compare without case, as they are read."""
+    if key in ("quant_method", "checkpoint_format", "format") and isinstance(value, str):
+        value = value.lower()
+    if key == "dynamic" and value is None:
+        value = {}
+    return json.dumps(value)
+
+
 def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | None]:
     """Merge and type-check the GPTQ settings. Returns ``(config, config_json, quantize_config_json)`` (the raw
     dicts or None). Raises :class:`InputError` naming the file and key of a missing or ill-typed value."""
@@ -262,7 +272,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         sources.append(f"{CONFIG_FILE}:quantization_config")
     if quantize_json is not None:
         for key in LAYOUT_KEYS:  # both files state the same settings (GPTQModel writes them identically)
-            if key in merged and key in quantize_json and merged[key] != quantize_json[key]:
+            if key in merged and key in quantize_json and _stated(key, merged[key]) != _stated(key, quantize_json[key]):
                 raise InputError(f"{config_path} (quantization_config) and {quantize_path}: '{key}' disagrees: "
                                  f"{json.dumps(merged[key])[:60]} against {json.dumps(quantize_json[key])[:60]}",
                                  hint="make the two configs agree with the stored tensors")

@@ -631,6 +631,29 @@ def _scale_rows_for_group_96(src):
     (src / "quantize_config.json").write_text(json.dumps(config))
 
 
+def test_configs_whose_dynamic_rules_come_in_another_order_are_refused(capsys, tmp_path, src):
+    """The first matching rule wins: the same rules in another order are other settings."""
+    rules = {"-:.*down_proj": {}, "+:.*down_proj": {"bits": 8}}
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = rules
+    (src / "config.json").write_text(json.dumps(config))
+    quantize = json.loads((src / "quantize_config.json").read_text())
+    quantize["dynamic"] = dict(reversed(list(rules.items())))
+    (src / "quantize_config.json").write_text(json.dumps(quantize))
+    _convert_fails(capsys, tmp_path, src, "'dynamic' disagrees")
+
+
+def test_configs_that_state_a_label_in_other_case_or_no_rules_two_ways_agree(capsys, tmp_path, src):
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"].update(quant_method="GPTQ", dynamic=None)
+    (src / "config.json").write_text(json.dumps(config))
+    quantize = json.loads((src / "quantize_config.json").read_text())
+    quantize.update(quant_method="gptq", dynamic={})
+    (src / "quantize_config.json").write_text(json.dumps(quantize))
+    assert main(["inspect", str(src)]) == 0
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("key, value", [("bits", 8), ("group_size", 128), ("sym", False), ("desc_act", True)])
 def test_configs_that_disagree_on_a_layer_setting_are_refused(capsys, tmp_path, src, key, value):
     """config.json's quantization_config and quantize_config.json stating different settings: the later file used
