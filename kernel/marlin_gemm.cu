@@ -78,8 +78,9 @@ int wgmma_variant() { return hopper_switch("MARLIN_CONVERT_WGMMA"); }
 // above.
 bool pdl_enabled() { return hopper_switch("MARLIN_CONVERT_PDL") != 0; }
 
-// Launches made with the [PDL] attribute since the library was loaded (every LaunchShape built with it is launched
-// right away), for the tests: a chain of calls meant to overlap must have taken it.
+// Launches asked for with the [PDL] attribute since the library was loaded (counted as the LaunchShape is built, right
+// before its launch; a launch that fails counts too, and its call returns the error), for the tests: a chain of calls
+// meant to overlap must have taken it.
 std::atomic<long> pdl_launch_count{0};
 void count_pdl_launch() { pdl_launch_count.fetch_add(1, std::memory_order_relaxed); }
 

@@ -655,8 +655,8 @@ def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
 # input. `switches`: the environment of each call in turn (cycled): the pipelined kernels split over k, in stream-K,
 # 8-bit, 64-row, wgmma, at most one block per SM of a kernel that could run two (asking for kOneBlockSmem: 4096 x 4096
 # at m = 32), the direct kernel in cluster mode (256 blocks on 8192 x 8192; 128 on 4096 x 4096, one per SM) and in
-# stream-K, and the direct kernel alternating with the pipelined one. Elsewhere both chains run without PDL and the
-# case passes trivially.
+# stream-K, and the direct kernel alternating with the pipelined one. The library counts the launches that took PDL:
+# on compute capability 9.0 every call of the chain must have, elsewhere none (both chains are then serialized).
 PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
     ("pipelined-m1", [{"MARLIN_CONVERT_DIRECT": "0"}], 1, 2048, 128, 4, "float16", False),
     ("pipelined-m16", [{}], 16, 2048, 128, 4, "float16", False),
@@ -741,18 +741,26 @@ def test_pdl_weights_written_by_the_calls_before(torch, monkeypatch, m):
     xs_s = [torch.randn(k // 128, 256, device="cuda").half() for _ in range(3)]
     a = torch.randn(m, k, device="cuda").half()
 
+    launches = load_kernel(torch.cuda.current_device()).pdl_launches
+    layer_pdl = []  # per round: whether the layer's call took PDL (counted on the host as it is launched)
+
     def rounds():
         b_buf, s_buf = torch.empty_like(layer.B), torch.empty_like(layer.s)
         outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(3)]
+        layer_pdl.clear()
         torch.cuda.synchronize()  # from here on only our calls, back to back
         for x_b, x_s, out in zip(xs_b, xs_s, outs):
             make_b.gemm(x_b, out=b_buf.view(torch.float16))
             make_s.gemm(x_s, out=s_buf)
+            before = launches()
             marlin_gemm(a, b_buf, s_buf, layer.workspace, out=out)
+            layer_pdl.append(launches() - before)
         torch.cuda.synchronize()
         return outs
 
-    _assert_pdl_changes_no_bit(torch, monkeypatch, rounds, "round", pdl_calls=3)  # at least the layer's three calls
+    _assert_pdl_changes_no_bit(torch, monkeypatch, rounds, "round", pdl_calls=3)
+    if torch.cuda.get_device_capability() == (9, 0):  # the calls that read what the calls before wrote
+        assert layer_pdl == [1, 1, 1], f"the layer's calls took PDL {layer_pdl} times"
 
 
 @pytest.mark.parametrize("m,k,n,group", [(1, 16384, 256, 128), (8, 28672, 192, 64), (16, 16384, 128, 128),
