@@ -280,23 +280,26 @@ def test_a_sigterm_before_the_command_line_is_ready_says_terminated(tmp_path, sr
 def test_the_same_signal_twice_at_once_is_one_interrupt(monkeypatch):
     """GNU timeout sends its signal to the command, then to the command's process group: the second copy arrives
     during the clean-up the first started, and must not end the process by the default action there (it left a
-    partial directory of gigabytes and no Error line). A repeat a while later still ends it at once."""
-    from marlin_convert.cli import app
+    partial directory of gigabytes and no Error line), nor raise again in the console script's handler once the
+    command line gave it back. A repeat a while later still ends the process at once."""
+    from marlin_convert.cli import _signals, app, launch
     from marlin_convert.cli._errors import Interrupted
 
     previous = signal.getsignal(signal.SIGTERM)
     sent = []
-    monkeypatch.setattr(app.os, "kill", lambda pid, signum: sent.append(signum))
+    monkeypatch.setattr(_signals.os, "kill", lambda pid, signum: sent.append(signum))
     now = [100.0]
-    monkeypatch.setattr(app.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(_signals.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(_signals, "_first_signal_at", {})
     try:
         with pytest.raises(Interrupted):
             app._raise_interrupted(signal.SIGTERM, None)
         repeat = signal.getsignal(signal.SIGTERM)
         now[0] += 0.001
         repeat(signal.SIGTERM, None)  # the copy sent to the group: ignored
+        launch._terminated(signal.SIGTERM, None)  # ... also by the console script's handler, given back meanwhile
         assert sent == [] and signal.getsignal(signal.SIGTERM) is repeat
-        now[0] += app.REPEAT_SECONDS
+        now[0] += _signals.REPEAT_SECONDS
         repeat(signal.SIGTERM, None)  # a second request: the default action, at once
         assert sent == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:

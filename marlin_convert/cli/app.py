@@ -12,11 +12,9 @@ exit code; set MARLIN_CONVERT_DEBUG=1 to see the traceback.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -27,6 +25,7 @@ from .. import __version__
 from ..errors import InputError
 from ._errors import Interrupted, report_error
 from ._output import OutputClosed, print_stdout
+from ._signals import is_repeat, take_first
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -106,25 +105,9 @@ def with_default_command(argv: list[str]) -> list[str]:
     return ["convert", *argv]
 
 
-#: seconds after a signal in which the same signal again is taken as the same request: GNU ``timeout`` sends its
-#: signal to the command and then to the command's process group, so the command gets it twice at once
-REPEAT_SECONDS = 1.0
-_first_signal_at: dict[int, float] = {}
-
-
 def _raise_interrupted(signum: int, _frame) -> None:
-    _first_signal_at[signum] = time.monotonic()
-    signal.signal(signum, _repeated_signal)
-    raise Interrupted(signum)
-
-
-def _repeated_signal(signum: int, _frame) -> None:
-    """The same signal during the clean-up: within :data:`REPEAT_SECONDS` of the first, ignored (one request sent
-    twice); later, a second Ctrl-C (or SIGTERM) that ends the process at once, by the signal's default action."""
-    if time.monotonic() - _first_signal_at.get(signum, 0.0) < REPEAT_SECONDS:
-        return
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    if not is_repeat(signum):  # (a copy of the console script's own first signal: :mod:`._signals`)
+        take_first(signum, Interrupted(signum))
 
 
 @contextmanager

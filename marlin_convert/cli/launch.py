@@ -12,6 +12,8 @@ from __future__ import annotations
 import signal
 import sys
 
+from ._signals import is_repeat, take_first
+
 #: arguments after which verify runs no kernel (or nothing at all), so no GPU process is started early
 _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
 
@@ -21,8 +23,8 @@ class _Terminated(BaseException):
 
 
 def _terminated(signum: int, _frame) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
-    raise _Terminated
+    if not is_repeat(signum):  # (the same SIGTERM twice: GNU timeout; :mod:`._signals`)
+        take_first(signum, _Terminated())
 
 
 def run() -> None:

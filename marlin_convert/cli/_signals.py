@@ -1,0 +1,41 @@
+"""SIGINT and SIGTERM while a command runs: the first one of a kind raises (the caller's clean-up runs), the same one
+again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends the process at once.
+
+GNU ``timeout`` sends its signal to the command and then to the command's process group, so the command gets it twice
+at once; by the default action, the copy ended the process in the middle of its clean-up. Shared by the console
+script's first step (:mod:`marlin_convert.cli.launch`, before the command line is imported) and the command line
+(:mod:`marlin_convert.cli.app`); imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+#: seconds after a signal in which the same signal again is taken as the same request
+REPEAT_SECONDS = 1.0
+_first_signal_at: dict[int, float] = {}
+
+
+def is_repeat(signum: int) -> bool:
+    """Whether ``signum`` came within :data:`REPEAT_SECONDS` of the first one of its kind."""
+    first = _first_signal_at.get(signum)
+    return first is not None and time.monotonic() - first < REPEAT_SECONDS
+
+
+def take_first(signum: int, exception: BaseException) -> None:
+    """In a signal handler, for the first ``signum``: note its time, hand later ones to :func:`_repeated`, and
+    raise ``exception`` in the main thread."""
+    _first_signal_at[signum] = time.monotonic()
+    signal.signal(signum, _repeated)
+    raise exception
+
+
+def _repeated(signum: int, _frame) -> None:
+    """The same signal during the clean-up: within :data:`REPEAT_SECONDS` of the first, ignored (one request sent
+    twice); later, a second Ctrl-C (or SIGTERM) that ends the process at once, by the signal's default action."""
+    if is_repeat(signum):
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
