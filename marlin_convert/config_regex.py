@@ -13,7 +13,7 @@ config's place named:
   (``(\\d{2}\\.)+``);
 - more than :data:`MAX_RANGES` repeats of more than one whose count is a choice (``*``, ``+``, ``{2,9}``: each one a
   factor of up to the name's length in the time), or more than :data:`MAX_OPTIONALS` optional parts (``?``,
-  ``{0,1}``: each one a factor of two), in one pattern.
+  ``{0,1}``) and alternatives (``(a|bc)``; each one a factor of two or more), in one pattern.
 
 The patterns real producers write (``model\\.layers\\.(\\d+)\\.mlp\\..*``, ``.*\\.18\\..*gate.*``,
 ``re:.*lm_head``, ``model\\.layers\\.(0|1)\\..*``) pass; a harmless nesting such as ``(\\w+\\.)+mlp`` is refused
@@ -37,7 +37,8 @@ from .errors import InputError
 #: worst case grows as the name's length to that power (``.*a.*a.*a.*a!`` took 6.6 s on a 400-character name,
 #: ``.*a.*a.*a!`` 0.07 s); GPTQModel's documented rules use up to 3 (``.*\\.18\\..*gate.*``)
 MAX_RANGES = 3
-#: the most optional parts (``?``, ``{0,1}``) one pattern may hold
+#: the most optional parts (``?``, ``{0,1}``, and alternatives ``(a|bc)``: each a factor of two or more) one pattern may
+#: hold (``(?:|.)`` 32 times took about a minute per name)
 MAX_OPTIONALS = 8
 
 _REPEATS = {sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT}
@@ -64,8 +65,8 @@ def _children(op, av) -> list:
 
 def _choices(pattern) -> tuple[int, int]:
     """(repeats of more than one with a choice of count, optional parts) in ``pattern`` (a parsed sequence), at any
-    depth; of alternatives, the costliest one's (a match tries them one after another: ``.*q_proj.*|.*k_proj.*``
-    costs what one of them does)."""
+    depth. Alternatives count as one optional part (``(?:|a)`` is ``a?``), plus the costliest one's choices (a match
+    tries them one after another: ``.*q_proj.*|.*k_proj.*`` costs what one of them does)."""
     ranges = optionals = 0
     for op, av in pattern:
         if op in _REPEATS and av[0] < av[1]:
@@ -73,9 +74,9 @@ def _choices(pattern) -> tuple[int, int]:
                 ranges += 1
             else:
                 optionals += 1
-        if op is sre_constants.BRANCH:
+        if op is sre_constants.BRANCH:  # itself a choice, as '?' is ('(?:|a)' is 'a?'), plus its costliest one's
             inner = [_choices(alternative) for alternative in av[1]]
-            ranges, optionals = ranges + max(r for r, _ in inner), optionals + max(o for _, o in inner)
+            ranges, optionals = ranges + max(r for r, _ in inner), optionals + 1 + max(o for _, o in inner)
             continue
         for child in _children(op, av):
             inner = _choices(child)
@@ -123,6 +124,6 @@ def compile_config_regex(text: str, where: str) -> re.Pattern:
         raise InputError(f"{where}: regular expression {text!r} has {ranges} repeats of a chosen count ('*', '+', "
                          f"'{{2,9}}'), more than {MAX_RANGES}: matching it against a layer name can take hours")
     if optionals > MAX_OPTIONALS:
-        raise InputError(f"{where}: regular expression {text!r} has {optionals} optional parts ('?'), more than "
-                         f"{MAX_OPTIONALS}: matching it against a layer name can take hours")
+        raise InputError(f"{where}: regular expression {text!r} has {optionals} optional parts or alternatives ('?', "
+                         f"'a|bc'), more than {MAX_OPTIONALS}: matching it against a layer name can take hours")
     return pattern

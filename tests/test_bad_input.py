@@ -729,7 +729,11 @@ def _bounded_fails(args, *fragments, seconds=120, memory_bytes=8 << 30):
                                              ("(.*.*.*.*.*.*.*.*.*.*.*)!", "11 repeats of a chosen count"),
                                              (".{0,16}" * 5 + "!", "5 repeats of a chosen count"),
                                              (".*a" * 4 + "!", "4 repeats of a chosen count"),
-                                             ("a?" * 30 + "a" * 30, "30 optional parts")])
+                                             ("a?" * 30 + "a" * 30, "30 optional parts"),
+                                             # alternatives side by side: '(?:|.)' is '.?'
+                                             ("(?:|.)" * 32 + "!", "32 optional parts or alternatives"),
+                                             ("(?:model.|)(?:layers.|)" + "(?:.|..)" * 26 + "gate_proj",
+                                              "28 optional parts or alternatives")])
 def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, regex, fragment):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"]["dynamic"] = {f"-:{regex}": {}}

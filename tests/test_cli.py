@@ -79,7 +79,8 @@ def test_options_before_a_command_name_are_refused(argv, capsys, tmp_path, monke
 
 
 @pytest.mark.parametrize("argv", [["IN", "", "--overwrite"], ["convert", "", "OUT"], ["inspect", ""],
-                                  ["verify", "", "--skip-kernel"], ["IN", "OUT", "--json", ""]])
+                                  ["verify", "", "--skip-kernel"], ["IN", "OUT", "--json", ""],
+                                  ["verify", "OUT", "--skip-kernel", "--source="], ["IN", "OUT", "--json="]])
 def test_an_empty_argument_is_refused_and_the_current_directory_left_alone(argv, capsys, tmp_path, monkeypatch):
     """An unset shell variable ("$OUT") is an empty argument, which a path would read as the current directory:
     with --overwrite, that directory would be replaced by the output."""

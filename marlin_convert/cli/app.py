@@ -78,11 +78,11 @@ def _refuse_empty(argv: list[str]) -> None:
     """Raise :class:`InputError` for an empty argument: every argument here is a path, a number or a list, and an
     empty one is nearly always an unset shell variable (``marlin-convert IN "$OUT" --overwrite`` with OUT unset would
     otherwise take the current directory as OUT_DIR and replace it)."""
-    if "" in argv:
-        i = argv.index("")
-        where = f"after {argv[i - 1]}" if i else "the first"
-        raise InputError(f"argument {i + 1} ({where}) is empty: an unset shell variable?",
-                         hint="give the path (or value) itself; the current directory is '.'")
+    for i, word in enumerate(argv):
+        if word == "" or (word.startswith("--") and word.endswith("=")):  # '--source=' too: a value left empty
+            where = word if word else f"after {argv[i - 1]}" if i else "the first"
+            raise InputError(f"argument {i + 1} ({where}) is empty: an unset shell variable?",
+                             hint="give the path (or value) itself; the current directory is '.'")
 
 
 def with_default_command(argv: list[str]) -> list[str]:
