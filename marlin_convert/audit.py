@@ -288,15 +288,17 @@ def _format_problems(manifest: dict) -> list[str]:
             problems.append(f"layer '{entry['name']}': source_format {entry['source_format']!r}, the manifest's "
                             f"source is {source_format!r}")
     stated, expected = manifest.get("expert_groups"), expert_group_summary(manifest["layers"])
-    if stated != expected:  # what an engine reads to find (and order) the experts of a layer
+
+    def as_json(value) -> str:  # compared as JSON: 4.0 is not 4
+        return json.dumps(value, sort_keys=True)
+
+    if as_json(stated) != as_json(expected):  # what an engine reads to find (and order) the experts of a layer
         if not isinstance(stated, list):
             found = f"is {json.dumps(stated)[:40]}"
         else:
-            first = next((i for i, (a, b) in enumerate(zip(stated, expected)) if a != b), min(len(stated),
-                                                                                             len(expected)))
-            found = (f"has {len(stated)} group(s), the layers make {len(expected)}" if first == len(stated) or
-                     first == len(expected) else f"[{first}] is {json.dumps(stated[first])[:80]}, the layers make "
-                     f"{json.dumps(expected[first])[:80]}")
+            first = next((i for i, (a, b) in enumerate(zip(stated, expected)) if as_json(a) != as_json(b)), None)
+            found = (f"has {len(stated)} group(s), the layers make {len(expected)}" if first is None else
+                     f"[{first}] is {json.dumps(stated[first])[:80]}, the layers make {json.dumps(expected[first])[:80]}")
         problems.append(f"manifest expert_groups {found}")
     return problems
 

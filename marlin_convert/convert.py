@@ -343,6 +343,9 @@ def _check_output_names(shards: list[ShardPlan]) -> None:
                 raise InputError(f"{job.source_path}: tensor '{name}' has shape {list(job.source.shape)}, but layer "
                                  f"'{prefix}' has N = {layer.spec.out_features} outputs: its bias must be "
                                  f"{list(expected)}")
+            if job.source.dtype not in ("F16", "BF16", "F32"):
+                raise InputError(f"{job.source_path}: tensor '{name}' is {job.source.dtype}: the bias of layer "
+                                 f"'{prefix}' must be float16, bfloat16 or float32")
         if job.kind == "copy" and suffix in MARLIN_SUFFIXES and prefix in converted:
             raise InputError(f"{job.source_path}: tensor '{name}' is named like a Marlin tensor of layer '{prefix}', "
                              "which is converted: beside its Marlin outputs it would be read as one of them",

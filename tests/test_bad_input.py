@@ -558,6 +558,12 @@ def test_a_bias_whose_shape_is_not_the_layers_outputs_is_refused(capsys, tmp_pat
                    "its bias must be [128]")
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+def test_a_bias_that_is_not_floating_point_is_refused(capsys, tmp_path, src, dtype):
+    _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.bias": np.zeros(128, dtype)}))
+    _convert_fails(capsys, tmp_path, src, f"tensor '{LAYER}.bias' is", "must be float16, bfloat16 or float32")
+
+
 def test_a_bias_of_the_layers_outputs_is_copied(capsys, tmp_path, src):
     _rewrite_tensors(src, lambda t: t.update({f"{LAYER}.bias": np.arange(128, dtype=np.float16)}))
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 0

@@ -634,3 +634,12 @@ def test_only_descriptors_are_written_through_by_name(path, through):
     from marlin_convert.cli._output import _written_through
 
     assert _written_through(Path(path)) is through
+
+
+def test_json_that_names_out_dir_or_a_parent_of_it_is_refused_before_any_work(tmp_path, src, capsys, monkeypatch):
+    """OUT_DIR would be made inside the path the report then cannot be written to: a complete output with a failed
+    run's exit code."""
+    monkeypatch.chdir(tmp_path)
+    assert main([str(src), "nd/sub", "-q", "--json", "nd"]) == 2
+    assert "Error: --json nd: nd/sub, which this command reads or writes, lies inside it" in capsys.readouterr().err
+    assert not (tmp_path / "nd").exists()

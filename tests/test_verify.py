@@ -428,6 +428,7 @@ def _swap_first_two_experts(manifest):
     (lambda m: m["expert_groups"].pop(), "expert_groups has 2 group(s), the layers make 3"),
     (lambda m: m["expert_groups"].append({}), "expert_groups has 4 group(s), the layers make 3"),
     (lambda m: m.update(expert_groups="x"), 'expert_groups is "x"'),
+    (lambda m: m["expert_groups"][0].update(num_experts=3.0), "expert_groups [0] is"),  # JSON 3.0 is not 3
 ])
 def test_expert_groups_that_the_layers_do_not_make_fail(tmp_path, capsys, change, found):
     """expert_groups is what an engine reads to find and order a layer's experts: verify recomputes it from the

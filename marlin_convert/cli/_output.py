@@ -196,6 +196,9 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
         if directory is not None and resolved.is_relative_to(os.path.realpath(directory)):
             raise OutputError(f"--json {path}: inside {directory}, which this command reads or writes",
                               hint="write the report outside the checkpoint directories")
+        if directory is not None and Path(os.path.realpath(directory)).is_relative_to(resolved):
+            raise OutputError(f"--json {path}: {directory}, which this command reads or writes, lies inside it",
+                              hint="write the report to a file of its own")
     if path.is_dir():
         raise OutputError(f"--json {path}: is a directory")
     if _written_through(path):  # (write_json)
