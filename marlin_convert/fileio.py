@@ -148,6 +148,18 @@ def read_inside(path: Path, root: Path | None = None) -> bytes:
         return f.read(MAX_WHOLE_FILE_BYTES + 1)
 
 
+def hash_range(fd: int, begin: int, nbytes: int) -> str:
+    """``"sha256:..."`` of ``nbytes`` bytes of ``fd`` from offset ``begin``, read in chunks. Raises SourceReadError."""
+    digest = hashlib.sha256()
+    buffer = memoryview(bytearray(min(CHUNK_BYTES, max(nbytes, 1))))
+    done = 0
+    while done < nbytes:
+        got = _read_into(fd, buffer[: min(len(buffer), nbytes - done)], begin + done)
+        digest.update(buffer[:got])
+        done += got
+    return digest_text(digest)
+
+
 def copy_file_hashing(source: Path, destination: Path) -> tuple[int, str]:
     """Copy file ``source`` (read from its own directory: :func:`open_inside`) to the new file ``destination``
     (which must not exist); returns (bytes, digest). Raises OSError."""

@@ -12,7 +12,8 @@
      C fast path) and the rebuilt ``qweight``, ``scales``, ``qzeros`` and ``g_idx`` (for a compressed-tensors
      source: its ``weight_packed``, ``weight_scale``, ``weight_zero_point``, ``weight_g_idx`` and ``weight_shape``)
      hashed against the digests the converter recorded from the source: equal digests prove the conversion
-     lossless. With a source directory, the rebuilt tensors are also compared with the originals byte for byte.
+     lossless. With a source directory, the rebuilt tensors are also compared with the originals byte for byte,
+     and the copied tensors and files with the source's own (:func:`_compare_copies`).
 
 4. **The kernel** (GPU, :mod:`marlin_convert.gpu_check`, in one process per GPU started first:
    :mod:`marlin_convert.gpu_workers`): each slice's Marlin tensors and rebuilt GPTQ tensors travel in one pinned
@@ -45,12 +46,14 @@ import numpy as np
 
 from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
-from .fileio import open_inside
+from .fileio import hash_file, hash_range, open_inside
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
+from .safetensors_io import open_as_read
 from .workers import MAX_WORKERS, check_workers, shutdown_pool, worker_pool
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
@@ -136,6 +139,8 @@ class VerifyReport:
     source_format: str = "gptq"  # what the checkpoint was converted from (the manifest's source.format)
     #: when each phase ended, in seconds since verify() began ("process start" is negative: the interpreter's start)
     timeline: dict[str, float] = field(default_factory=dict)
+    #: with a source: the copied tensors and files compared with the source's (:func:`_compare_copies`)
+    source_copies_checked: int = 0
 
     @property
     def failures(self) -> list[LayerResult]:
@@ -168,6 +173,7 @@ class VerifyReport:
             "peak_rss_bytes": self.peak_rss_bytes,
             "gpu_peak_bytes": self.gpu_peak_bytes,
             "notes": self.notes,
+            "source_copies_checked": self.source_copies_checked,
             "results": [r.to_dict() for r in self.results],
         }
 
@@ -445,6 +451,59 @@ def _open_source(source_dir: Path, manifest: dict):
     return source
 
 
+def _compare_copies(source, source_dir: Path, manifest: dict) -> tuple[list[str], int]:
+    """What OUT_DIR holds as copies of ``--source`` against ``--source`` itself: every passthrough tensor and every
+    tensor of a kept layer against the same-named tensor of the source (dtype, shape, and its bytes against the
+    digest the manifest recorded, which the output's own bytes were checked against), and every file copied from
+    IN_DIR against the source's file. Returns the problems and the number of tensors and files compared."""
+    problems, compared = [], 0
+    wanted = [(e["name"], e["sha256"], e["dtype"], e["shape"]) for e in manifest["passthrough"]]
+    wanted += [(name, kept["digests"][kind], None, None) for kept in manifest["kept"]
+               for kind, name in kept["tensors"].items()]
+    descriptors: dict[Path, int] = {}
+    try:
+        for name, digest, dtype, shape in wanted:
+            file = source.location.get(name)
+            if file is None:
+                problems.append(f"tensor '{name}' (copied into OUT_DIR) is not in --source {source_dir}")
+                continue
+            info = file.tensors[name]
+            compared += 1
+            if dtype is not None and (info.dtype, list(info.shape)) != (dtype, shape):
+                problems.append(f"tensor '{name}': {info.dtype} {list(info.shape)} in --source ({file.path.name}), "
+                                f"{dtype} {shape} in OUT_DIR")
+                continue
+            try:
+                if file.path not in descriptors:
+                    descriptors[file.path] = open_as_read(file.path, file.identity)
+                same = hash_range(descriptors[file.path], info.begin, info.nbytes) == digest
+            except OSError as exc:
+                problems.append(f"{file.path}: cannot read tensor '{name}': {exc.strerror or exc}")
+                continue
+            if not same:
+                problems.append(f"tensor '{name}' differs from --source's ({file.path.name})")
+    finally:
+        for fd in descriptors.values():
+            os.close(fd)
+    produced = {*manifest["shards"], INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE}  # written, not copied
+    for name, record in manifest["files"].items():
+        if name in produced:
+            continue
+        path = Path(source_dir) / name
+        if not path.is_file():
+            problems.append(f"file {name} (copied into OUT_DIR) is not a file of --source {source_dir}")
+            continue
+        compared += 1
+        try:
+            size, digest = hash_file(path)
+        except OSError as exc:
+            problems.append(f"{path}: cannot read: {exc.strerror or exc}")
+            continue
+        if (size, digest) != (record["bytes"], record["sha256"]):
+            problems.append(f"file {name} differs from --source's")
+    return problems, compared
+
+
 def verify(
     out_dir: Path,
     *,
@@ -497,6 +556,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
         problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
     source = _open_source(Path(source_dir), manifest) if source_dir is not None else None
+    source_copies = 0
     use_kernel = gpu_workers is not None
     act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
     per_entry = _results_skeleton(manifest, checked)
@@ -544,6 +604,10 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
         pool = _pool(workers)
         futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
         mark("workers started")
+        if source is not None:  # here, while the workers run
+            copy_problems, source_copies = _compare_copies(source, Path(source_dir), manifest)
+            problems += copy_problems
+            mark("copies compared with the source")
 
         def absorb(outcome) -> None:
             peaks[outcome.pid] = max(peaks.get(outcome.pid, 0), outcome.peak_rss)
@@ -643,7 +707,8 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                         list(batch_sizes or []) if use_kernel else [], act_dtype, time.perf_counter() - start,
                         stage_seconds, sum(f.size for f in checked.files), sum(peaks.values()), gpu_peaks, notes,
                         source_format=manifest["source"]["format"],
-                        timeline=dict(sorted(timeline.items(), key=lambda item: item[1])))
+                        timeline=dict(sorted(timeline.items(), key=lambda item: item[1])),
+                        source_copies_checked=source_copies)
 
 
 __all__ = ["VerifyReport", "LayerResult", "KeptResult", "verify", "parse_gpus", "activation_dtype",

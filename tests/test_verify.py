@@ -444,3 +444,32 @@ def test_expert_groups_that_the_layers_do_not_make_fail(tmp_path, capsys, change
     _edit_manifest(out, change)
     report = verify(out, gpus=None, workers=1)
     assert not report.ok and any(f"manifest {found}" in problem for problem in report.problems), report.problems
+
+
+@pytest.mark.parametrize("change, found", [
+    ("embedding", "tensor 'model.embed_tokens.weight' differs from --source's"),
+    ("tokenizer", "file tokenizer.json differs from --source's"),
+    ("drop-tokenizer", "file tokenizer.json (copied into OUT_DIR) is not a file of --source"),
+])
+def test_a_source_that_differs_in_a_copied_tensor_or_file_fails(tmp_path, converted, capsys, change, found):
+    """--source proves the output came from that checkpoint: the copies too (a source that differed only in its
+    embedding or tokenizer passed, 'compared byte for byte')."""
+    source = tmp_path / "source"
+    shutil.copytree(converted.parent / "in", source)
+    (converted / "tokenizer.json").exists() or pytest.skip("the generated checkpoint has no tokenizer.json")
+    if change == "embedding":
+        name = "model.embed_tokens.weight"
+        shard = next(p for p in sorted(source.glob("*.safetensors")) if name in read_header(p).tensors)
+        header = read_header(shard)
+        with open(shard, "r+b") as f:
+            f.seek(header.data_start + header.tensors[name].begin)
+            f.write(b"\x00" * 16)
+    elif change == "tokenizer":
+        (source / "tokenizer.json").write_text('{"changed": true}')
+    else:
+        (source / "tokenizer.json").unlink()
+    assert main(["verify", str(converted), "--skip-kernel", "-q", "--source", str(converted.parent / "in")]) == 0
+    assert "copied tensor(s) and file(s) with its own" in capsys.readouterr().out
+    assert main(["verify", str(converted), "--skip-kernel", "-q", "--source", str(source)]) == 1
+    captured = capsys.readouterr()
+    assert found in captured.out + captured.err, captured

@@ -40,7 +40,7 @@ BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help="Comma-se
 SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
-    "--source", metavar="IN_DIR", help="The original GPTQ or compressed-tensors directory: also compare rebuilt tensors with it byte for byte.")]
+    "--source", metavar="IN_DIR", help="The original GPTQ or compressed-tensors directory: also compare rebuilt tensors with it byte for byte, and the copied tensors and files with its own.")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random activations.")]
 QuietOpt = Annotated[bool, typer.Option(
@@ -161,7 +161,8 @@ def verify(
     else:
         summary += "; kernel not run (--skip-kernel)"
     if source is not None:
-        summary += f"; rebuilt quantized tensors compared with {source}'s byte for byte"
+        summary += (f"; rebuilt quantized tensors compared with {source}'s byte for byte, and "
+                    f"{report.source_copies_checked} copied tensor(s) and file(s) with its own")
     output.lines.append(summary)
     output.lines.append(f"manifest {report.manifest_sha256}")
     output.write_json(json_file)  # first: a closed stdout must not lose it
