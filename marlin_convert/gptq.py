@@ -535,8 +535,12 @@ def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], sh
     """The header entry of tensor ``name``, which must exist (else ``needs`` says why it should) with one of
     ``dtypes`` and, unless ``shape`` is None, that shape (``meaning``, when given, follows the expected shape in the
     message). Raises :class:`InputError` naming the shard."""
-    if name not in checkpoint.location:
-        raise InputError(f"tensor '{name}' is missing ({needs})")
+    if name not in checkpoint.location:  # named with the shard of the layer's packed weights, else the checkpoint
+        prefix = name.rpartition(".")[0]
+        anchor = next((checkpoint.location[f"{prefix}.{packed}"] for packed in ("qweight", "weight_packed")
+                       if f"{prefix}.{packed}" in checkpoint.location), None)
+        raise InputError(f"{anchor.path if anchor is not None else checkpoint.path}: tensor '{name}' is missing "
+                         f"({needs})")
     info = checkpoint.info(name)
     where = checkpoint.location[name].path
     if info.dtype not in dtypes:

@@ -819,6 +819,11 @@ def test_a_source_that_shrinks_while_copied_is_named(tmp_path):
     writer.abort()
 
 
+def test_a_missing_tensor_of_a_layer_is_named_with_the_shard_of_its_qweight(capsys, tmp_path, src):
+    _rewrite_tensors(src, lambda t: t.pop(f"{LAYER}.scales"))
+    _convert_fails(capsys, tmp_path, src, f"{src / 'model.safetensors'}: tensor '{LAYER}.scales' is missing")
+
+
 def test_a_layer_without_its_qweight_is_refused(capsys, tmp_path):
     src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1))
     layer = "model.layers.0.mlp.up_proj"
