@@ -132,15 +132,16 @@ def open_inside(path: Path, root: Path | None = None) -> int:
     return fd
 
 
-#: the most bytes :func:`read_inside` reads: its files are JSON (configs, the index, the manifest), megabytes even
-#: for a model of hundreds of experts; a larger one (a sparse file of gigabytes) would take that much memory
+#: the most bytes :func:`read_inside` reads: its files are JSON (configs, the index, the manifest); a manifest takes
+#: about 1.7 KB per layer entry, 80-140 MB for a model of hundreds of experts per layer written per expert; a larger
+#: file (a sparse file of gigabytes) would take several times its size in memory
 MAX_WHOLE_FILE_BYTES = 256 << 20
 
 
 def read_inside(path: Path, root: Path | None = None) -> bytes:
     """The whole content of regular file ``path``, opened with :func:`open_inside`, at most
     :data:`MAX_WHOLE_FILE_BYTES`. Raises OSError (:class:`NotReadHere`, EFBIG, for a larger file)."""
-    with open(open_inside(path, root), "rb", buffering=0) as f:
+    with open(open_inside(path, root), "rb") as f:  # (buffered: read(n) reads on to n bytes or the end)
         size = os.fstat(f.fileno()).st_size
         if size > MAX_WHOLE_FILE_BYTES:
             raise NotReadHere(errno.EFBIG, f"{size} bytes, more than the {MAX_WHOLE_FILE_BYTES} this tool reads of a "

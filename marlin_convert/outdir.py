@@ -83,7 +83,7 @@ def clear_stale_partials(out_dir: Path) -> list[str]:
     ``.OUT.partial-PID`` directories that nobody holds locked and whose process is gone are removed. One that is
     locked belongs to a converter still running: :class:`OutputError` (two converters on one OUT_DIR). One that
     is unlocked but whose process exists is reported, not touched. ``.OUT.old-PID`` (an OUT_DIR moved aside by
-    an ``--overwrite`` run that was killed before it finished) is reported, not removed.
+    an ``--overwrite`` run that was killed before it removed it, or could not remove it) is reported, not removed.
     """
     notes = []
     pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-(\d+)")
@@ -93,8 +93,8 @@ def clear_stale_partials(out_dir: Path) -> list[str]:
             continue
         kind, pid = match.group(1), int(match.group(2))
         if kind == "old":
-            notes.append(f"{path} holds an earlier OUT_DIR moved aside by an interrupted --overwrite run "
-                         f"(process {pid}); remove it when you no longer need it")
+            notes.append(f"{path} holds an earlier OUT_DIR that an --overwrite run (process {pid}) moved aside and "
+                         "did not remove (interrupted, or it could not); remove it when you no longer need it")
             continue
         try:
             fd = _lock(path)
@@ -111,9 +111,10 @@ def clear_stale_partials(out_dir: Path) -> list[str]:
                              "the directory's lock (an older marlin-convert?): left in place")
             else:
                 reason = _remove_tree(path)
-                notes.append(f"removed {path}, the partial output of an earlier run (process {pid}) that was killed"
-                             if reason is None else f"{path}: partial output of an earlier run (process {pid}) "
-                             f"that was killed could not all be removed ({reason}); remove it by hand")
+                notes.append(f"removed {path}, left by an earlier run (process {pid}): a killed run's partial output, "
+                             "or an OUT_DIR an --overwrite run could not remove" if reason is None else
+                             f"{path}, left by an earlier run (process {pid}), could not all be removed ({reason}); "
+                             "remove it by hand")
         finally:
             os.close(fd)
     return notes
