@@ -21,7 +21,7 @@ from . import compressed_tensors, layout, strict_json
 from .errors import InputError
 from .experts import expert_group_summary, split_expert_key
 from .fileio import outside_link, read_inside
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, parse_dynamic
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SafetensorsFile, read_header
@@ -362,6 +362,43 @@ def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
                 (kept or None):
             problems.append(f"{name}: {kept_key} is {json.dumps(listed)[:80]}, the manifest keeps "
                             f"{len(kept)} layer(s) in their source form")
+        problems += _settings_problems(name, section, manifest)
+    return problems
+
+
+def _effective_group(group_size, k: int):
+    """A group size as the kernel takes it: -1 (channelwise) for -1 or any size >= K."""
+    return -1 if group_size == -1 or (isinstance(group_size, int) and group_size >= k) else group_size
+
+
+def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
+    """Each converted layer's settings as a loader takes them from ``section`` (the defaults, then the first
+    matching ``dynamic`` rule, GPTQModel's rule) against the layer's entry: bits, group size and, where the config
+    states it, sym. A config edited to other settings would have an engine size ``B`` and ``s`` wrongly. (desc_act
+    is not compared: a source whose g_idx is not trivial is converted with act-order whatever desc_act says.)"""
+    try:
+        config = QuantConfig(bits=section.get("bits"), group_size=section.get("group_size", -1),
+                             desc_act=section.get("desc_act", False), sym=section.get("sym"), checkpoint_format="gptq",
+                             dynamic=parse_dynamic(section.get("dynamic"), name), sources=[name], as_read=section)
+    except InputError as exc:
+        return [f"{name}: {exc.message}"]
+    problems = []
+    for entry in manifest["layers"]:
+        for source in entry["sources"]:  # per module, as a loader resolves them (an expert of a stacked entry too)
+            module, settings = source["name"], config.settings_for(source["name"])
+            said = {"bits": settings.bits, "group_size": _effective_group(settings.group_size, entry["in_features"])}
+            made = {"bits": entry["bits"], "group_size": _effective_group(entry["group_size"], entry["in_features"])}
+            if settings.sym is not None:
+                said["sym"], made["sym"] = settings.sym, entry["sym"]
+            if not settings.quantized:
+                problems.append(f"{name}: says module '{module}' is not quantized ({settings.origin}); it is a "
+                                "converted layer")
+            elif said != made:
+                key = next(k for k in said if said[k] != made[k])
+                problems.append(f"{name}: gives module '{module}' {key} {json.dumps(said[key])} ({settings.origin}); "
+                                f"it was converted with {json.dumps(made[key])}")
+            if len(problems) >= 5:  # a config that says other settings for hundreds of experts: the first few
+                return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
     return problems
 
 

@@ -101,7 +101,8 @@ class DynamicRule:
     where: str  # the config file it came from
 
 
-def _parse_dynamic(value, where: str) -> tuple[DynamicRule, ...]:
+def parse_dynamic(value, where: str) -> tuple[DynamicRule, ...]:
+    """A ``dynamic`` object's rules, in order, each regex compiled and checked. Raises :class:`InputError`."""
     if value is None:
         return ()
     typed(value, dict, "dynamic", where)
@@ -301,7 +302,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         desc_act=value("desc_act", bool, False),
         sym=value("sym", bool, None),
         checkpoint_format=_format_label(merged, origin),
-        dynamic=_parse_dynamic(merged.get("dynamic"), origin.get("dynamic", "")),
+        dynamic=parse_dynamic(merged.get("dynamic"), origin.get("dynamic", "")),
         sources=sources,
         as_read=merged,
     )

@@ -473,3 +473,34 @@ def test_a_source_that_differs_in_a_copied_tensor_or_file_fails(tmp_path, conver
     assert main(["verify", str(converted), "--skip-kernel", "-q", "--source", str(source)]) == 1
     captured = capsys.readouterr()
     assert found in captured.out + captured.err, captured
+
+
+def _rerecord(out, name) -> None:
+    """Re-record file ``name``'s size and digest in the manifest, as a careful forger would."""
+    data = (out / name).read_bytes()
+    _edit_manifest(out, lambda m: m["files"][name].update(bytes=len(data),
+                                                          sha256="sha256:" + hashlib.sha256(data).hexdigest()))
+
+
+@pytest.mark.parametrize("change, found", [
+    ({"bits": 8}, "bits 8 (the config); it was converted with 4"),
+    ({"group_size": 32}, "group_size 32 (the config); it was converted with 64"),
+    ({"sym": False}, "sym false (the config); it was converted with true"),
+    ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "module 'model.layers.0.mlp.down_proj' bits 8 (dynamic rule"),
+    ({"dynamic": {"-:.*q_proj": {}}}, "says module 'model.layers.0.self_attn.q_proj' is not quantized"),
+])
+def test_configs_that_give_a_converted_layer_other_settings_fail(out, capsys, change, found):
+    """A loader sizes B and s from the configs: settings that disagree with the converted layers fail verify, even
+    with the files' digests re-recorded (they passed: only the format keys were compared)."""
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (out / "config.json").write_text(json.dumps(config))
+    quantize = json.loads((out / "quantize_config.json").read_text())
+    quantize.update(change)
+    (out / "quantize_config.json").write_text(json.dumps(quantize))
+    for name in ("config.json", "quantize_config.json"):
+        _rerecord(out, name)
+    report = verify(out, gpus=None, workers=1)
+    assert not report.ok
+    for name in ("config.json", "quantize_config.json"):
+        assert any(p.startswith(f"{name}: ") and found in p for p in report.problems), report.problems
