@@ -578,14 +578,22 @@ def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:
 def _gptq_settings(plan: ConversionPlan) -> dict:
     """The GPTQ-style settings of a checkpoint converted from compressed-tensors, which has none of its own:
     ``bits``, ``group_size`` (-1 = channelwise), ``sym`` and ``desc_act`` shared by most converted layers, a
-    GPTQModel-style ``dynamic`` rule (``+:^<name>$``) for each layer that differs, ``lm_head`` (quantized or
-    not), then ``source_format`` "compressed-tensors" and ``source_quantization_config``, the config as read."""
+    GPTQModel-style ``dynamic`` rule (``+:^<name>$``) for each layer that differs and a ``-:^<name>$`` rule for
+    each module but ``lm_head`` that the ``ignore`` list keeps unquantized (a stored 2-D ``.weight``: a loader that
+    reads these settings would otherwise expect its ``B`` and ``s``), ``lm_head`` (quantized or not), then ``source_format``
+    "compressed-tensors" and ``source_quantization_config``, the config as read."""
     settings = {output.prefix: {"bits": output.spec.bits, "group_size": output.spec.group_size,
                                 "sym": output.spec.sym, "desc_act": output.act_order} for output in plan.outputs}
     counts = Counter(tuple(values.items()) for values in settings.values())
     common = dict(counts.most_common(1)[0][0]) if counts else {}
     dynamic = {f"+:^{re.escape(prefix)}$": {key: value for key, value in values.items() if value != common[key]}
                for prefix, values in settings.items() if values != common}
+    checkpoint = plan.checkpoint
+    plain = [name.removesuffix(".weight") for name in checkpoint.location
+             if name.endswith(".weight") and len(checkpoint.info(name).shape) == 2]
+    dynamic.update({f"-:^{re.escape(module)}$": {} for module in plain  # (an unquantized lm_head: "lm_head": false)
+                    if module not in settings and module.rsplit(".", 1)[-1] != "lm_head"
+                    and checkpoint.config.ignored_by(module) is not None})
     config = {"quant_method": "gptq", **common,
               "lm_head": any(prefix.rsplit(".", 1)[-1] == "lm_head" for prefix in settings)}
     if dynamic:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -111,7 +112,10 @@ def test_the_output_config_says_marlin_converted_from_compressed_tensors(convert
     for written in (json.loads((out / "config.json").read_text())["quantization_config"],
                     json.loads((out / "quantize_config.json").read_text())):
         assert written["quant_method"] == "gptq" and written["checkpoint_format"] == "marlin"
-        assert written["is_marlin_format"] is True and "format" not in written and "dynamic" not in written
+        assert written["is_marlin_format"] is True and "format" not in written
+        # the modules the ignore list keeps unquantized (the MoE router; lm_head has its own key) as -: rules
+        unquantized = [m for m in original["ignore"] if m.rsplit(".", 1)[-1] != "lm_head"]
+        assert written.get("dynamic") == ({f"-:^{re.escape(m)}$": {} for m in unquantized} or None)
         assert written["source_format"] == "compressed-tensors" and written["source_quantization_config"] == original
         for key in ("bits", "group_size", "sym", "desc_act", "lm_head"):
             assert written[key] == twin_config[key], key
