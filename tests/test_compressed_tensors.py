@@ -371,3 +371,15 @@ def test_a_broken_quantize_config_link_is_named_and_the_method_compares_in_any_c
     (src / "quantize_config.json").unlink()
     (src / "quantize_config.json").write_text(json.dumps({"quant_method": "Compressed-Tensors"}))
     assert main(["inspect", str(src)]) == 0
+
+
+def test_a_target_naming_a_module_that_is_not_stored_matches_nothing(tmp_path):
+    """'lm_head' as a target of its own group with lm_head not stored (tied embeddings) was taken as a class name
+    matching every layer, and the checkpoint refused for two schemes on each (the third attacker round)."""
+    config = quantization_config({"group_0": config_group(["Linear"], scheme()),
+                                  "group_1": config_group(["lm_head"], scheme(8, None))}, ignore=[])
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128), Linear(DOWN, 256, 128)], config,
+                                   extras={})
+    layers = {layer.prefix: layer for layer in build_plan(src).layers}
+    assert {prefix: (layer.spec.bits, layer.settings.group) for prefix, layer in layers.items()} == \
+        {Q: (4, "group_0"), DOWN: (4, "group_0")}
