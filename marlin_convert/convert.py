@@ -207,9 +207,33 @@ def marlin_outputs(layer: OutputLayer) -> dict[str, PlannedTensor]:
     return out
 
 
-def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan]) -> None:
+#: config.json keys that state a MoE model's number of routed experts (Qwen-MoE, Mixtral, DeepSeek)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _stated_expert_count(config_json: dict | None) -> tuple[str, int] | None:
+    """(key, count) of the routed experts config.json states (top level, or a multimodal model's text_config)."""
+    for section in (config_json or {}, (config_json or {}).get("text_config")):
+        if isinstance(section, dict):
+            for key in EXPERT_COUNT_KEYS:
+                value = section.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return key, value
+    return None
+
+
+def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
+                       config_json: dict | None = None) -> None:
     """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1, all with the
-    same number of scale groups."""
+    same number of scale groups, and E is the number of experts config.json states (where it states one: the
+    last experts missing altogether leave no gap to see); stacked 3-D layers hold that many too."""
+    stated = _stated_expert_count(config_json)
+    if stated is not None:
+        key, count = stated
+        for layer in by_prefix.values():
+            if layer.spec.num_experts and layer.spec.num_experts != count:
+                raise InputError(f"layer '{layer.prefix}': {layer.spec.num_experts} stacked experts, config.json "
+                                 f"says {key} = {count}")
     for group in groups:
         top = max(group.expert_indices) + 1
         for projection, gaps in group.missing().items():
@@ -222,6 +246,9 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
                 f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
                 f"(no {group.base}.<e>.{projection}.{weight})"
             )
+        if stated is not None and top != stated[1]:
+            raise InputError(f"layer '{group.base}': experts 0..{top - 1} stored, config.json says {stated[0]} = "
+                             f"{stated[1]}" + (f" (expert(s) {top}..{stated[1] - 1} missing)" if top < stated[1] else ""))
         for projection, per_expert in group.members.items():
             sizes = {by_prefix[p].spec.num_groups for p in per_expert.values()}
             if len(sizes) > 1:
@@ -270,7 +297,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     layers = plan_layers(checkpoint)
     by_prefix = {layer.prefix: layer for layer in layers}
     groups, _ = group_experts(list(by_prefix))
-    _check_expert_sets(groups, by_prefix)
+    _check_expert_sets(groups, by_prefix, checkpoint.config_json)
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
         raise refusal_error(refused, len(layers))

@@ -182,3 +182,20 @@ def test_a_stacked_source_with_other_experts_is_a_bad_source(tmp_path, capsys):
     convert(small, tmp_path / "out", workers=1)
     assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", "--source", str(big)]) == 2
     assert "not the 4 stacked experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_experts_missing_at_the_end_are_named_by_the_configs_count(tmp_path, capsys, stacked):
+    """config.json says 4 experts, the last is not stored at all: no gap to see in 0..2, so only the stated count
+    tells (it was converted, --stack-experts writing 3 experts where an engine routes to 4)."""
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64,
+                                                      vocab=256, stacked=stacked))
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts"] = 5
+    (src / "config.json").write_text(json.dumps(config))
+    assert main([str(src), str(tmp_path / "out"), "-q", "--stack-experts"]) == 2
+    err = capsys.readouterr().err
+    expected = "4 stacked experts, config.json says num_experts = 5" if stacked else \
+        "experts 0..3 stored, config.json says num_experts = 5 (expert(s) 4..4 missing)"
+    assert expected in err, err
+    assert not (tmp_path / "out").exists()
