@@ -187,9 +187,10 @@ class QuantConfig:
 
     def resolved_defaults(self) -> dict:
         """The global settings as this reader takes them, absent ones filled in (group size -1, desc_act false,
-        checkpoint_format "gptq"; ``sym`` stays null), and the ``dynamic`` rules by key (``inspect``'s plan)."""
+        checkpoint_format "gptq"; ``sym`` stays null), and the ``dynamic`` rules as written, in order ({} for none;
+        the manifest's ``quantization_defaults`` has the same object): ``inspect``'s plan."""
         return {"bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act, "sym": self.sym,
-                "checkpoint_format": self.checkpoint_format, "dynamic": [rule.key for rule in self.dynamic]}
+                "checkpoint_format": self.checkpoint_format, "dynamic": self.as_read.get("dynamic") or {}}
 
     def describe(self) -> str:
         """One line for people: the global settings this reader takes."""
@@ -784,4 +785,10 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
         asymmetric = count_layers([layer for layer in unstated if not layer.spec.sym])
         notes.append(f"no 'sym' in the config for {count_layers(unstated)} layer(s): decided from the stored zero "
                      f"points ({count_layers(unstated) - asymmetric} symmetric, {asymmetric} asymmetric)")
+    reordered = [layer for layer in layers
+                 if layer.convertible and layer.spec.act_order and not layer.settings.desc_act]
+    if reordered:
+        notes.append(f"{count_layers(reordered)} layer(s) have a g_idx that is not trivial while the config says "
+                     "desc_act false: converted with act-order (perm, as the g_idx says); the configs keep desc_act "
+                     "false, so a loader that goes by desc_act alone would ignore perm")
     return notes

@@ -317,3 +317,19 @@ def test_inspect_shows_each_layers_resolved_settings(tmp_path, capsys, monkeypat
     assert up["dynamic_rule"] == ".*up_proj" and up["zero_stored"] == 7
     head = layers["lm_head"]
     assert (head["bits"], head["group_size"], head["dynamic_rule"]) == (8, 32, "lm_head")
+
+
+def test_a_g_idx_that_is_not_trivial_under_desc_act_false_is_converted_with_act_order_and_noted(tmp_path, capsys):
+    """The stored g_idx decides (FORMAT.md: trivial or not), and the report says so: the configs keep
+    desc_act false, which a loader going by desc_act alone would follow (the third attacker round)."""
+    from make_gptq_checkpoint import tiny_llama, write_checkpoint
+
+    from marlin_convert.cli.app import main
+
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, act_order=True))
+    for name in ("config.json", "quantize_config.json"):
+        data = json.loads((src / name).read_text())
+        (data.get("quantization_config") or data)["desc_act"] = False
+        (src / name).write_text(json.dumps(data))
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    assert "while the config says desc_act false: converted with act-order" in capsys.readouterr().out
