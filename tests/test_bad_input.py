@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from edit_checkpoint import set_quant_config
 from make_gptq_checkpoint import CheckpointSpec, LinearSpec, TensorSpec, qwen3_moe, tiny_llama, write_checkpoint
 from safetensors.numpy import save_file
 
@@ -629,12 +630,7 @@ def test_an_unreadable_extra_file_is_named_before_any_work(capsys, tmp_path, src
 
 def _scale_rows_for_group_96(src):
     """Both configs say group size 96: 3 rows for K = 256; the scales have 4."""
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"]["group_size"] = 96
-    (src / "config.json").write_text(json.dumps(config))
-    config = json.loads((src / "quantize_config.json").read_text())
-    config["group_size"] = 96
-    (src / "quantize_config.json").write_text(json.dumps(config))
+    set_quant_config(src, group_size=96)
 
 
 def test_configs_whose_dynamic_rules_come_in_another_order_are_refused(capsys, tmp_path, src):

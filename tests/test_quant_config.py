@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from edit_checkpoint import set_quant_config
 from make_gptq_checkpoint import (
     CheckpointSpec,
     LinearSpec,
@@ -28,16 +29,6 @@ LAYER = "model.layers.0.mlp.down_proj"
 
 def _specs(plan) -> dict:
     return {layer.prefix: layer for layer in plan.layers}
-
-
-def _set_quant_config(directory, **changes):
-    """Edit the quantization config in both files the generator wrote."""
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"].update(changes)
-    (directory / "config.json").write_text(json.dumps(config))
-    quantize = json.loads((directory / "quantize_config.json").read_text())
-    quantize.update(changes)
-    (directory / "quantize_config.json").write_text(json.dumps(quantize))
 
 
 def _llama(tmp_path, overrides: dict[str, dict], dynamic: dict, **kw):
@@ -191,11 +182,11 @@ def test_bad_dynamic_rules_are_refused_naming_the_rule_and_file(tmp_path, rule, 
 
 def test_format_keys_that_disagree_or_say_marlin_are_refused(tmp_path):
     src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, checkpoint_format_label="gptq"))
-    _set_quant_config(src, format="gptq_v2")
+    set_quant_config(src, format="gptq_v2")
     with pytest.raises(InputError, match=r"format keys disagree: checkpoint_format is \"gptq\", format is "
                                          r"\"gptq_v2\""):
         open_checkpoint(src)
-    _set_quant_config(src, format="marlin", checkpoint_format="marlin")
+    set_quant_config(src, format="marlin", checkpoint_format="marlin")
     with pytest.raises(InputError, match="already in Marlin format"):
         open_checkpoint(src)
 
@@ -214,7 +205,7 @@ def test_explicit_sym_false_never_becomes_symmetric(tmp_path):
     """Issue #7.6: sym false, gptq_v2, qzeros all 7 means zero point 7 (not the symmetric 8 of v1)."""
     spec = tiny_llama(num_layers=1, sym=True, zero_format="v1", checkpoint_format_label="gptq_v2")
     src = write_checkpoint(tmp_path / "in", spec)
-    _set_quant_config(src, sym=False)
+    set_quant_config(src, sym=False)
     for layer in build_plan(src, skip_incompatible=True).layers:
         assert (layer.spec.sym, layer.spec.zero_format, layer.zero_stored) == (False, "v2", None)
 
@@ -327,9 +318,6 @@ def test_a_g_idx_that_is_not_trivial_under_desc_act_false_is_converted_with_act_
     from marlin_convert.cli.app import main
 
     src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, act_order=True))
-    for name in ("config.json", "quantize_config.json"):
-        data = json.loads((src / name).read_text())
-        (data.get("quantization_config") or data)["desc_act"] = False
-        (src / name).write_text(json.dumps(data))
+    set_quant_config(src, desc_act=False)
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
     assert "while the config says desc_act false: converted with act-order" in capsys.readouterr().out

@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
+from edit_checkpoint import set_quant_config
 from make_gptq_checkpoint import tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
@@ -492,12 +493,7 @@ def _rerecord(out, name) -> None:
 def test_configs_that_give_a_converted_layer_other_settings_fail(out, capsys, change, found):
     """A loader sizes B and s from the configs: settings that disagree with the converted layers fail verify, even
     with the files' digests re-recorded (they passed: only the format keys were compared)."""
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"].update(change)
-    (out / "config.json").write_text(json.dumps(config))
-    quantize = json.loads((out / "quantize_config.json").read_text())
-    quantize.update(change)
-    (out / "quantize_config.json").write_text(json.dumps(quantize))
+    set_quant_config(out, **change)
     for name in ("config.json", "quantize_config.json"):
         _rerecord(out, name)
     report = verify(out, gpus=None, workers=1)
