@@ -338,7 +338,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
             # symmetric qzeros, a trivial g_idx and compressed-tensors' weight_shape carry nothing Marlin needs: the
             # manifest says how to rebuild them
         shards.append(ShardPlan(shard.path.name, jobs))
-    _check_output_names(shards)
+    _check_outputs(shards)
     return ConversionPlan(checkpoint, layers, outputs, shards, notes)
 
 
@@ -346,11 +346,12 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
 MARLIN_SUFFIXES = ("B", "s", "zp", "perm", "g_idx")
 
 
-def _check_output_names(shards: list[ShardPlan]) -> None:
+def _check_outputs(shards: list[ShardPlan]) -> None:
     """Every output tensor name once: a source tensor named like a Marlin output (``P.B`` beside ``P.qweight``)
-    would otherwise be written twice under one name; and no copied source tensor named like a Marlin tensor of a
+    would otherwise be written twice under one name; no copied source tensor named like a Marlin tensor of a
     converted layer, even one the layer does not write (``P.zp`` of a symmetric layer, ``P.perm`` without
-    act-order): beside ``P.B`` and ``P.s`` a loader would take it for the layer's own."""
+    act-order): beside ``P.B`` and ``P.s`` a loader would take it for the layer's own; and a converted layer's
+    copied ``P.bias`` a float ``[N]`` (``[E, N]`` stacked). Raises :class:`InputError`."""
     made_by: dict[str, Job] = {}
     for shard in shards:
         for job in shard.jobs:
