@@ -105,15 +105,17 @@ class ConfigGroup:
 
 
 def _target_rank(target: str, module: str, modules: set[str]) -> int | None:
-    """How specifically ``target`` matches ``module``: 0 its exact name, 1 a ``re:`` regex, 2 a class name (a
-    capitalised word, as PyTorch's module classes are: ``Linear``; not a module of the checkpoint), taken to match
-    every quantized linear; None when it does not match. A lowercase word is a module name (``lm_head``), even one
-    the checkpoint does not store (a tied lm_head): it matches that module only."""
+    """How specifically ``target`` matches ``module``: 0 its exact name, 1 a ``re:`` regex, 2 the class name of a
+    linear (a capitalised word ending in ``Linear``, as PyTorch's classes are named: ``Linear``; not a module of the
+    checkpoint), taken to match every quantized linear; None when it does not match. Another class name
+    (``LlamaAttention``: an attention or KV-cache scheme's target) matches no linear; a lowercase word is a module
+    name (``lm_head``), even one the checkpoint does not store (a tied lm_head): it matches that module only."""
     if target.startswith("re:"):
         return 1 if re.match(target[3:], module) else None
     if target == module:
         return 0
-    return 2 if "." not in target and target[:1].isupper() and target not in modules else None
+    linear_class = "." not in target and target[:1].isupper() and target.endswith("Linear")
+    return 2 if linear_class and target not in modules else None
 
 
 @dataclass(frozen=True)

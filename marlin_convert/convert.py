@@ -588,13 +588,21 @@ class ConversionReport:
         return dict(self.__dict__)
 
 
+#: the layout settings each output config states when either source config did (a loader may read only one file)
+FILLED_KEYS = ("bits", "group_size", "sym", "desc_act", "dynamic", "lm_head")
+
+
 def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:
-    """A quantization config as read, with every format key saying the same thing: "marlin" (and
+    """A quantization config as read, the layout settings (:data:`FILLED_KEYS`) the other source config had filled
+    in where this one lacked them, and every format key saying the same thing: "marlin" (and
     ``is_marlin_format: true``) when every quantized layer was converted; "marlin-partial" (and
     ``is_marlin_format: false``, so no legacy loader takes it for Marlin) plus the list of modules still in
     their source form when some were kept. GPTQModel's ``format`` key is rewritten where the source has one."""
     label = plan.checkpoint_format
     updated = dict(original)
+    if plan.checkpoint.source_format != QUANT_METHOD:  # a layout setting one file lacks: the other's (as read)
+        merged = plan.checkpoint.config.as_read
+        updated.update({key: merged[key] for key in FILLED_KEYS if key in merged and key not in original})
     updated.update(quant_method="gptq", checkpoint_format=label, is_marlin_format=label == "marlin")
     if "format" in original:
         updated["format"] = label
@@ -606,12 +614,15 @@ def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:
 def _gptq_settings(plan: ConversionPlan) -> dict:
     """The GPTQ-style settings of a checkpoint converted from compressed-tensors, which has none of its own:
     ``bits``, ``group_size`` (-1 = channelwise), ``sym`` and ``desc_act`` shared by most converted layers, a
-    GPTQModel-style ``dynamic`` rule (``+:^<name>$``) for each layer that differs and a ``-:^<name>$`` rule for
+    GPTQModel-style ``dynamic`` rule (``+:^<name>$``; each expert of a stacked set by its own name) for each module
+    that differs and a ``-:^<name>$`` rule for
     each module but ``lm_head`` that the ``ignore`` list keeps unquantized (a stored 2-D ``.weight``: a loader that
     reads these settings would otherwise expect its ``B`` and ``s``), ``lm_head`` (quantized or not), then ``source_format``
     "compressed-tensors" and ``source_quantization_config``, the config as read."""
-    settings = {output.prefix: {"bits": output.spec.bits, "group_size": output.spec.group_size,
-                                "sym": output.spec.sym, "desc_act": output.act_order} for output in plan.outputs}
+    # per source module (each expert of a stacked output too): the names a loader resolves settings for
+    settings = {source.prefix: {"bits": output.spec.bits, "group_size": output.spec.group_size,
+                                "sym": output.spec.sym, "desc_act": output.act_order}
+                for output in plan.outputs for source in output.sources}
     counts = Counter(tuple(values.items()) for values in settings.values())
     common = dict(counts.most_common(1)[0][0]) if counts else {}
     dynamic = {f"+:^{re.escape(prefix)}$": {key: value for key, value in values.items() if value != common[key]}

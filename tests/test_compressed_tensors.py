@@ -383,3 +383,31 @@ def test_a_target_naming_a_module_that_is_not_stored_matches_nothing(tmp_path):
     layers = {layer.prefix: layer for layer in build_plan(src).layers}
     assert {prefix: (layer.spec.bits, layer.settings.group) for prefix, layer in layers.items()} == \
         {Q: (4, "group_0"), DOWN: (4, "group_0")}
+
+
+def test_a_class_target_that_is_not_a_linear_matches_no_linear(tmp_path):
+    """A group targeting LlamaAttention (an attention scheme's target) collided with the Linear group on every layer
+    (a review helper)."""
+    config = quantization_config({"group_0": config_group(["Linear"], scheme()),
+                                  "group_1": config_group(["LlamaAttention"], scheme(8, None))})
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)], config)
+    assert [(layer.spec.bits, layer.settings.group) for layer in build_plan(src).layers] == [(4, "group_0")]
+
+
+def test_stacked_experts_whose_settings_are_not_the_most_common_get_rules_by_their_own_names(tmp_path):
+    """Converted from compressed-tensors with --stack-experts: the configs' rules name each expert (what a loader
+    resolves), not the stacked output, so verify's resolution agrees (it failed: 'experts.0.down_proj bits 8')."""
+    experts = [Linear(f"model.layers.0.mlp.experts.{e}.down_proj", 256, 128) for e in range(2)]
+    attention = [Linear(f"model.layers.0.self_attn.{p}_proj", 128, 128, bits=8, group_size=None)
+                 for p in ("q", "k", "v", "o")]
+    config = quantization_config({"group_0": config_group(["re:.*self_attn.*"], scheme(8, None)),
+                                  "group_1": config_group(["re:.*experts.*"], scheme())})
+    src = write_compressed_tensors(tmp_path / "ct", attention + experts, config)
+    data = json.loads((src / "config.json").read_text())
+    data["num_experts"] = 2
+    (src / "config.json").write_text(json.dumps(data))
+    convert(src, tmp_path / "out", workers=1, stack_experts=True)
+    written = json.loads((tmp_path / "out" / "quantize_config.json").read_text())
+    assert written["bits"] == 8 and written["dynamic"] == {
+        rf"+:^model\.layers\.0\.mlp\.experts\.{e}\.down_proj$": {"bits": 4, "group_size": 128} for e in range(2)}
+    assert verify(tmp_path / "out", gpus=None, workers=1, source_dir=src).ok

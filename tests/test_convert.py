@@ -227,3 +227,18 @@ def test_manifest_records_shapes_group_workspace_and_digests(tmp_path):
     qweight = read_tensor(read_header(src / "model.safetensors"), source["tensors"]["qweight"])
     assert source["digests"]["qweight"] == "sha256:" + hashlib.sha256(qweight.tobytes()).hexdigest()
     assert set(source["digests"]) == {"qweight", "scales", "qzeros", "g_idx"}
+
+
+@pytest.mark.parametrize("missing", ["group_size", "bits"])
+def test_a_layout_setting_only_one_source_config_states_is_written_in_both(tmp_path, missing):
+    """config.json's quantization_config without group_size (or bits), quantize_config.json with it: the reader
+    merges them, and each output config states it, so a loader reading either file gets the settings the layers
+    were converted with (verify, which resolves each file, failed: 'group_size -1 (the config)')."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, group_size=64))
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"][missing]
+    (src / "config.json").write_text(json.dumps(config))
+    convert(src, tmp_path / "out", workers=1)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert written[missing] == {"group_size": 64, "bits": 4}[missing]
+    assert verify(tmp_path / "out", gpus=None, workers=1, source_dir=src).ok
