@@ -65,8 +65,9 @@ def _children(op, av) -> list:
 
 def _choices(pattern) -> tuple[int, int]:
     """(repeats of more than one with a choice of count, optional parts) in ``pattern`` (a parsed sequence), at any
-    depth. Alternatives count as one optional part (``(?:|a)`` is ``a?``), plus the costliest one's choices (a match
-    tries them one after another: ``.*q_proj.*|.*k_proj.*`` costs what one of them does)."""
+    depth. k alternatives count as ceil(log2(k)) optional parts, a factor of k (``(?:|a)`` is ``a?``), plus the
+    costliest one's choices (a match tries them one after another: ``.*q_proj.*|.*k_proj.*`` costs what one of them
+    does)."""
     ranges = optionals = 0
     for op, av in pattern:
         if op in _REPEATS and av[0] < av[1]:
@@ -74,9 +75,10 @@ def _choices(pattern) -> tuple[int, int]:
                 ranges += 1
             else:
                 optionals += 1
-        if op is sre_constants.BRANCH:  # itself a choice, as '?' is ('(?:|a)' is 'a?'), plus its costliest one's
-            inner = [_choices(alternative) for alternative in av[1]]
-            ranges, optionals = ranges + max(r for r, _ in inner), optionals + 1 + max(o for _, o in inner)
+        if op is sre_constants.BRANCH:  # k alternatives: a factor of k, as log2(k) optional parts ('(?:|a)' is 'a?'),
+            inner = [_choices(alternative) for alternative in av[1]]  # plus the costliest one's own choices
+            own = max(1, (len(inner) - 1).bit_length())  # ceil(log2(k))
+            ranges, optionals = ranges + max(r for r, _ in inner), optionals + own + max(o for _, o in inner)
             continue
         for child in _children(op, av):
             inner = _choices(child)

@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import queue
 import resource
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -604,10 +605,16 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
         pool = _pool(workers)
         futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
         mark("workers started")
-        if source is not None:  # here, while the workers run
-            copy_problems, source_copies = _compare_copies(source, Path(source_dir), manifest)
-            problems += copy_problems
-            mark("copies compared with the source")
+        compared: dict = {}
+        if source is not None:  # in a thread beside the workers and the GPU feeding (its reads and hashing release
+            def compare() -> None:  # the GIL), joined once they are done
+                try:
+                    compared["result"] = _compare_copies(source, Path(source_dir), manifest)
+                except BaseException as exc:  # (raised in this thread after the join)
+                    compared["error"] = exc
+
+            comparing = threading.Thread(target=compare, name="compare copies with the source", daemon=True)
+            comparing.start()
 
         def absorb(outcome) -> None:
             peaks[outcome.pid] = max(peaks.get(outcome.pid, 0), outcome.peak_rss)
@@ -691,6 +698,13 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                 if not outcome.pinned:
                     notes.append(f"{outcome.device}: the staging memory could not be pinned (cudaHostRegister "
                                  "failed): uploads ran synchronously")
+        if source is not None:
+            comparing.join()
+            if "error" in compared:
+                raise compared["error"]
+            copy_problems, source_copies = compared["result"]
+            problems += copy_problems
+            mark("copies compared with the source")
         finished = True
     finally:
         if pool is not None:

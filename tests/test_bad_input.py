@@ -735,7 +735,10 @@ def _bounded_fails(args, *fragments, seconds=120, memory_bytes=8 << 30):
                                              # alternatives side by side: '(?:|.)' is '.?'
                                              ("(?:|.)" * 32 + "!", "32 optional parts or alternatives"),
                                              ("(?:model.|)(?:layers.|)" + "(?:.|..)" * 26 + "gate_proj",
-                                              "28 optional parts or alternatives")])
+                                              "28 optional parts or alternatives"),
+                                             # 16 alternatives: a factor of 16, four optional parts (8.9 s a name)
+                                             (("(?:" + "|".join("." * i for i in range(16)) + ")") * 8 + "!",
+                                              "32 optional parts or alternatives")])
 def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, regex, fragment):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"]["dynamic"] = {f"-:{regex}": {}}

@@ -643,3 +643,10 @@ def test_json_that_names_out_dir_or_a_parent_of_it_is_refused_before_any_work(tm
     assert main([str(src), "nd/sub", "-q", "--json", "nd"]) == 2
     assert "Error: --json nd: nd/sub, which this command reads or writes, lies inside it" in capsys.readouterr().err
     assert not (tmp_path / "nd").exists()
+
+
+def test_a_value_that_ends_in_an_equals_sign_is_not_empty(tmp_path, src, capsys):
+    report = tmp_path / "plan=="  # (a base64-like name)
+    assert main(["inspect", str(src), f"--json={report}"]) == 0
+    capsys.readouterr()
+    assert json.loads(report.read_text())["layers"]

@@ -304,3 +304,24 @@ def test_the_same_signal_twice_at_once_is_one_interrupt(monkeypatch):
         assert sent == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_command_after_an_interrupted_one_in_the_same_process_takes_its_own_first_signal(monkeypatch):
+    """The repeat window belongs to one command: main() called again within a second of an interrupt (a process
+    that calls it more than once, as the tests do) must not drop its own first signal as a repeat."""
+    from marlin_convert.cli import _signals, app
+    from marlin_convert.cli._errors import Interrupted
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with app._interrupts_raise():
+            with pytest.raises(Interrupted):
+                app._raise_interrupted(signal.SIGINT, None)
+        assert _signals.is_repeat(signal.SIGINT)
+        with app._interrupts_raise():  # the next command, at once
+            assert not _signals.is_repeat(signal.SIGINT)
+            with pytest.raises(Interrupted):
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _signals.forget_signals()

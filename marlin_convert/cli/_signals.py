@@ -18,6 +18,11 @@ REPEAT_SECONDS = 1.0
 _first_signal_at: dict[int, float] = {}
 
 
+def forget_signals() -> None:
+    """Start afresh (a new command in this process): no signal so far is the first of its kind."""
+    _first_signal_at.clear()
+
+
 def is_repeat(signum: int) -> bool:
     """Whether ``signum`` came within :data:`REPEAT_SECONDS` of the first one of its kind."""
     first = _first_signal_at.get(signum)

@@ -25,7 +25,7 @@ from .. import __version__
 from ..errors import InputError
 from ._errors import Interrupted, report_error
 from ._output import OutputClosed, print_stdout
-from ._signals import is_repeat, take_first
+from ._signals import forget_signals, is_repeat, take_first
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -77,9 +77,9 @@ ROOT_OPTIONS = {"--version", "-h", "--help"}
 def _refuse_empty(argv: list[str]) -> None:
     """Raise :class:`InputError` for an empty argument: every argument here is a path, a number or a list, and an
     empty one is nearly always an unset shell variable (``marlin-convert IN "$OUT" --overwrite`` with OUT unset would
-    otherwise take the current directory as OUT_DIR and replace it)."""
+    otherwise take the current directory as OUT_DIR and replace it). ``--opt=`` is one too (``--json=a=`` is not)."""
     for i, word in enumerate(argv):
-        if word == "" or (word.startswith("--") and word.endswith("=")):  # '--source=' too: a value left empty
+        if word == "" or (word.startswith("--") and word.find("=") == len(word) - 1):  # '--source=': no value
             where = word if word else f"after {argv[i - 1]}" if i else "the first"
             raise InputError(f"argument {i + 1} ({where}) is empty: an unset shell variable?",
                              hint="give the path (or value) itself; the current directory is '.'")
@@ -120,6 +120,7 @@ def _interrupts_raise() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    forget_signals()  # a signal an earlier command of this process took is no repeat of this one's
     previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)
                 if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
