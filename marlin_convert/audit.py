@@ -298,7 +298,8 @@ def _format_problems(manifest: dict) -> list[str]:
         else:
             first = next((i for i, (a, b) in enumerate(zip(stated, expected)) if as_json(a) != as_json(b)), None)
             found = (f"has {len(stated)} group(s), the layers make {len(expected)}" if first is None else
-                     f"[{first}] is {json.dumps(stated[first])[:80]}, the layers make {json.dumps(expected[first])[:80]}")
+                     f"[{first}] is {json.dumps(stated[first])[:80]}, the layers make "
+                     f"{json.dumps(expected[first])[:80]}")
         problems.append(f"manifest expert_groups {found}")
     return problems
 

@@ -36,7 +36,8 @@ from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers
 from .experts import ExpertGroup, expert_group_summary, group_experts
-from .manifest import MANIFEST_FILE, MANIFEST_VERSION, layer_outputs_names, manifest_digest, write_manifest
+from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
+                       write_manifest)
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo, changed_since_read
@@ -247,8 +248,9 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
                 f"(no {group.base}.<e>.{projection}.{weight})"
             )
         if stated is not None and top != stated[1]:
+            missing = f" (expert(s) {top}..{stated[1] - 1} missing)" if top < stated[1] else ""
             raise InputError(f"layer '{group.base}': experts 0..{top - 1} stored, config.json says {stated[0]} = "
-                             f"{stated[1]}" + (f" (expert(s) {top}..{stated[1] - 1} missing)" if top < stated[1] else ""))
+                             f"{stated[1]}{missing}")
         for projection, per_expert in group.members.items():
             sizes = {by_prefix[p].spec.num_groups for p in per_expert.values()}
             if len(sizes) > 1:
@@ -342,10 +344,6 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     return ConversionPlan(checkpoint, layers, outputs, shards, notes)
 
 
-#: the names a converted layer's Marlin tensors take after its prefix (CONTRACT C; FORMAT.md section 7)
-MARLIN_SUFFIXES = ("B", "s", "zp", "perm", "g_idx")
-
-
 def _check_outputs(shards: list[ShardPlan]) -> None:
     """Every output tensor name once: a source tensor named like a Marlin output (``P.B`` beside ``P.qweight``)
     would otherwise be written twice under one name; no copied source tensor named like a Marlin tensor of a
@@ -374,7 +372,7 @@ def _check_outputs(shards: list[ShardPlan]) -> None:
             if job.source.dtype not in ("F16", "BF16", "F32"):
                 raise InputError(f"{job.source_path}: tensor '{name}' is {job.source.dtype}: the bias of layer "
                                  f"'{prefix}' must be float16, bfloat16 or float32")
-        if job.kind == "copy" and suffix in MARLIN_SUFFIXES and prefix in converted:
+        if job.kind == "copy" and suffix in MARLIN_KINDS and prefix in converted:
             raise InputError(f"{job.source_path}: tensor '{name}' is named like a Marlin tensor of layer '{prefix}', "
                              "which is converted: beside its Marlin outputs it would be read as one of them",
                              hint="rename or remove that tensor in IN_DIR")
@@ -615,10 +613,10 @@ def _gptq_settings(plan: ConversionPlan) -> dict:
     """The GPTQ-style settings of a checkpoint converted from compressed-tensors, which has none of its own:
     ``bits``, ``group_size`` (-1 = channelwise), ``sym`` and ``desc_act`` shared by most converted layers, a
     GPTQModel-style ``dynamic`` rule (``+:^<name>$``; each expert of a stacked set by its own name) for each module
-    that differs and a ``-:^<name>$`` rule for
-    each module but ``lm_head`` that the ``ignore`` list keeps unquantized (a stored 2-D ``.weight``: a loader that
-    reads these settings would otherwise expect its ``B`` and ``s``), ``lm_head`` (quantized or not), then ``source_format``
-    "compressed-tensors" and ``source_quantization_config``, the config as read."""
+    that differs and a ``-:^<name>$`` rule for each module but ``lm_head`` that the ``ignore`` list keeps
+    unquantized (a stored 2-D ``.weight``: a loader that reads these settings would otherwise expect its ``B`` and
+    ``s``), ``lm_head`` (quantized or not), then ``source_format`` "compressed-tensors" and
+    ``source_quantization_config``, the config as read."""
     # per source module (each expert of a stacked output too): the names a loader resolves settings for
     settings = {source.prefix: {"bits": output.spec.bits, "group_size": output.spec.group_size,
                                 "sym": output.spec.sym, "desc_act": output.act_order}

@@ -426,10 +426,9 @@ def shard_path(directory: Path, name: str, where: Path) -> Path:
 
     The name must be a plain file name in ``directory`` (no path separator, not ``.`` or ``..``), so nothing
     outside the directory is reached through it, ending in ``.safetensors`` (so no shard has the name of a file the
-    converter writes beside the shards, such as ``marlin_manifest.json``). The entry must be a regular file, or a symbolic link to one
-    (as in the Hugging Face cache, where snapshot files link to ``../../blobs/<hash>``; a link anywhere else out of
-    ``directory`` is refused). Raises
-    :class:`InputError` naming ``where`` and the name.
+    converter writes beside the shards, such as ``marlin_manifest.json``). The entry must be a regular file, or a
+    symbolic link to one (as in the Hugging Face cache, where snapshot files link to ``../../blobs/<hash>``; a link
+    anywhere else out of ``directory`` is refused). Raises :class:`InputError` naming ``where`` and the name.
     """
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise InputError(f"{where}: shard name {name!r} is not a plain file name in {directory}",

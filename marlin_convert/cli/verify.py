@@ -40,7 +40,8 @@ BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help="Comma-se
 SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
-    "--source", metavar="IN_DIR", help="The original GPTQ or compressed-tensors directory: also compare rebuilt tensors with it byte for byte, and the copied tensors and files with its own.")]
+    "--source", metavar="IN_DIR", help="The original GPTQ or compressed-tensors directory: also compare rebuilt "
+    "tensors with it byte for byte, and the copied tensors and files with its own.")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random activations.")]
 QuietOpt = Annotated[bool, typer.Option(
