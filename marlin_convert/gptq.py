@@ -142,6 +142,11 @@ class ModuleSettings:
         return f"dynamic rule {json.dumps(self.rule.key)} in {self.rule.where}" if self.rule else "the config"
 
 
+def _resolved(settings: ModuleSettings) -> tuple:
+    """What a module's settings decide (not which rule decided them)."""
+    return settings.bits, settings.group_size, settings.sym, settings.desc_act, settings.quantized
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """The GPTQ settings of a checkpoint, merged from ``config.json`` (``quantization_config``) and
@@ -159,6 +164,9 @@ class QuantConfig:
     dynamic: tuple[DynamicRule, ...]
     sources: list[str]
     as_read: dict
+    #: config.json's ``dynamic`` rules where it lists quantize_config.json's rules in another order (else empty): a
+    #: loader that reads config.json alone resolves with these, so every module must resolve alike under both
+    dynamic_other_order: tuple[DynamicRule, ...] = ()
     source_format: ClassVar[str] = "gptq"
 
     @property
@@ -166,8 +174,21 @@ class QuantConfig:
         return ZERO_FORMAT_OF_LABEL[self.checkpoint_format]
 
     def settings_for(self, module: str) -> ModuleSettings:
-        """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``)."""
-        for rule in self.dynamic:
+        """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``). Raises
+        :class:`InputError` where config.json lists the ``dynamic`` rules in another order than quantize_config.json
+        and this module resolves differently under the two orders."""
+        settings = self._resolve(module, self.dynamic)
+        if self.dynamic_other_order:
+            other = self._resolve(module, self.dynamic_other_order)
+            if _resolved(settings) != _resolved(other):
+                raise InputError(
+                    f"module '{module}': config.json (quantization_config) lists quantize_config.json's dynamic "
+                    f"rules in another order, and the first match differs: {other.origin} against {settings.origin}",
+                    hint="a loader that reads config.json alone would take other settings: write the rules in one order")
+        return settings
+
+    def _resolve(self, module: str, rules: tuple[DynamicRule, ...]) -> ModuleSettings:
+        for rule in rules:
             if rule.pattern.match(module):
                 if rule.excluded:
                     return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act, rule, quantized=False)
@@ -241,6 +262,9 @@ def _format_label(merged: dict, origin: dict[str, str]) -> str:
     return label
 
 
+#: AutoRound's own quant_method labels (its native export; its ``auto_gptq`` export is GPTQ)
+AUTOROUND_METHODS = ("auto-round", "intel/auto-round")
+
 #: settings that decide a layer's layout: config.json's quantization_config and quantize_config.json must not
 #: state different values for them (the output's configs keep both files' values)
 LAYOUT_KEYS = ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpoint_format", "format",
@@ -255,6 +279,27 @@ def _stated(key: str, value) -> str:
     if key == "dynamic" and value is None:
         value = {}
     return json.dumps(value)
+
+
+def _same_rules(first, second) -> bool:
+    """Whether two ``dynamic`` objects hold the same rules, in whatever order."""
+    if not isinstance(first, dict) or not isinstance(second, dict):
+        return False
+    return json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def _difference(key: str, first, second) -> str:
+    """What differs between two statements of a layout setting, for the error (``dynamic``: the first rule that one
+    file has and the other lacks or states otherwise)."""
+    if key == "dynamic" and isinstance(first, dict) and isinstance(second, dict):
+        for rule in list(first) + [rule for rule in second if rule not in first]:
+            if rule not in second:
+                return f"rule {json.dumps(rule)} is only in config.json"
+            if rule not in first:
+                return f"rule {json.dumps(rule)} is only in quantize_config.json"
+            if json.dumps(first[rule], sort_keys=True) != json.dumps(second[rule], sort_keys=True):
+                return f"rule {json.dumps(rule)} is {json.dumps(first[rule])} against {json.dumps(second[rule])}"
+    return f"{json.dumps(first)[:60]} against {json.dumps(second)[:60]}"
 
 
 def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | None]:
@@ -272,11 +317,17 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         merged.update(section)
         origin.update(dict.fromkeys(section, f"{config_path} (quantization_config)"))
         sources.append(f"{CONFIG_FILE}:quantization_config")
+    other_order: tuple[DynamicRule, ...] = ()
     if quantize_json is not None:
         for key in LAYOUT_KEYS:  # both files state the same settings (GPTQModel writes them identically)
             if key in merged and key in quantize_json and _stated(key, merged[key]) != _stated(key, quantize_json[key]):
+                if key == "dynamic" and _same_rules(merged[key], quantize_json[key]):
+                    # transformers writes config.json with sorted keys, so its copy of the rules may come in another
+                    # order: accepted where every layer resolves alike either way (QuantConfig.settings_for checks)
+                    other_order = parse_dynamic(merged[key], f"{config_path} (quantization_config)")
+                    continue
                 raise InputError(f"{config_path} (quantization_config) and {quantize_path}: '{key}' disagrees: "
-                                 f"{json.dumps(merged[key])[:60]} against {json.dumps(quantize_json[key])[:60]}",
+                                 f"{_difference(key, merged[key], quantize_json[key])}",
                                  hint="make the two configs agree with the stored tensors")
         merged.update(quantize_json)
         origin.update(dict.fromkeys(quantize_json, str(quantize_path)))
@@ -289,8 +340,15 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         )
     method = merged.get("quant_method", "gptq")
     if not isinstance(method, str) or method.lower() != "gptq":
-        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}",
+        autoround = isinstance(method, str) and method.lower() in AUTOROUND_METHODS
+        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}"
+                         + (" (AutoRound's own format: export it with format=\"auto_gptq\" for GPTQ)" if autoround
+                            else ""),
                          hint="marlin-convert reads GPTQ and compressed-tensors pack-quantized checkpoints")
+    if "pack_dtype" in merged and str(merged["pack_dtype"]).removeprefix("torch.") != "int32":
+        raise InputError(f"{origin['pack_dtype']}: pack_dtype {json.dumps(merged['pack_dtype'])}: GPTQ tensors packed "
+                         "into int32 words are read, not other word sizes",
+                         hint="quantize (or repack) with GPTQModel's default pack_dtype, int32")
     if "bits" not in merged:
         raise InputError(f"{in_dir}: quantization config ({', '.join(sources)}) has no 'bits'")
 
@@ -306,6 +364,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         dynamic=parse_dynamic(merged.get("dynamic"), origin.get("dynamic", "")),
         sources=sources,
         as_read=merged,
+        dynamic_other_order=other_order,
     )
     if "lm_head" in merged:
         value("lm_head", bool, False)

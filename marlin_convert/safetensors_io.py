@@ -48,7 +48,9 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype("u1"),
 }
 #: the short names people use for the same dtypes (config files, the manifest)
-DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "I32": "int32", "I64": "int64"}
+DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I8": "int8", "I16": "int16",
+               "I32": "int32", "I64": "int64", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+               "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 #: a header larger than this is not a plausible safetensors header (the reference implementation uses 100 MB)
 MAX_HEADER_BYTES = 100_000_000

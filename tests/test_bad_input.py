@@ -633,16 +633,67 @@ def _scale_rows_for_group_96(src):
     set_quant_config(src, group_size=96)
 
 
-def test_configs_whose_dynamic_rules_come_in_another_order_are_refused(capsys, tmp_path, src):
-    """The first matching rule wins: the same rules in another order are other settings."""
-    rules = {"-:.*down_proj": {}, "+:.*down_proj": {"bits": 8}}
+def _write_dynamic(src, config_rules: dict, quantize_rules: dict) -> None:
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"]["dynamic"] = rules
+    config["quantization_config"]["dynamic"] = config_rules
     (src / "config.json").write_text(json.dumps(config))
     quantize = json.loads((src / "quantize_config.json").read_text())
-    quantize["dynamic"] = dict(reversed(list(rules.items())))
+    quantize["dynamic"] = quantize_rules
     (src / "quantize_config.json").write_text(json.dumps(quantize))
-    _convert_fails(capsys, tmp_path, src, "'dynamic' disagrees")
+
+
+def test_configs_whose_dynamic_rules_come_in_another_order_that_matters_are_refused(capsys, tmp_path, src):
+    """The first matching rule wins: where the other order resolves a stored layer otherwise, the configs disagree;
+    the error names the layer and the two rules."""
+    rules = {"-:.*down_proj": {}, "+:.*down_proj": {"bits": 8}}
+    _write_dynamic(src, rules, dict(reversed(list(rules.items()))))
+    _convert_fails(capsys, tmp_path, src, "model.layers.0.mlp.down_proj", "in another order",
+                   '"-:.*down_proj"', '"+:.*down_proj"')
+
+
+def test_configs_whose_dynamic_rules_come_in_another_order_that_resolves_alike_convert(capsys, tmp_path, src):
+    """transformers writes config.json with sorted keys, GPTQModel and AutoRound write quantize_config.json in the
+    rules' own order: where every layer resolves alike either way, the checkpoint converts and verifies."""
+    rules = {"+:.*up_proj": {"bits": 8}, "+:.*down_proj": {"desc_act": False}}
+    assert list(rules) != sorted(rules)
+    _write_dynamic(src, dict(sorted(rules.items())), rules)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("config_rules, quantize_rules, fragment", [
+    ({"+:.*up_proj": {"bits": 4}}, {}, 'rule "+:.*up_proj" is only in config.json'),
+    ({}, {"+:.*up_proj": {"bits": 4}}, 'rule "+:.*up_proj" is only in quantize_config.json'),
+    ({"+:.*up_proj": {"bits": 4}}, {"+:.*up_proj": {"bits": 8}}, 'rule "+:.*up_proj" is {"bits": 4} against'),
+])
+def test_dynamic_rules_that_differ_are_named_rule_by_rule(capsys, tmp_path, src, config_rules, quantize_rules,
+                                                          fragment):
+    _write_dynamic(src, config_rules, quantize_rules)
+    _convert_fails(capsys, tmp_path, src, "'dynamic' disagrees", fragment)
+
+
+@pytest.mark.parametrize("pack_dtype, ok", [("int32", True), ("torch.int32", True), ("int16", False),
+                                            ("torch.int64", False)])
+def test_gptqmodel_pack_dtype_other_than_int32_is_refused_by_name(capsys, tmp_path, src, pack_dtype, ok):
+    set_quant_config(src, pack_dtype=pack_dtype)
+    if ok:
+        assert main(["inspect", str(src)]) == 0
+        capsys.readouterr()
+    else:
+        _convert_fails(capsys, tmp_path, src, f'pack_dtype "{pack_dtype}"', "int32")
+
+
+def test_autoround_native_format_is_refused_with_the_export_that_works(capsys, tmp_path, src):
+    set_quant_config(src, quant_method="auto-round", packing_format="auto_round:auto_gptq")
+    _convert_fails(capsys, tmp_path, src, 'quant_method is "auto-round"', 'format="auto_gptq"')
+
+
+def test_a_tensor_of_an_unexpected_dtype_is_named_by_its_dtype_name(capsys, tmp_path, src):
+    name = f"{LAYER}.qweight"
+    _rewrite_tensors(src, lambda tensors: tensors.update({name: tensors[name].view(np.int16)}))
+    _convert_fails(capsys, tmp_path, src, name, "dtype int16, expected int32")
 
 
 def test_configs_that_state_a_label_in_other_case_or_no_rules_two_ways_agree(capsys, tmp_path, src):
