@@ -37,7 +37,7 @@ from .gptq import (CONFIG_FILE, MARLIN_BITS, QUANTIZE_CONFIG_FILE, SCALE_DTYPES,
                    LayerPlan, ModuleSettings, check_g_idx, check_model_dtype, expect_tensor, num_groups, open_shards,
                    read_json, stored_zeros, typed)
 from .safetensors_io import DTYPE_NAMES
-from .spec import QuantSpec
+from .spec import SCALE_DTYPE_NAMES, QuantSpec
 
 QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -371,6 +371,18 @@ def _logical_shape(checkpoint: Checkpoint, prefix: str, stored: dict[str, str]) 
     return n, k
 
 
+def _refused_shape(checkpoint: Checkpoint, prefix: str, stored: dict[str, str], bits: int) -> tuple[int, int]:
+    """(N, K) of a layer whose config group has no Marlin form: from ``weight_shape`` or ``weight`` as for any layer,
+    else from ``weight_packed`` [N, K*b/w] and its word size w (int32 words, or the bytes of nvfp4-pack-quantized)."""
+    packed = stored.get("weight_packed")
+    if packed is not None and "weight_shape" not in stored:
+        info = checkpoint.info(packed)
+        word_bits = {"I32": 32, "U8": 8, "I8": 8}.get(info.dtype)
+        if word_bits and 0 < bits <= word_bits and word_bits % bits == 0 and min(info.shape) > 0:
+            return info.shape[0], info.shape[1] * (word_bits // bits)
+    return _logical_shape(checkpoint, prefix, stored)
+
+
 def plan_layer(checkpoint: Checkpoint, prefix: str, stored: dict[str, str], modules: set[str]) -> LayerPlan:
     """Resolve one quantized linear's scheme from the config, check its tensors against it and each other, and
     decide whether Marlin takes it. Raises :class:`InputError` for a malformed layer; returns a refused plan
@@ -397,21 +409,29 @@ def plan_layer(checkpoint: Checkpoint, prefix: str, stored: dict[str, str], modu
         shape = list(checkpoint.info(stored["weight_packed"]).shape)
         raise InputError(f"{checkpoint.location[anchor].path}: tensor '{anchor}' has shape {shape}, expected "
                          "[N, K*b/32] (compressed-tensors stores experts one 2-D tensor each)")
-    n, k = _logical_shape(checkpoint, prefix, stored)
+    reason = group.refusal()
     scale_name = stored.get("weight_scale", f"{prefix}.weight_scale")
-    scales = expect_tensor(checkpoint, scale_name, SCALE_DTYPES, None, NEEDS)
+    if reason is None:
+        n, k = _logical_shape(checkpoint, prefix, stored)
+        scale_dtype = DTYPE_NAMES[expect_tensor(checkpoint, scale_name, SCALE_DTYPES, None, NEEDS).dtype]
+    else:  # kept as stored: only its shape is described, whatever the group's own form (nvfp4 has no weight_shape)
+        n, k = _refused_shape(checkpoint, prefix, stored, scheme.num_bits)
+        scale_dtype = DTYPE_NAMES.get(checkpoint.info(scale_name).dtype) if scale_name in checkpoint.location else None
     group_size = scheme.group_size if scheme.strategy == "group" else -1
     settings = GroupSettings(scheme.num_bits, group_size, scheme.symmetric, scheme.actorder == "group",
                              group=group.name, where=config.where)
     has_g_idx = "weight_g_idx" in stored
 
     def layer(act_order: bool = False) -> CompressedTensorsLayer:
+        # (a kept layer's scales may be of a dtype no converted layer has, fp8 say: its plan says so in
+        # stored_scale_dtype, and its spec, which only describes it, takes float32)
+        known = scale_dtype in SCALE_DTYPE_NAMES
         spec = QuantSpec.create(bits=scheme.num_bits, group_size=group_size, sym=scheme.symmetric, zero_format="v2",
                                 act_order=act_order, in_features=k, out_features=n,
-                                scale_dtype=DTYPE_NAMES[scales.dtype], source_format=QUANT_METHOD)
-        return CompressedTensorsLayer(prefix, spec, settings, has_g_idx, stored=stored)
+                                scale_dtype=scale_dtype if known else "float32", source_format=QUANT_METHOD)
+        return CompressedTensorsLayer(prefix, spec, settings, has_g_idx, stored=stored,
+                                      stored_scale_dtype=None if known else scale_dtype)
 
-    reason = group.refusal()
     if reason is not None:
         plan = layer()
         plan.refuse(reason)

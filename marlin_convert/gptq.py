@@ -536,6 +536,9 @@ class LayerPlan:
     zero_stored: int | None = None
     convertible: bool = True
     reason: str | None = None
+    #: the stored scales' dtype where no converted layer could have it (a kept fp8-scaled layer; the spec, which only
+    #: describes such a layer, says float32), else None
+    stored_scale_dtype: str | None = None
 
     def tensor(self, suffix: str) -> str:
         return f"{self.prefix}.{suffix}"

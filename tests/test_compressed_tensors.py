@@ -134,6 +134,36 @@ def test_a_layer_in_another_compressed_tensors_form_is_refused_or_kept(tmp_path,
     assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q"]) == 0
 
 
+def test_an_nvfp4_group_beside_w4a16_is_refused_by_its_group_or_kept(tmp_path, capsys):
+    """mixed-precision with an nvfp4-pack-quantized group (compressed-tensors stores weight_packed as uint8 [N, K/2],
+    fp8 weight_scale [N, K/16] and a weight_global_scale, and no weight_shape): the layer is refused for its group's
+    format, not for the missing weight_shape, so --skip-incompatible keeps it; inspect describes it as stored."""
+    rng = np.random.default_rng(2)
+    group = config_group(["re:.*down_proj$"], scheme(4, 16, type="float", strategy="tensor_group"),
+                         format="nvfp4-pack-quantized")
+    config = quantization_config({"group_0": config_group(["Linear"], scheme()), "group_1": group},
+                                 format="mixed-precision")
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)], config)
+    tensors = read_all(src / "model.safetensors")
+    tensors[f"{DOWN}.weight_packed"] = ("U8", rng.integers(0, 256, size=(128, 128)).astype(np.uint8))
+    tensors[f"{DOWN}.weight_scale"] = ("F8_E4M3", rng.integers(0, 120, size=(128, 16)).astype(np.uint8))
+    tensors[f"{DOWN}.weight_global_scale"] = ("F32", np.ones(1, np.float32))
+    write_tensors(src / "model.safetensors", tensors)
+    with pytest.raises(UnsupportedLayerError, match=f'{DOWN}: compressed-tensors format "nvfp4-pack-quantized"'):
+        build_plan(src)
+    assert main(["inspect", str(src), "--json", str(tmp_path / "plan.json")]) == 0
+    capsys.readouterr()
+    (down,) = [layer for layer in json.loads((tmp_path / "plan.json").read_text())["layers"] if layer["name"] == DOWN]
+    assert (down["in_features"], down["out_features"], down["scale_dtype"], down["convert"]) == (
+        256, 128, "float8_e4m3fn", False)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q", "--skip-incompatible"]) == 0
+    (kept,) = load_manifest(out)["kept"]
+    assert set(kept["tensors"]) == {"weight_packed", "weight_scale"}
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--source", str(src)]) == 0
+    capsys.readouterr()
+
+
 def test_the_most_specific_target_wins_and_the_config_states_each_layers_settings(tmp_path, capsys):
     """Exact name beats ``re:`` beats class name; the output's GPTQ-style config takes the settings most layers
     share and states the others in GPTQModel-style ``dynamic`` rules."""

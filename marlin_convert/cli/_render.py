@@ -112,7 +112,7 @@ def layer_dict(layer: LayerPlan) -> dict:
         "zero_format": spec.zero_format,
         "zero_stored": layer.zero_stored,
         "act_order": spec.act_order,
-        "scale_dtype": spec.scale_dtype,
+        "scale_dtype": layer.stored_scale_dtype or spec.scale_dtype,
         "dynamic_rule": layer.settings.rule.key if layer.settings.rule else None,
         "settings_from": layer.settings.origin,
         "source_format": spec.source_format,
