@@ -191,9 +191,9 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
             for kind, name in entry["shards"].items():
                 if isinstance(name, str):
                     named.setdefault(name, f"{key}[{i}].shards.{kind}")
-    for name, field in named.items():
+    for name, where in named.items():
         if not _safe_relative(name) or "/" in name:
-            raise InputError(f"{out_dir / MANIFEST_FILE}: {field}: shard name {name!r} is not a file name in the "
+            raise InputError(f"{out_dir / MANIFEST_FILE}: {where}: shard name {name!r} is not a file name in the "
                              "directory")
     for name in manifest["files"]:
         if not _safe_relative(name):

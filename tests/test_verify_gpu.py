@@ -6,7 +6,6 @@ no nvcc or ninja).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from checkpoint_kinds import KINDS, kind_spec
 from make_gptq_checkpoint import qwen3_moe, tiny_llama, write_checkpoint
