@@ -117,6 +117,16 @@ int launch_wide(const Launch& L) {
   return launch_config<K, 1, WN, STRIPS, STAGES, GROUPED, 2>(L);
 }
 
+// Whether the m = 9..16 default takes the 128-column, 8-strip, 2-stage kernel (see dispatch_fp16_int4): n / 128 >=
+// 2 SMs, or SMs / 2 < n / 64 <= SMs with k >= 16384; and two of its blocks fit a multiprocessor's shared memory (not
+// on an A100's 163 KB, where it was never measured).
+template <bool GROUPED>
+bool wide_eight_pays(const Launch& L, int optin) {
+  if (L.m <= 8 || L.n % 128 != 0 || optin < 2 * Tile<1, 2, 8, 2, GROUPED>::kSmemBytes) return false;
+  const int tiles64 = L.n / 64;
+  return L.n / 128 >= 2 * L.sms || (2 * tiles64 > L.sms && tiles64 <= L.sms && L.k >= 16384);
+}
+
 template <bool GROUPED>
 int dispatch_fp16_int4(const Launch& L) {
   using K = KindFp16Int4;
@@ -158,6 +168,9 @@ int dispatch_fp16_int4(const Launch& L) {
       case 13: if (wide_fits<4, 4, 6, GROUPED>(L, optin)) return launch_wide<4, 4, 6, GROUPED>(L); break;
       case 14: return launch_small<4, 2, GROUPED>(L, true);  // 4 strips at 2 stages, whatever n
       case 15: return launch_small<8, 2, GROUPED>(L, true);  // 8 strips at 2 stages (one group of 128 per warp and stage)
+      // 128-column tiles, 8 strips at 2 stages, whatever the layer (the default takes them on wide_eight_pays' layers
+      // at m = 9..16); 24: the default without them (the rule before the twelfth session)
+      case 23: if (wide_fits<2, 8, 2, GROUPED>(L, optin)) return launch_wide<2, 8, 2, GROUPED>(L); break;
       // m = 9..16: the two-batch-block swapped kernel at 4 and 3 strips; at 2 strips (n / 64 > 2 SMs) it measured
       // 5-10 % slower than the unswapped kernel (cfg 1 vs cfg 7, kernel/README.md), so that one stays there.
       default: break;
@@ -171,6 +184,15 @@ int dispatch_fp16_int4(const Launch& L) {
     // Channelwise with SMs < n / 64 <= 2 SMs likewise (this session, kernel/NOTES.md; it had the 2-strip kernel split in
     // two at n / 64 <= 1.5 SMs, m <= 8, else the 3-strip one): 4096 x 12288 m = 1 14.8 -> 12.9 us, m = 16 16.8 -> 15.6;
     // 8192 x 10240 m = 16 24.8 -> 22.5 (with the stream-K schedule launch_config picks there).
+    // m = 9..16 on wide layers (n / 128 >= 2 SMs), and on one wave of 64-column tiles with long k (the layers split in
+    // two below): 128-column tiles, 8 strips at 2 stages (stage k = 512, 112 KB: two blocks per SM, where two fit).
+    // A warp's 8 strips are 128 k, so with group scales the fp32 partial sums are flushed once per group of 128
+    // instead of every 64 k (ncu, m = 16, 8192 x 57344: the flush was ~10 % of the 4-strip kernel's instructions), and
+    // each A tile serves 128 columns. H200 (cfg 23, twelfth session, kernel/NOTES.md), m = 12 / 16 time against the
+    // previous default: 8192 x 57344 0.88 / 0.89 (group 128), 0.92 / 0.94 (channelwise); 28672 x 8192 0.93 / 0.91,
+    // 0.96 / 0.93; slower on the layers with fewer tiles (4096 x 22016 channelwise 1.08, 8192 x 10240 1.10, one-wave
+    // layers with k < 16384 1.15), which keep their kernels.
+    if (cfg != 24 && wide_eight_pays<GROUPED>(L, optin)) return launch_wide<2, 8, 2, GROUPED>(L);
     if (((GROUPED && L.n / 64 > L.sms) || (!GROUPED && L.m <= 8 && L.n / 256 >= L.sms) ||
          (!GROUPED && L.n / 64 > L.sms && L.n / 64 <= 2 * L.sms)) &&
         optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)

@@ -551,6 +551,7 @@ struct Tile {
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
   constexpr int by_strips = SWAP == 3 ? 1 : MB == 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
+                         : WN == 2 && STRIPS == 8 ? 2  // (128-column tiles, 8 x 2: 112 KB, two fit an SM)
                          : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
                          : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
   constexpr int fit = kSmemPerSm / Tile<MB, WN, STRIPS, STAGES, GROUPED, BITS, ZP>::kSmemBytes;

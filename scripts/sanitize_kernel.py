@@ -11,8 +11,8 @@ NaN-poisoned output, and is compared with an fp32 reference (mean relative error
 check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
-m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408 for the m <= 16 kernels of
-larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA) and the Hopper
+m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408, 34816 (and 4352 with k = 16448)
+for the m <= 16 kernels of larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA) and the Hopper
 direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, blocks
 of two segments, a tile over 4 blocks; every wgmma and direct case kept by --few).
 """
@@ -61,7 +61,11 @@ def main(argv=None) -> int:
                                                          # stages split in two over k (fp16 4-bit: 8 strips x 2)
                   (kind, 5, 1040, 8192, 16, False, 0),   # fp16 4-bit, the same with a partial stage: 8 strips x 2
                   (kind, 70, 528, 256, 16, False, 0),    # m > 64 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
-                  (kind, 36, 16448, 128, 64, False, 0)]  # and m = 33..64 with long k; partial last stages
+                  (kind, 36, 16448, 128, 64, False, 0),  # and m = 33..64 with long k; partial last stages
+                  (kind, 12, 512, 34816, 64, False, 0)]  # m = 9..16, n / 128 >= 2 SMs (fp16 4-bit: 128-column
+                                                         # tiles, 8 strips x 2 stages)
+    # fp16 4-bit, m = 9..16, SMs / 2 < n / 64 <= SMs with k >= 16384: the same kernel split in two, a partial stage
+    cases.append((("float16", 4, False), 16, 16448, 4352, 64, False, 0))
     cases = [c + (None, None) for c in cases]  # MARLIN_CONVERT_STREAM_K and _WGMMA unset: split-K, default kernels
     for kind in KINDS:  # stream-K grids (the 2-stage kernels of >= 4 strips): blocks that end one tile and start the
         # next (m <= 16 and the 32-row m > 16 kernel), one tile row over many blocks (the 64-row kernel, capped)

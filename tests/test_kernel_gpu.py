@@ -360,12 +360,23 @@ def test_two_batch_block_forced_split_k(torch, m, split_k):
     _run_case(torch, m, 4096, 256, 128, False, seed=split_k * 31 + m, split_k=split_k)
 
 
-@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8", "10", "11", "12", "13", "14"])
+@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8", "10", "11", "12", "13", "14", "23", "24"])
 @pytest.mark.parametrize("m,group", [(4, 128), (13, 128), (16, -1)])
 def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
     """Every MARLIN_CONVERT_SMALL_CFG kernel (benchmark switch) gives the right result."""
     monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
     _run_case(torch, m, 2048, 512, group, False, seed=int(cfg) * 100 + m)
+
+
+# fp16 x 4-bit, m = 9..16, on a GPU of 132 SMs: the 128-column, 8-strip, 2-stage kernel the default takes where n / 128
+# >= 2 SMs (n = 34816) or SMs / 2 < n / 64 <= SMs with k >= 16384 (n = 4352); elsewhere these shapes take the other
+# kernels and pass too. Group 128 and channelwise, group 16 and 64 (a warp's 128 k of a stage cross groups: scales on
+# B), act-order, a partial last stage, split in two over k (the one-wave layers).
+@pytest.mark.parametrize("m,k,n,group,act_order", [(12, 1024, 34816, 128, False), (16, 512, 34816, -1, False),
+                                                   (9, 1040, 34816, 16, False), (13, 2048, 34816, 64, True),
+                                                   (16, 16384, 4352, 128, False), (10, 16448, 4352, -1, False)])
+def test_wide_eight_strip_kernel(torch, m, k, n, group, act_order):
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group)).encode()), calls=2)
 
 
 @pytest.mark.parametrize("cfg", ["20", "21", "22"])
