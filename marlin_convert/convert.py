@@ -763,6 +763,7 @@ def convert(
     if plan is None:
         plan = build_plan(in_dir, skip_incompatible, stack_experts)
     checkpoint = plan.checkpoint
+    bytes_in = plan.bytes_in  # (read once, now: nothing after the output is moved into place may fail)
     extra = select_extra_files(in_dir, _produced_names(plan))
     notes = list(plan.notes) + [f"not copied from IN_DIR: {line}" for line in extra.skipped]
     if out_dir.parent.is_dir():
@@ -824,7 +825,7 @@ def convert(
             "version": MANIFEST_VERSION,
             "tool": f"marlin-convert {__version__}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {"path": str(in_dir.resolve()), "bytes": plan.bytes_in, "format": checkpoint.source_format,
+            "source": {"path": str(in_dir.resolve()), "bytes": bytes_in, "format": checkpoint.source_format,
                        "quantization_config": checkpoint.config.sources},
             "checkpoint_format": plan.checkpoint_format,
             "model_dtype": checkpoint.model_dtype,
@@ -865,7 +866,7 @@ def convert(
         passthrough_tensors=plan.passthrough_tensors,
         kept_tensors=plan.kept_tensors,
         shards=len(plan.shards),
-        bytes_in=plan.bytes_in,
+        bytes_in=bytes_in,
         bytes_out=bytes_out,
         seconds=time.perf_counter() - start,
         notes=notes,

@@ -29,9 +29,25 @@ import sys
 from pathlib import Path
 
 from .errors import OutputError
+from .manifest import MANIFEST_FILE
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+
+
+def _refuse_links_into(in_dir: Path, out_dir: Path, dst: Path) -> None:
+    """Refuse where an entry of IN_DIR is, or links to, something inside OUT_DIR (resolved): a Hugging Face snapshot
+    converted into its own ``blobs`` directory, say. Replacing OUT_DIR would delete the source (with --overwrite),
+    and the source would change under the conversion."""
+    try:
+        entries = list(os.scandir(in_dir))
+    except OSError:
+        return  # (an unreadable IN_DIR is named when the checkpoint is opened)
+    for entry in entries:
+        target = Path(os.path.realpath(entry.path))
+        if target == dst or dst in target.parents:
+            raise OutputError(f"IN_DIR's {entry.name} is a link to {target}, inside OUT_DIR {out_dir}: writing OUT_DIR "
+                              "would destroy the source", hint="choose an OUT_DIR that holds none of IN_DIR's files")
 
 
 def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
@@ -48,11 +64,24 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise OutputError(f"OUT_DIR {out_dir} is inside (or equal to) IN_DIR {in_dir}", hint="choose a separate directory")
     if dst in src.parents:
         raise OutputError(f"IN_DIR {in_dir} is inside OUT_DIR {out_dir}", hint="choose a separate directory")
+    _refuse_links_into(in_dir, out_dir, dst)
     if dst.exists():
         if not dst.is_dir():
             raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
         if any(dst.iterdir()) and not overwrite:
             raise OutputError(f"OUT_DIR {out_dir} is not empty", hint="pass --overwrite to replace it")
+        if overwrite and not is_replaceable(dst):
+            raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: --overwrite replaces a "
+                              "previous marlin-convert output only", hint="empty it, or choose another OUT_DIR")
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if cwd == dst or dst in cwd.parents:
+        raise OutputError(f"OUT_DIR {out_dir} is (or holds) the current directory, which the output would replace",
+                          hint="run from another directory, or choose another OUT_DIR")
+
+
+def is_replaceable(directory: Path) -> bool:
+    """Whether --overwrite may replace ``directory``: empty, or a previous output (it holds the manifest)."""
+    return not any(directory.iterdir()) or (directory / MANIFEST_FILE).is_file()
 
 
 def _lock(path: Path) -> int | None:
@@ -159,6 +188,10 @@ class PartialDir:
             if overwrite and out_dir.exists() and not out_dir.is_dir():  # --overwrite replaces a directory only
                 raise OutputError(f"OUT_DIR {out_dir} became a file while converting; left as it is")
             if overwrite and out_dir.exists():
+                if not is_replaceable(out_dir):  # filled by someone else meanwhile: not ours to delete
+                    raise OutputError(f"OUT_DIR {out_dir} was filled by another process while converting and holds "
+                                      f"no {MANIFEST_FILE}; it is left as it is and this run's output is discarded",
+                                      hint="choose another OUT_DIR")
                 if not _exchange(self.path, out_dir):
                     aside = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
                     out_dir.rename(aside)

@@ -218,14 +218,48 @@ def test_out_dir_not_empty(capsys, tmp_path, src):
     (out / "precious.txt").write_text("keep me")
     _run_failing(capsys, tmp_path, [str(src), str(out)], "is not empty")
     assert (out / "precious.txt").read_text() == "keep me"
+    # --overwrite replaces a previous output only: a directory without the manifest is not the tool's to delete
+    _run_failing(capsys, tmp_path, [str(src), str(out), "--overwrite"], "holds no marlin_manifest.json")
+    assert (out / "precious.txt").read_text() == "keep me"
+    (out / "precious.txt").unlink()
+    assert main([str(src), str(out), "-q"]) == 0
+    (out / "leftover.txt").write_text("added to a previous output")
     assert main([str(src), str(out), "--overwrite", "-q"]) == 0
-    assert not (out / "precious.txt").exists() and (out / "marlin_manifest.json").exists()
+    assert not (out / "leftover.txt").exists() and (out / "marlin_manifest.json").exists()
+
+
+def test_a_hub_snapshot_is_never_converted_into_its_own_blobs(capsys, tmp_path):
+    """IN_DIR's files are links into OUT_DIR (a Hugging Face snapshot and its blobs): replacing OUT_DIR would delete
+    the source; refused before any work, with --overwrite too."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = write_checkpoint(tmp_path / "plain", _spec(group_size=64))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    for i, path in enumerate(sorted(snapshot.iterdir())):
+        blob = repo / "blobs" / (f"{i:x}" * 40)[:40]
+        path.rename(blob)
+        (repo / "snapshots" / "abc123" / path.name).symlink_to(f"../../blobs/{blob.name}")
+    before = sorted(p.name for p in (repo / "blobs").iterdir())
+    for extra in ([], ["--overwrite"]):
+        _run_failing(capsys, tmp_path, [str(repo / "snapshots" / "abc123"), str(repo / "blobs"), *extra],
+                     "inside OUT_DIR", "would destroy the source")
+        assert sorted(p.name for p in (repo / "blobs").iterdir()) == before
+
+
+def test_the_current_directory_is_never_out_dir(capsys, tmp_path, src, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    _run_failing(capsys, tmp_path, [str(src), "."], "the current directory")
+    _run_failing(capsys, tmp_path, [str(src), ".", "--overwrite"], "the current directory")
+    assert here.is_dir()
 
 
 def test_an_overwritten_out_dir_that_cannot_all_be_removed_is_named(capsys, tmp_path, src):
     """--overwrite publishes the new output and names what stays of the old one (here an immutable folder), and
     the next run on the same OUT_DIR removes it once it can."""
     out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0  # a previous output, with a folder added to it
     stuck = out / "stuck"
     stuck.mkdir(parents=True)
     (stuck / "old.bin").write_bytes(b"old")

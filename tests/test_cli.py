@@ -239,6 +239,9 @@ def test_dry_run_fails_where_the_conversion_would(tmp_path, src, capsys):
     (tmp_path / "full" / "x").write_text("x")
     assert main([str(src), str(tmp_path / "full"), "--dry-run", "-q"]) == 2
     assert "is not empty" in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "full"), "--dry-run", "-q", "--overwrite"]) == 2  # not a previous output
+    assert "holds no marlin_manifest.json" in capsys.readouterr().err
+    (tmp_path / "full" / "marlin_manifest.json").write_text("{}")
     assert main([str(src), str(tmp_path / "full"), "--dry-run", "-q", "--overwrite"]) == 0
     assert main([str(src), str(src / "out"), "--dry-run", "-q"]) == 2
     assert "inside (or equal to) IN_DIR" in capsys.readouterr().err

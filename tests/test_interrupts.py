@@ -196,12 +196,11 @@ def test_a_directory_created_at_out_dir_during_the_run_is_never_deleted(tmp_path
     (out / "precious.txt").write_text("made by someone else")
     _open_gate(markers)
     rc, err = _finish(process)
-    if overwrite:  # asked for: the newcomer is replaced, atomically
-        assert rc == 0, err
-        assert not (out / "precious.txt").exists() and (out / "marlin_manifest.json").exists()
+    if overwrite:  # --overwrite replaces a previous output only: the newcomer holds no manifest
+        assert rc == 2 and "was filled by another process while converting" in _error_line(err)
     else:
         assert rc == 2 and "was created by another process while converting" in _error_line(err)
-        assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
     assert _leftovers(tmp_path) == []
 
 
