@@ -748,6 +748,7 @@ def convert(
     workers: int = DEFAULT_WORKERS,
     progress: ProgressCallback | None = None,
     plan: ConversionPlan | None = None,
+    before_publish: Callable[[], None] | None = None,
 ) -> ConversionReport:
     """Convert the GPTQ checkpoint ``in_dir`` into a Marlin checkpoint at ``out_dir``.
 
@@ -845,6 +846,8 @@ def convert(
             if changed is not None:
                 raise InputError(f"{shard.path}: changed while it was being converted: {changed}; the output is "
                                  "discarded", hint="convert again once nothing writes to IN_DIR")
+        if before_publish is not None:
+            before_publish()  # the output is complete: the caller stops interrupts from here on (the CLI does)
         notes += partial.finalize(overwrite)
     except BaseException as exc:
         for writer in writers:

@@ -45,6 +45,7 @@ SLOW_STEP = {
     "convert": ("marlin_convert.convert", "run_job"),  # in the worker processes
     "inspect": ("marlin_convert.convert", "build_plan"),
     "verify": ("marlin_convert.verify", "verify"),
+    "publish": ("marlin_convert.outdir", "_exchange"),  # convert --overwrite: the finished output being moved in
 }
 
 
@@ -124,6 +125,27 @@ def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path, src, command):
     assert _leftovers(tmp_path) == []
     assert out.exists() == (command == "verify")
     assert not any(_alive(pid) for pid in _workers(process, markers))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, word", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
+def test_a_signal_while_the_finished_output_is_moved_in_says_so(tmp_path, src, signum, word):
+    """Once the output is complete, an interrupt no longer stops the move into place: the report is printed, and
+    the exit code (128 + the signal) and the one Error line say the run was interrupted once the output was
+    finished, which it is. (It used to say "Error: interrupted" beside a finished OUT_DIR.)"""
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    assert main([str(src), str(out), "-q"]) == 0  # a previous output, replaced with --overwrite
+    process = _start("publish", [str(src), str(out), "--overwrite", "-q"], markers)
+    _wait_for(lambda: any(markers.iterdir()), "the output to be moved into place")
+    process.send_signal(signum)
+    time.sleep(0.3)
+    _open_gate(markers)
+    rc, err = _finish(process)
+    assert rc == 128 + signum, err
+    assert _error_line(err) == f"Error: {word} once the conversion was complete: {out} is finished and in place " \
+                               "(its report is above)"
+    assert _leftovers(tmp_path) == []
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
 
 
 @pytest.mark.slow

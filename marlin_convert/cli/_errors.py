@@ -25,6 +25,15 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+class InterruptedAfterPublish(Interrupted):
+    """A signal that arrived once the output was complete and being moved into place (deferred until the report was
+    printed): the run says it was interrupted, and that its output is finished."""
+
+    def __init__(self, signum: int, out_dir: str) -> None:
+        super().__init__(signum)
+        self.out_dir = out_dir
+
+
 #: control characters (C0, DEL, C1): a name from a hostile checkpoint holding a newline or a terminal escape must not
 #: turn one ``Error:`` line into two, or reach the terminal raw
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
@@ -57,6 +66,11 @@ def report_error(exc: BaseException) -> int:
         if exc.hint:
             print(f"Hint: {one_line(exc.hint)}", file=sys.stderr)
         return exc.exit_code
+    if isinstance(exc, InterruptedAfterPublish):
+        what = "terminated" if exc.signum == signal.SIGTERM else "interrupted"
+        print(one_line(f"Error: {what} once the conversion was complete: {exc.out_dir} is finished and in place "
+                       "(its report is above)"), file=sys.stderr)
+        return 128 + exc.signum
     if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:
         print("Error: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM

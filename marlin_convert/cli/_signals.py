@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 #: seconds after a signal in which the same signal again is taken as the same request
@@ -18,9 +19,40 @@ REPEAT_SECONDS = 1.0
 _first_signal_at: dict[int, float] = {}
 
 
+_deferred: list[int] = []  # signals noted once the output was complete (defer_signals)
+
+
 def forget_signals() -> None:
-    """Start afresh (a new command in this process): no signal so far is the first of its kind."""
+    """Start afresh (a new command in this process): no signal so far is the first of its kind, none deferred."""
     _first_signal_at.clear()
+    _deferred.clear()
+
+
+def _note(signum: int, _frame) -> None:
+    _deferred.append(signum)
+
+
+def defer_signals() -> None:
+    """From now on SIGINT and SIGTERM do not raise: the command's output is complete and is being moved into place
+    (an interrupt there would report a failure beside a finished OUT_DIR). They are noted for
+    :func:`deferred_signal`. Only in the main thread, and only for a signal the process does not ignore."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _note)
+
+
+def deferred_signal() -> int | None:
+    """The first signal noted since :func:`defer_signals`, or None."""
+    return _deferred[0] if _deferred else None
+
+
+def ignore_signals() -> None:
+    """The command is over and its exit code decided: SIGINT and SIGTERM while the interpreter shuts down are ignored
+    (a KeyboardInterrupt in an exit handler was printed as a traceback, and the exit code stayed 0 anyway)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def is_repeat(signum: int) -> bool:

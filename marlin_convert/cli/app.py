@@ -25,7 +25,7 @@ from .. import __version__
 from ..errors import InputError
 from ._errors import Interrupted, report_error
 from ._output import OutputClosed, print_stdout
-from ._signals import forget_signals, is_repeat, take_first
+from ._signals import forget_signals, ignore_signals, is_repeat, take_first
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -158,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The console script's command (after :func:`marlin_convert.cli.launch.run`): :func:`main`, then exit."""
-    sys.exit(main())
+    """The console script's command (after :func:`marlin_convert.cli.launch.run`): :func:`main`, then exit (signals
+    from then on are ignored: :func:`._signals.ignore_signals`)."""
+    code = main()
+    ignore_signals()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

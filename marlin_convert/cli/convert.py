@@ -21,9 +21,11 @@ from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, re
 from ..outdir import check_out_dir
 from ..workers import MAX_WORKERS
 from ..sources import FORM_NAMES
+from ._errors import InterruptedAfterPublish
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
 from ._render import add_layer_rows, counts_line
+from ._signals import defer_signals, deferred_signal
 from .inspect import plan_output
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
@@ -80,7 +82,8 @@ def convert(
         return
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
-                                stack_experts=stack_experts, workers=workers, progress=advance, plan=plan)
+                                stack_experts=stack_experts, workers=workers, progress=advance, plan=plan,
+                                before_publish=defer_signals)
     report.seconds = time.perf_counter() - started  # the whole command: planning (headers, small tensors) included
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
     if not quiet:
@@ -102,3 +105,6 @@ def convert(
     ]
     output.write_json(json_file)  # first: a closed stdout must not lose it
     output.render()
+    signum = deferred_signal()
+    if signum is not None:  # arrived while the finished output was moved into place, or after
+        raise InterruptedAfterPublish(signum, str(out_dir))
