@@ -653,3 +653,32 @@ def test_a_value_that_ends_in_an_equals_sign_is_not_empty(tmp_path, src, capsys)
     assert main(["inspect", str(src), f"--json={report}"]) == 0
     capsys.readouterr()
     assert json.loads(report.read_text())["layers"]
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_a_failed_command_leaves_a_failure_report_not_an_earlier_one(tmp_path, src, capsys, command):
+    """--json FILE of a failed run says so ({"ok": false, the exit code, the error}); an earlier run's report at
+    that name is not left to read as this one's. ``--json -`` gets the same document on stdout."""
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    report = tmp_path / "report.json"
+    ok_args = {"convert": [str(src), str(tmp_path / "out2")], "inspect": ["inspect", str(src)],
+               "verify": ["verify", str(out), "--skip-kernel"]}[command]
+    assert main([*ok_args, "--json", str(report)]) == 0
+    assert "error" not in json.loads(report.read_text())
+    config = (src / "config.json").read_text()
+    (src / "config.json").write_text("{not JSON")
+    manifest = out / "marlin_manifest.json"
+    manifest.write_text(manifest.read_text().replace('"layers"', '"layerz"', 1))
+    bad_args = {"convert": [str(src), str(tmp_path / "out3")], "inspect": ["inspect", str(src)],
+                "verify": ["verify", str(out), "--skip-kernel"]}[command]
+    try:
+        capsys.readouterr()
+        assert main([*bad_args, "--json", str(report)]) == 2
+        failed = json.loads(report.read_text())
+        assert failed["ok"] is False and failed["exit_code"] == 2 and failed["error"]
+        assert failed["error"] in capsys.readouterr().err
+        assert main([*bad_args, "--json", "-"]) == 2
+        assert json.loads(capsys.readouterr().out)["ok"] is False
+    finally:
+        (src / "config.json").write_text(config)

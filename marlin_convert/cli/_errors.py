@@ -50,6 +50,19 @@ def one_line(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+def error_message(exc: BaseException) -> str:
+    """What :func:`report_error` says of ``exc``, without ``Error:`` (the JSON report of a failed command)."""
+    if isinstance(exc, MarlinConvertError):
+        return exc.message
+    if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:
+        return "terminated"
+    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+        return "interrupted"
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
+        return f"{exc.filename if exc.filename is not None else 'standard output or a file'}: {exc.strerror or exc}"
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` for a person on stderr and return the exit code. Tracebacks only with MARLIN_CONVERT_DEBUG=1.
 

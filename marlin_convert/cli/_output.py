@@ -125,6 +125,7 @@ class Output:
         symbolic link: the link's target), so an existing file is replaced, never written through: a hard link to a
         shard or a config keeps its content. A stream (``/dev/stdout``, ``/dev/fd/N`` of a process substitution,
         ``/dev/null``, a FIFO: :func:`_written_through`) is written through, as a shell's ``>`` would."""
+        forget_report_target()  # this run's own report: a failure after it (a dry run's refusal) keeps it
         if is_stdout(path):
             self.as_json = True
             return
@@ -184,11 +185,45 @@ def is_stdout(path: str | Path | None) -> bool:
     return isinstance(path, str) and path == "-"
 
 
+#: the running command's --json target once check_json_path accepted it (for report_failure), else None
+_report_target: list = [None]
+
+
+def forget_report_target() -> None:
+    """A new command: no --json target yet."""
+    _report_target[0] = None
+
+
+def report_failure(message: str, exit_code: int) -> None:
+    """Where the failed command had a --json target: write ``{"ok": false, "exit_code": ..., "error": ...}`` there
+    (``-``: on stdout), so that no report of an earlier run is left to read as this one's. Best effort: a target that
+    cannot be written now is left as it is (the Error line on stderr says what failed)."""
+    path = _report_target[0]
+    if path is None:
+        return
+    text = json.dumps({"ok": False, "exit_code": exit_code, "error": message}, indent=2) + "\n"
+    try:
+        if is_stdout(path):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        elif _written_through(Path(path)):
+            with open(path, "w", encoding="utf-8") as stream:
+                stream.write(text)
+        else:
+            _replace_file(Path(os.path.realpath(path)), text.encode("utf-8"))
+    except BaseException:  # (an interrupt or a closed stdout while reporting a failure: the exit code stands)
+        pass
+
+
 def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) -> None:
     """Refuse a ``--json`` file that cannot be written, or that lies inside one of the ``checkpoints`` directories
     the command reads or writes (it would overwrite a shard, a config or the manifest, or land in a converted
-    directory), before the command does any work. Creates nothing."""
-    if path is None or is_stdout(path):
+    directory), before the command does any work. Creates nothing. An accepted one is where :func:`report_failure`
+    writes if the command fails."""
+    if path is None:
+        return
+    if is_stdout(path):
+        _report_target[0] = path
         return
     path = Path(path)
     resolved = Path(os.path.realpath(path))
@@ -204,6 +239,7 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
     if _written_through(path):  # (write_json)
         if not os.access(path, os.W_OK):
             raise OutputError(f"--json {path}: not writable")
+        _report_target[0] = str(path)
         return
     parent = resolved.parent  # where the new file is created and renamed over the name (write_json)
     if not parent.is_dir():
@@ -211,3 +247,4 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"--json {path}: not writable (the report is written as a new file in {parent}, "
                           "which this user cannot write)")
+    _report_target[0] = str(path)

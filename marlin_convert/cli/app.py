@@ -23,8 +23,8 @@ from typer.core import TyperCommand
 
 from .. import __version__
 from ..errors import InputError
-from ._errors import Interrupted, report_error
-from ._output import OutputClosed, print_stdout
+from ._errors import Interrupted, InterruptedAfterPublish, error_message, report_error
+from ._output import OutputClosed, forget_report_target, print_stdout, report_failure
 from ._signals import forget_signals, ignore_signals, is_repeat, take_first
 from .convert import convert
 from .inspect import inspect
@@ -134,7 +134,16 @@ def _interrupts_raise() -> Iterator[None]:
 EXIT_BROKEN_PIPE = 141
 
 
+def _failed(exc: BaseException) -> int:
+    """Report ``exc`` (stderr), and in the command's --json target where it has one; the exit code."""
+    code = report_error(exc)
+    if not isinstance(exc, InterruptedAfterPublish):  # (its report, written before, is right: the output is done)
+        report_failure(error_message(exc), code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    forget_report_target()
     try:
         args = with_default_command(list(sys.argv[1:] if argv is None else argv))
         with _interrupts_raise():
@@ -150,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()  # a usage error (unknown option, missing argument): click formats it with the usage line
             return exc.exit_code
-        return report_error(exc)
+        return _failed(exc)
     except (Interrupted, KeyboardInterrupt) as exc:
-        return report_error(exc)
+        return _failed(exc)
     # typer returns the exit code of a typer.Exit raised inside a command (--version: 0), else the command's None
     return returned if isinstance(returned, int) else 0
 
