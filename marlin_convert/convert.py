@@ -213,13 +213,18 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def _stated_expert_count(config_json: dict | None) -> tuple[str, int] | None:
-    """(key, count) of the routed experts config.json states (top level, or a multimodal model's text_config)."""
-    for section in (config_json or {}, (config_json or {}).get("text_config")):
+    """(key, count) of the routed experts config.json states (top level, or a multimodal model's text_config); null
+    states none. Raises :class:`InputError` for a count that is not a JSON integer >= 0 ("5", 5.0, true, -1)."""
+    for name, section in (("", config_json or {}), ("text_config.", (config_json or {}).get("text_config"))):
         if isinstance(section, dict):
             for key in EXPERT_COUNT_KEYS:
                 value = section.get(key)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return key, value
+                if value is None:
+                    continue
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise InputError(f"config.json: '{name}{key}' must be a JSON integer >= 0 (the number of "
+                                     f"experts), got {json.dumps(value)}")
+                return f"{name}{key}", value
     return None
 
 

@@ -281,10 +281,12 @@ def partial(tmp_path):
 
 
 def test_kept_layers_are_checked_byte_for_byte_and_counted(partial, capsys):
-    assert main(["verify", str(partial), "--skip-kernel", "-q"]) == 0
+    assert main(["verify", str(partial), "--skip-kernel"]) == 0
     text = capsys.readouterr().out
     assert "2/2 passed: 1 converted, 1 kept in GPTQ form" in text
-    assert "kept in GPTQ form: model.layers.0.mlp.down_proj" in text
+    assert "kept in GPTQ form: model.layers.0.mlp.down_proj (" in text
+    assert main(["verify", str(partial), "--skip-kernel", "-q"]) == 0  # -q: failures and the summary only
+    assert "kept in GPTQ form: model.layers.0.mlp.down_proj (" not in capsys.readouterr().out
     manifest = load_manifest(partial)
     kept = manifest["kept"][0]
     shard = partial / kept["shards"]["qweight"]
@@ -294,7 +296,9 @@ def test_kept_layers_are_checked_byte_for_byte_and_counted(partial, capsys):
     assert [k.name for k in report.kept if not k.ok] == ["model.layers.0.mlp.down_proj"]
     assert "kept 'model.layers.0.mlp.down_proj' qweight: SHA-256" in report.kept[0].problems[0]
     assert main(["verify", str(partial), "--skip-kernel", "-q"]) == 1
-    assert "1 kept layer(s) differ" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "1 kept layer(s) differ" in captured.err
+    assert "kept in GPTQ form: model.layers.0.mlp.down_proj (" in captured.out  # a failing one is shown with -q
 
 
 def test_a_partial_checkpoint_must_say_so(partial):

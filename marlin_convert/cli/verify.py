@@ -142,6 +142,8 @@ def verify(
         output.lines.append(f"{len(report.results)} layers/experts checked; showing failures only")
     form = FORM_NAMES[report.source_format]
     for kept in report.kept:
+        if quiet and kept.ok:
+            continue  # (-q: failures and the summary only)
         state = "ok (bytes equal the source's digests)" if kept.ok else "FAIL: " + "; ".join(kept.problems)
         output.lines.append(f"kept in {form} form: {kept.name} ({kept.reason}): {state}")
     for problem in report.problems:
