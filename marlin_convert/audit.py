@@ -417,8 +417,11 @@ def _index_problems(out_dir: Path, headers: dict[str, SafetensorsFile], shard_co
     problems = []
     for tensor in sorted(set(actual) | set(weight_map)):
         if weight_map.get(tensor) != actual.get(tensor):
-            problems.append(f"{INDEX_FILE}: '{tensor}' maps to {json.dumps(weight_map.get(tensor))}, it is in "
-                            f"{json.dumps(actual.get(tensor))}")
+            mapped, stored = weight_map.get(tensor), actual.get(tensor)
+            problems.append(f"{INDEX_FILE}: '{tensor}' " + (
+                f"maps to {json.dumps(mapped)}, but no shard holds it" if stored is None else
+                f"is in {json.dumps(stored)}, but the index does not list it" if tensor not in weight_map else
+                f"maps to {json.dumps(mapped)}, it is in {json.dumps(stored)}"))
             if len(problems) >= 5:
                 problems.append(f"{INDEX_FILE}: (more mismatches not listed)")
                 break
@@ -443,8 +446,11 @@ def _file_checks(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFi
     checks: dict[str, FileCheck] = {}
     for name, record in listed.items():
         path = out_dir / name
-        if name not in present:
-            problems.append(f"file {name} listed in the manifest is missing")
+        if name == MANIFEST_FILE:
+            problems.append(f"file {name} is listed in the manifest itself (it cannot hold its own digest)")
+        elif name not in present:
+            problems.append(f"file {name} listed in the manifest is " + (
+                "a directory" if path.is_dir() and not path.is_symlink() else "missing"))
         elif outside_link(path, out_dir) is not None:  # (links are fine into the Hugging Face cache's blobs only)
             problems.append(f"file {name} is a link out of {out_dir}, not read")
         elif not path.is_file():  # a link to a regular file is fine: the Hugging Face cache stores files so

@@ -186,7 +186,7 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
         raise corrupt(f"is described by a JSON {type(entry).__name__}, not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
-        raise corrupt(f"has unknown dtype {dtype!r}")
+        raise corrupt("has no dtype" if dtype is None else f"has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise corrupt(f"has shape {shape!r}: expected a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):

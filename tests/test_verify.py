@@ -178,6 +178,20 @@ def test_a_deleted_config_or_index_fails(out, removed, fragment):
     _fails(out, fragment)
 
 
+def test_index_and_file_problems_are_named_for_what_they_are(out):
+    """An index entry no shard holds, the manifest listing itself, and a directory where a listed file should be."""
+    path = out / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"]["ghost"] = next(iter(index["weight_map"].values()))
+    path.write_text(json.dumps(index))
+    first = next(name for name in json.loads((out / MANIFEST_FILE).read_text())["files"] if name.endswith(".json"))
+    _edit_manifest(out, lambda m: m["files"].update({MANIFEST_FILE: m["files"][first]}))
+    (out / "generation_config.json").rename(out / "moved.json")
+    (out / "generation_config.json").mkdir()
+    _fails(out, "'ghost' maps to", "but no shard holds it", f"file {MANIFEST_FILE} is listed in the manifest itself",
+           "file generation_config.json listed in the manifest is a directory")
+
+
 def test_configs_must_say_what_the_manifest_says(out):
     path = out / "quantize_config.json"
     config = json.loads(path.read_text())
