@@ -214,7 +214,8 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def _stated_expert_count(config_json: dict | None) -> tuple[str, int] | None:
     """(key, count) of the routed experts config.json states (top level, or a multimodal model's text_config); null
-    states none. Raises :class:`InputError` for a count that is not a JSON integer >= 0 ("5", 5.0, true, -1)."""
+    and 0 (a dense model's) state none. Raises :class:`InputError` for a count that is not a JSON integer >= 0 ("5",
+    5.0, true, -1)."""
     for name, section in (("", config_json or {}), ("text_config.", (config_json or {}).get("text_config"))):
         if isinstance(section, dict):
             for key in EXPERT_COUNT_KEYS:
@@ -224,7 +225,8 @@ def _stated_expert_count(config_json: dict | None) -> tuple[str, int] | None:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise InputError(f"config.json: '{name}{key}' must be a JSON integer >= 0 (the number of "
                                      f"experts), got {json.dumps(value)}")
-                return f"{name}{key}", value
+                if value > 0:
+                    return f"{name}{key}", value
     return None
 
 

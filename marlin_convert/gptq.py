@@ -345,7 +345,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
                          + (" (AutoRound's own format: export it with format=\"auto_gptq\" for GPTQ)" if autoround
                             else ""),
                          hint="marlin-convert reads GPTQ and compressed-tensors pack-quantized checkpoints")
-    if "pack_dtype" in merged and str(merged["pack_dtype"]).removeprefix("torch.") != "int32":
+    if merged.get("pack_dtype") is not None and str(merged["pack_dtype"]).removeprefix("torch.") != "int32":
         raise InputError(f"{origin['pack_dtype']}: pack_dtype {json.dumps(merged['pack_dtype'])}: GPTQ tensors packed "
                          "into int32 words are read, not other word sizes",
                          hint="quantize (or repack) with GPTQModel's default pack_dtype, int32")
@@ -802,6 +802,13 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
     if not prefixes:
         raise InputError(f"{checkpoint.path}: not a GPTQ checkpoint: no tensor named '*.qweight'")
     _refuse_layers_without_qweight(checkpoint, set(prefixes))
+    if checkpoint.config.dynamic_other_order:
+        # the rules in config.json's order must resolve the modules stored unquantized alike too (an excluded module
+        # that config.json's order quantizes would be loaded as quantized by a loader reading config.json alone)
+        for name in checkpoint.location:
+            prefix, _, suffix = name.rpartition(".")
+            if suffix == "weight" and prefix and len(checkpoint.info(name).shape) == 2:
+                checkpoint.config.settings_for(prefix)
     return [plan_layer(checkpoint, p) for p in prefixes]
 
 

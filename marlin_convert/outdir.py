@@ -13,7 +13,9 @@ one OUT_DIR). The final move never replaces what another process put at OUT_DIR 
   kernel, a file system without it) the old OUT_DIR is first renamed aside to ``.OUT.old-PID``.
 
 OUT_DIR itself must not be a symbolic link (it is refused: writing through a link would replace the link, not
-fill its target); links among OUT_DIR's parents are fine.
+fill its target); links among OUT_DIR's parents are fine. ``--overwrite`` replaces only an empty directory or a
+previous output (one holding the manifest), and OUT_DIR must not hold the current directory or a file that an entry
+of IN_DIR links to (:func:`check_out_dir`).
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ def _refuse_links_into(in_dir: Path, out_dir: Path, dst: Path) -> None:
 
 
 def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
-    """Refuse an OUT_DIR that would overlap IN_DIR, is a symbolic link, is not a directory, or (without
-    ``overwrite``) is not empty. ``out_dir`` is absolute. Raises :class:`OutputError`; reads only."""
+    """Refuse an OUT_DIR that would overlap IN_DIR (also through a link of IN_DIR's into it), is a symbolic link, is
+    not a directory, is or holds the current directory, or is not empty (without ``overwrite``; with it, not empty
+    and not a previous output: :func:`is_replaceable`). ``out_dir`` is absolute. Raises :class:`OutputError`; reads
+    only."""
     if not out_dir.name:
         raise OutputError(f"OUT_DIR {out_dir} is a file system root", hint="choose a directory to create")
     if out_dir.is_symlink():
@@ -73,8 +77,11 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
         if overwrite and not is_replaceable(dst):
             raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: --overwrite replaces a "
                               "previous marlin-convert output only", hint="empty it, or choose another OUT_DIR")
-    cwd = Path(os.path.realpath(os.getcwd()))
-    if cwd == dst or dst in cwd.parents:
+    try:
+        cwd = Path(os.path.realpath(os.getcwd()))
+    except OSError:  # the current directory was removed: it cannot be OUT_DIR
+        cwd = None
+    if cwd is not None and (cwd == dst or dst in cwd.parents):
         raise OutputError(f"OUT_DIR {out_dir} is (or holds) the current directory, which the output would replace",
                           hint="run from another directory, or choose another OUT_DIR")
 

@@ -697,6 +697,17 @@ def test_configs_whose_dynamic_rules_come_in_another_order_that_resolves_alike_c
     capsys.readouterr()
 
 
+def test_dynamic_rules_in_another_order_that_quantize_a_stored_fp16_module_are_refused(capsys, tmp_path):
+    """An exclusion first in quantize_config.json, after a matching + rule in config.json's sorted order: the module
+    stored unquantized would read as quantized through config.json alone."""
+    spec = _spec(group_size=64)
+    spec.extras.append(TensorSpec("model.layers.0.mlp.up_proj.weight", (128, 256), "float16"))
+    src = write_checkpoint(tmp_path / "in", spec)
+    rules = {"-:.*up_proj": {}, "+:.*mlp.*": {"desc_act": False}}
+    _write_dynamic(src, dict(sorted(rules.items())), rules)
+    _convert_fails(capsys, tmp_path, src, "module 'model.layers.0.mlp.up_proj'", "in another order")
+
+
 @pytest.mark.parametrize("config_rules, quantize_rules, fragment", [
     ({"+:.*up_proj": {"bits": 4}}, {}, 'rule "+:.*up_proj" is only in config.json'),
     ({}, {"+:.*up_proj": {"bits": 4}}, 'rule "+:.*up_proj" is only in quantize_config.json'),
@@ -708,7 +719,7 @@ def test_dynamic_rules_that_differ_are_named_rule_by_rule(capsys, tmp_path, src,
     _convert_fails(capsys, tmp_path, src, "'dynamic' disagrees", fragment)
 
 
-@pytest.mark.parametrize("pack_dtype, ok", [("int32", True), ("torch.int32", True), ("int16", False),
+@pytest.mark.parametrize("pack_dtype, ok", [("int32", True), ("torch.int32", True), (None, True), ("int16", False),
                                             ("torch.int64", False)])
 def test_gptqmodel_pack_dtype_other_than_int32_is_refused_by_name(capsys, tmp_path, src, pack_dtype, ok):
     set_quant_config(src, pack_dtype=pack_dtype)

@@ -51,9 +51,12 @@ def one_line(text: str) -> str:
 
 
 def error_message(exc: BaseException) -> str:
-    """What :func:`report_error` says of ``exc``, without ``Error:`` (the JSON report of a failed command)."""
+    """What :func:`report_error` says of ``exc`` after ``Error:`` (also the JSON report of a failed command)."""
     if isinstance(exc, MarlinConvertError):
         return exc.message
+    if isinstance(exc, InterruptedAfterPublish):
+        what = "terminated" if exc.signum == signal.SIGTERM else "interrupted"
+        return f"{what} once the conversion was complete: {exc.out_dir} is finished and in place (its report is above)"
     if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:
         return "terminated"
     if isinstance(exc, (Interrupted, KeyboardInterrupt)):
@@ -74,27 +77,17 @@ def report_error(exc: BaseException) -> int:
     """
     if os.environ.get(DEBUG_VARIABLE):
         traceback.print_exception(exc, file=sys.stderr)
+    print(one_line(f"Error: {error_message(exc)}"), file=sys.stderr)
     if isinstance(exc, MarlinConvertError):
-        print(f"Error: {one_line(exc.message)}", file=sys.stderr)
         if exc.hint:
             print(f"Hint: {one_line(exc.hint)}", file=sys.stderr)
         return exc.exit_code
-    if isinstance(exc, InterruptedAfterPublish):
-        what = "terminated" if exc.signum == signal.SIGTERM else "interrupted"
-        print(one_line(f"Error: {what} once the conversion was complete: {exc.out_dir} is finished and in place "
-                       "(its report is above)"), file=sys.stderr)
+    if isinstance(exc, Interrupted):
         return 128 + exc.signum
-    if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:
-        print("Error: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
-        print("Error: interrupted", file=sys.stderr)
+    if isinstance(exc, KeyboardInterrupt):
         return 128 + signal.SIGINT
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
-        where = f"{exc.filename}: " if exc.filename is not None else "standard output or a file: "
-        print(one_line(f"Error: {where}{exc.strerror or exc}"), file=sys.stderr)
         return 2
-    print(one_line(f"Error: internal error: {type(exc).__name__}: {exc}"), file=sys.stderr)
     print(f"Hint: this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it",
           file=sys.stderr)
     return 3

@@ -131,15 +131,20 @@ class Output:
             return
         if path is None:
             return
-        text = json.dumps(self.data, indent=2, default=str) + "\n"
         try:
-            if _written_through(Path(path)):
-                with open(path, "w", encoding="utf-8") as stream:
-                    stream.write(text)
-            else:
-                _replace_file(Path(os.path.realpath(path)), text.encode("utf-8"))
+            _write_report(path, json.dumps(self.data, indent=2, default=str) + "\n")
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
+
+
+def _write_report(path: str | Path, text: str) -> None:
+    """``text`` to the --json file ``path``: through a stream (:func:`_written_through`), else as a new file renamed
+    over the name (:func:`_replace_file`). Raises OSError."""
+    if _written_through(Path(path)):
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(text)
+    else:
+        _replace_file(Path(os.path.realpath(path)), text.encode("utf-8"))
 
 
 def _written_through(path: Path) -> bool:
@@ -206,11 +211,8 @@ def report_failure(message: str, exit_code: int) -> None:
         if is_stdout(path):
             sys.stdout.write(text)
             sys.stdout.flush()
-        elif _written_through(Path(path)):
-            with open(path, "w", encoding="utf-8") as stream:
-                stream.write(text)
         else:
-            _replace_file(Path(os.path.realpath(path)), text.encode("utf-8"))
+            _write_report(path, text)
     except BaseException:  # (an interrupt or a closed stdout while reporting a failure: the exit code stands)
         pass
 
