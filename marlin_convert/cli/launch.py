@@ -43,7 +43,7 @@ def run() -> None:
     except KeyboardInterrupt:  # Ctrl-C during the imports (later, main() turns it into the same line and exit code)
         print("Error: interrupted", file=sys.stderr)
         sys.exit(130)
-    except _Terminated:  # SIGTERM during the imports, or after main() gave its handler back
+    except _Terminated:  # SIGTERM during the imports (after main() returns, app.run ignores signals)
         print("Error: terminated", file=sys.stderr)
         sys.exit(143)
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
