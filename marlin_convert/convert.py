@@ -633,9 +633,8 @@ def _gptq_settings(plan: ConversionPlan) -> dict:
     dynamic = {f"+:^{re.escape(prefix)}$": {key: value for key, value in values.items() if value != common[key]}
                for prefix, values in settings.items() if values != common}
     checkpoint = plan.checkpoint
-    plain = [name.removesuffix(".weight") for name in checkpoint.location
-             if name.endswith(".weight") and len(checkpoint.info(name).shape) == 2]
-    dynamic.update({f"-:^{re.escape(module)}$": {} for module in plain  # (an unquantized lm_head: "lm_head": false)
+    dynamic.update({f"-:^{re.escape(module)}$": {}  # (an unquantized lm_head: "lm_head": false)
+                    for module in checkpoint.plain_linear_modules()
                     if module not in settings and module.rsplit(".", 1)[-1] != "lm_head"
                     and checkpoint.config.ignored_by(module) is not None})
     config = {"quant_method": "gptq", **common,

@@ -184,7 +184,8 @@ class QuantConfig:
                 raise InputError(
                     f"module '{module}': config.json (quantization_config) lists quantize_config.json's dynamic "
                     f"rules in another order, and the first match differs: {other.origin} against {settings.origin}",
-                    hint="a loader that reads config.json alone would take other settings: write the rules in one order")
+                    hint="a loader that reads config.json alone would take other settings: write the rules in one "
+                         "order")
         return settings
 
     def _resolve(self, module: str, rules: tuple[DynamicRule, ...]) -> ModuleSettings:
@@ -398,6 +399,11 @@ class Checkpoint:
     shards: list[SafetensorsFile]
     index_json: dict | None
     location: dict[str, SafetensorsFile] = field(default_factory=dict)
+
+    def plain_linear_modules(self) -> list[str]:
+        """The modules stored unquantized as linears: the prefix of every 2-D ``.weight`` tensor, in file order."""
+        return [name.removesuffix(".weight") for name in self.location
+                if name.endswith(".weight") and len(self.info(name).shape) == 2]
 
     def info(self, name: str) -> TensorInfo:
         return self.location[name].tensors[name]
@@ -805,10 +811,8 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
     if checkpoint.config.dynamic_other_order:
         # the rules in config.json's order must resolve the modules stored unquantized alike too (an excluded module
         # that config.json's order quantizes would be loaded as quantized by a loader reading config.json alone)
-        for name in checkpoint.location:
-            prefix, _, suffix = name.rpartition(".")
-            if suffix == "weight" and prefix and len(checkpoint.info(name).shape) == 2:
-                checkpoint.config.settings_for(prefix)
+        for module in checkpoint.plain_linear_modules():
+            checkpoint.config.settings_for(module)
     return [plan_layer(checkpoint, p) for p in prefixes]
 
 

@@ -72,7 +72,7 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
     if dst.exists():
         if not dst.is_dir():
             raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
-        if any(dst.iterdir()) and not overwrite:
+        if not overwrite and any(dst.iterdir()):
             raise OutputError(f"OUT_DIR {out_dir} is not empty", hint="pass --overwrite to replace it")
         if overwrite and not is_replaceable(dst):
             raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: --overwrite replaces a "
@@ -187,7 +187,8 @@ class PartialDir:
         """Move the finished directory to OUT_DIR: see the module docstring. Returns a note for each thing left
         behind (with ``overwrite``: the previous OUT_DIR's contents, where they could not all be removed). Raises
         :class:`OutputError` (and leaves OUT_DIR as it was) when OUT_DIR was filled by someone else while this run
-        worked, unless ``overwrite``."""
+        worked: without ``overwrite`` whatever it holds, with it unless it is a previous output
+        (:func:`is_replaceable`)."""
         out_dir = self.out_dir
         try:
             if overwrite and out_dir.is_symlink():

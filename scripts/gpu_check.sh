@@ -55,7 +55,8 @@ if command -v compute-sanitizer > /dev/null; then
          $PY scripts/sanitize_kernel.py "${few[@]}" > "$OUT/sanitizer_$tool.log" 2>&1; then
       san_status=FAILED; tail -20 "$OUT/sanitizer_$tool.log"
     fi
-    san_summary+="$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1 | sed 's/^=* *//' | tr -s ' ' || true); "
+    san_summary+="$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1 \
+                          | sed 's/^=* *//' | tr -s ' ' || true); "
   done
   RESULT[sanitizer]="$san_status ($san_summary$(grep -o 'sanitize_kernel: [0-9]* calls, [0-9]* wrong' "$OUT/sanitizer_memcheck.log" || true))"
 else

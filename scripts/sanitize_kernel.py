@@ -12,8 +12,8 @@ check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a 
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408, 34816 (and 4352 with k = 16448)
-for the m <= 16 kernels of larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel (MARLIN_CONVERT_WGMMA) and the Hopper
-direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, blocks
+for the m <= 16 kernels of larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel
+(MARLIN_CONVERT_WGMMA) and the Hopper direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, blocks
 of two segments, a tile over 4 blocks; every wgmma and direct case kept by --few).
 """
 

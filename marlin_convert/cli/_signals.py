@@ -1,5 +1,6 @@
 """SIGINT and SIGTERM while a command runs: the first one of a kind raises (the caller's clean-up runs), the same one
-again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends the process at once.
+again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends the process at once. Once a
+command's output is complete they are only noted (:func:`defer_signals`), and once it has ended, ignored.
 
 GNU ``timeout`` sends its signal to the command and then to the command's process group, so the command gets it twice
 at once; by the default action, the copy ended the process in the middle of its clean-up. Shared by the console
@@ -17,8 +18,6 @@ import time
 #: seconds after a signal in which the same signal again is taken as the same request
 REPEAT_SECONDS = 1.0
 _first_signal_at: dict[int, float] = {}
-
-
 _deferred: list[int] = []  # signals noted once the output was complete (defer_signals)
 
 

@@ -30,8 +30,9 @@ from .inspect import plan_output
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (must be empty or absent).")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it is a previous output (it holds marlin_manifest.json); another non-empty "
-                                       "directory is never replaced.")]
+OverwriteOpt = Annotated[bool, typer.Option(
+    "--overwrite", help="Replace OUT_DIR if it is a previous output (it holds marlin_manifest.json); another non-empty "
+    "directory is never replaced.")]
 SkipOpt = Annotated[bool, typer.Option(
     "--skip-incompatible", help="Keep the layers Marlin has no form for in their source form and list them (the "
     "output then says checkpoint_format 'marlin-partial'), instead of stopping before anything is written: bits "
