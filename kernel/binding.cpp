@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <string>
 
 #include "marlin_gemm.h"
 
@@ -166,6 +167,12 @@ int64_t required_workspace_ints(int64_t n) { return marlin_convert::marlin_requi
 
 int64_t pdl_launches() { return marlin_convert::marlin_pdl_launches(); }
 
+std::string last_launch() {
+  char buf[128];
+  marlin_convert::marlin_last_launch(buf, sizeof buf);
+  return std::string(buf);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "marlin-convert's Marlin GEMM: fp16 / bf16 x 4 / 8-bit weights (see marlin_convert/kernel.py)";
   m.def("marlin_gemm", &marlin_gemm, "C = A[:, perm] @ dequant(B, s, zp)", py::arg("A"), py::arg("B"), py::arg("s"),
@@ -173,4 +180,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("zp") = py::none(), py::arg("bits") = 4);
   m.def("required_workspace_ints", &required_workspace_ints, "(n / 64) * 16", py::arg("n"));
   m.def("pdl_launches", &pdl_launches, "launches made with programmatic dependent launch so far (tests)");
+  m.def("last_launch", &last_launch, "the configuration of the last kernel this thread launched (tests)");
 }

@@ -84,6 +84,18 @@ bool pdl_enabled() { return hopper_switch("MARLIN_CONVERT_PDL") != 0; }
 std::atomic<long> pdl_launch_count{0};
 void count_pdl_launch() { pdl_launch_count.fetch_add(1, std::memory_order_relaxed); }
 
+// The last launch of this host thread (note_launch), as text: "pipelined MB=1 WN=2 STRIPS=8 STAGES=2 SWAP=2
+// stream_k=0 grid=448" or "direct MB8=1 cluster=2 units_per_block=0 grid=128".
+thread_local char last_launch[128] = "";
+void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid) {
+  if (family[0] == 'd')
+    snprintf(last_launch, sizeof last_launch, "direct MB8=%d cluster=%d units_per_block=%d grid=%ld", mb, wn,
+             schedule, grid);
+  else
+    snprintf(last_launch, sizeof last_launch, "%s MB=%d WN=%d STRIPS=%d STAGES=%d SWAP=%d stream_k=%d grid=%ld", family,
+             mb, wn, strips, stages, swap, schedule, grid);
+}
+
 // The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters or stream-K), MARLIN_CONVERT_DIRECT: 1 = where
 // direct_pays, 2 = wherever it fits in cluster mode, 3 = in stream-K (try_direct).
 int direct_variant() { return hopper_switch("MARLIN_CONVERT_DIRECT"); }
@@ -115,16 +127,6 @@ int launch_wide(const Launch& L) {
   using K = KindFp16Int4;
   if (L.m <= 8) return launch_config<K, 1, WN, STRIPS, STAGES, GROUPED, 1>(L);
   return launch_config<K, 1, WN, STRIPS, STAGES, GROUPED, 2>(L);
-}
-
-// Whether the m = 9..16 default takes the 128-column, 8-strip, 2-stage kernel (see dispatch_fp16_int4): n / 128 >=
-// 2 SMs, or SMs / 2 < n / 64 <= SMs with k >= 16384; and two of its blocks fit a multiprocessor's shared memory (not
-// on an A100's 163 KB, where it was never measured).
-template <bool GROUPED>
-bool wide_eight_pays(const Launch& L, int optin) {
-  if (L.m <= 8 || L.n % 128 != 0 || optin < 2 * Tile<1, 2, 8, 2, GROUPED>::kSmemBytes) return false;
-  const int tiles64 = L.n / 64;
-  return L.n / 128 >= 2 * L.sms || (2 * tiles64 > L.sms && tiles64 <= L.sms && L.k >= 16384);
 }
 
 template <bool GROUPED>
@@ -169,7 +171,8 @@ int dispatch_fp16_int4(const Launch& L) {
       case 14: return launch_small<4, 2, GROUPED>(L, true);  // 4 strips at 2 stages, whatever n
       case 15: return launch_small<8, 2, GROUPED>(L, true);  // 8 strips at 2 stages (one group of 128 per warp and stage)
       // 128-column tiles, 8 strips at 2 stages, whatever the layer (the default takes them on wide_eight_pays' layers
-      // at m = 9..16); 24: the default without them (the rule before the twelfth session)
+      // at m = 9..16); 24: the default without them (the rule before the twelfth session); 25: the twelfth session's
+      // rule (not on the grouped one-wave layers)
       case 23: if (wide_fits<2, 8, 2, GROUPED>(L, optin)) return launch_wide<2, 8, 2, GROUPED>(L); break;
       // m = 9..16: the two-batch-block swapped kernel at 4 and 3 strips; at 2 strips (n / 64 > 2 SMs) it measured
       // 5-10 % slower than the unswapped kernel (cfg 1 vs cfg 7, kernel/README.md), so that one stays there.
@@ -191,8 +194,10 @@ int dispatch_fp16_int4(const Launch& L) {
     // each A tile serves 128 columns. H200 (cfg 23, twelfth session, kernel/NOTES.md), m = 12 / 16 time against the
     // previous default: 8192 x 57344 0.88 / 0.89 (group 128), 0.92 / 0.94 (channelwise); 28672 x 8192 0.93 / 0.91,
     // 0.96 / 0.93; slower on the layers with fewer tiles (4096 x 22016 channelwise 1.08, 8192 x 10240 1.10, one-wave
-    // layers with k < 16384 1.15), which keep their kernels.
-    if (cfg != 24 && wide_eight_pays<GROUPED>(L, optin)) return launch_wide<2, 8, 2, GROUPED>(L);
+    // layers with k < 16384 1.15), which keep their kernels. With group scales also where SMs < n / 128 (one wave at
+    // two blocks per SM, against the 64-column kernel's 1.3 waves): 4096 x 22016 m = 12 / 16 0.95 / 0.94 (H100,
+    // thirteenth session, `--cfgs=-,25`).
+    if (cfg != 24 && wide_eight_pays<K, GROUPED>(L, optin, true, cfg != 25)) return launch_wide<2, 8, 2, GROUPED>(L);
     if (((GROUPED && L.n / 64 > L.sms) || (!GROUPED && L.m <= 8 && L.n / 256 >= L.sms) ||
          (!GROUPED && L.n / 64 > L.sms && L.n / 64 <= 2 * L.sms)) &&
         optin >= Tile<1, 1, 4, 2, GROUPED>::kSmemBytes)
@@ -267,6 +272,8 @@ int launch_fp16_int4_sym(const Launch& L) {
 long marlin_required_workspace_ints(int n) { return (long)(n / 64) * 16; }
 
 long marlin_pdl_launches() { return detail::pdl_launch_count.load(std::memory_order_relaxed); }
+
+int marlin_last_launch(char* buf, int len) { return snprintf(buf, len, "%s", detail::last_launch); }
 
 int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* zp, void* C, int* workspace,
                        long workspace_ints, int m, int n, int k, int scale_rows, int bits, int act, int sms,

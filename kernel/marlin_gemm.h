@@ -33,6 +33,11 @@ long marlin_required_workspace_ints(int n);
 // 9.0 only, where pdl_launch in marlin_gemm_impl.cuh takes it; tests check that a chain of calls took it).
 long marlin_pdl_launches();
 
+// The configuration of the last kernel this host thread launched, as text into buf (snprintf's return value; "" before
+// any launch): the family ("pipelined" or "direct") and its parameters (note_launch in marlin_gemm_impl.cuh). Tests
+// use it to check which kernel a dispatch rule chose.
+int marlin_last_launch(char* buf, int len);
+
 // C[m, n] = A[m, k] @ ((q - z) * s)[k, n], fp32 accumulation, output in the activation type.
 // b = bits (4 or 8), p = 32 / b values per int32 word, z = 2^(b-1) (8 / 128) when zp is null.
 //   A          act [m, k], row-major, contiguous rows (row stride k), 16-byte aligned

@@ -1332,6 +1332,11 @@ int stream_k_per_sm();
 bool pdl_enabled();
 // [PDL] Counts one launch that carries the attribute (marlin_gemm.cu; marlin_pdl_launches reads the count).
 void count_pdl_launch();
+// Notes the configuration of a kernel this host thread launches (marlin_gemm.cu; marlin_last_launch reads it back, so
+// tests can check which kernel a dispatch rule chose): `family` "pipelined" (MB, WN, STRIPS, STAGES, SWAP as the
+// template parameters, `schedule` 1 for stream-K) or "direct" (MB = batch blocks of 8 rows, WN = blocks per tile's
+// cluster, `schedule` = units per block, 0 in cluster mode; the rest 0).
+void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid);
 
 // Largest dynamic shared memory a block may opt in to on the current device (0 when the query fails).
 inline int smem_optin() {
@@ -1455,8 +1460,12 @@ int launch_config(const Launch& L) {
   // on the H200 (kernel/NOTES.md): 8192 x 10240 (160 tiles on 132 SMs) is faster at every m, 4096 x 22016 at m <= 16
   // (344 tiles, 8 stages each) slower. MARLIN_CONVERT_STREAM_K (benchmark only) forces it off (0) or on (N: at most N
   // blocks per SM).
-  // Only the 2-stage kernels of >= 4 strips (a stage long enough to hide a segment's start) have the stream-K variant.
-  constexpr bool kStreamKAble = STAGES == 2 && STRIPS >= 4 && !NO_F32_SCALE;
+  // Only the 2-stage kernels of >= 4 strips (a stage long enough to hide a segment's start) have the stream-K variant;
+  // not bf16 x 4-bit symmetric's grouped 128-column 8-strip kernel, whose stream-K form spilled 4-12 bytes at two
+  // blocks per SM (its split-K form does not).
+  constexpr bool kStreamKAble = STAGES == 2 && STRIPS >= 4 && !NO_F32_SCALE &&
+                                !(std::is_same<ActT, __nv_bfloat16>::value && !K::kZp && GROUPED && WN == 2 &&
+                                  STRIPS == 8 && SWAP == 2);
   auto sk_kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE, kStreamKAble>;
   bool stream_k = false;
   const int sk_env = stream_k_per_sm();
@@ -1506,6 +1515,7 @@ int launch_config(const Launch& L) {
   }
   const PdlLaunch pl = pdl_launch(grid, smem, per_sm, L.sms, optin);
   const LaunchShape shape(grid, pl.smem, L.stream, 1, pl.pdl);
+  note_launch("pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid);
   e = cudaLaunchKernelEx(&shape.cfg, stream_k ? sk_kernel : kernel, static_cast<const int4*>(L.A),
                          static_cast<const int4*>(L.B), static_cast<const int4*>(L.s), static_cast<const int4*>(L.zp),
                          static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift, tile_units,
@@ -1618,6 +1628,21 @@ namespace detail {
 // Benchmark-only configuration switch (MARLIN_CONVERT_SMALL_CFG; marlin_gemm.cu): -1 when unset.
 int small_cfg();
 
+// Whether the m = 9..16 default takes the 128-column, 8-strip, 2-stage swapped kernel (every 4-bit kind; fp16 x 4-bit
+// symmetric in dispatch_fp16_int4): n / 128 >= 2 SMs; or SMs / 2 < n / 64 <= SMs with k >= 16384 (`long_k_one_wave`:
+// fp16 x 4-bit symmetric only; the other kinds have their one-wave 8-strip kernel there, which bf16 x 4-bit kept 3-6 %
+// ahead of it at group 128); or, with group scales (`grouped_one_wave`), SMs < n / 128, where its tiles are one wave
+// at two blocks per SM against the 64-column kernel's 1.3 waves. Two of its blocks must fit a multiprocessor's shared
+// memory: not with grouped zero points (2 x 116 KB), nor on an A100's 163 KB. Benchmark switch
+// (MARLIN_CONVERT_SMALL_CFG): 24 = never, 25 = without grouped_one_wave.
+template <class K, bool GROUPED>
+bool wide_eight_pays(const Launch& L, int optin, bool long_k_one_wave, bool grouped_one_wave) {
+  if (L.m <= 8 || L.n % 128 != 0 || optin < 2 * Tile<1, 2, 8, 2, GROUPED, K::kBits, K::kZp>::kSmemBytes) return false;
+  const int tiles64 = L.n / 64;
+  return L.n / 128 >= 2 * L.sms || (long_k_one_wave && 2 * tiles64 > L.sms && tiles64 <= L.sms && L.k >= 16384) ||
+         (GROUPED && grouped_one_wave && L.n / 128 > L.sms);
+}
+
 template <class K, bool GROUPED>
 int dispatch_kind(const Launch& L) {
   constexpr bool kZp = K::kZp;
@@ -1631,6 +1656,14 @@ int dispatch_kind(const Launch& L) {
       bool launched = false;
       const int rc = try_direct<K, GROUPED>(L, optin, launched);
       if (launched) return rc;
+    }
+    if constexpr (kBits == 4) {
+      // m = 9..16 on the layers of wide_eight_pays (not its one-wave long-k clause): 128-column tiles, 8 strips at 2
+      // stages, two batch blocks, as fp16 x 4-bit symmetric (dispatch_fp16_int4). H100 (thirteenth session,
+      // kernel/NOTES.md), m = 12 / 16 time against the kernels before: 8192 x 57344 bf16-int4 0.92 / 0.93 (group 128),
+      // 0.95 / 0.94 (channelwise), channelwise zero points 0.87-0.93; 4096 x 22016 bf16-int4 group 128 0.99.
+      if (cfg != 24 && wide_eight_pays<K, GROUPED>(L, optin, false, cfg != 25))
+        return launch_config<K, 1, 2, 8, 2, GROUPED, 2>(L);
     }
     if constexpr (kBits == 4 && !kZp) {
       // bf16 x 4-bit symmetric (fp16 has dispatch_fp16_int4): the 4-strip, 2-stage kernel where fp16 x 4-bit takes it,

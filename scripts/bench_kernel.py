@@ -22,8 +22,9 @@ Bandwidth arithmetic:
            in the same run: the ceiling for "% copy".
     --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG: fp16 x 4-bit symmetric in
            kernel/marlin_gemm.cu; in dispatch_kind, kernel/marlin_gemm_impl.cuh, 16 / 17 for the other 4-bit kinds'
-           8-strip kernel (skip it / take it channelwise at k >= 16384 too) and 20-22 for 8-bit; a value a kind does
-           not know gives its default; "-" = unset)
+           8-strip kernel (skip it / take it channelwise at k >= 16384 too) and 20-22 for 8-bit; for every 4-bit
+           kind 24 = no 128-column 8-strip kernel at m = 9..16, 25 = not on its grouped one-wave layers
+           (wide_eight_pays); a value a kind does not know gives its default; "-" = unset)
            against the same torch time and prints a geomean per configuration.
     --stream-k 0,1,2   times each value of MARLIN_CONVERT_STREAM_K (benchmark only: 0 = split-K, N = stream-K over N
            blocks per SM at most, kernel/marlin_gemm_impl.cuh launch_config), crossed with --cfgs.
@@ -41,6 +42,8 @@ Bandwidth arithmetic:
            another, so with PDL each call overlaps the end of the call before; torch's matmul gets no such overlap.
            PDL 0 is the kernel-for-kernel comparison; PDL 1 (and a run without --pdl) is what a chain of these calls
            gets.
+    --show-launch   ends each row with the configuration of the kernel our call launched (family, tile, strips,
+           stages, schedule, grid), as the library notes it.
     --kinds ...   kinds to time (default fp16-int4): {fp16,bf16}-int{4,8}[-zp] and tinygemm; each against torch's matmul
            in its own activation dtype, measured in the same run.
 Last, a short table of the geometric-mean speed-up for m = 1..16 and m = 2..16 per kind and group size, and each
@@ -219,13 +222,16 @@ def main(argv=None) -> int:
                                                 "1 = programmatic dependent launch, the default on Hopper)")
     parser.add_argument("--kinds", type=str, default="fp16-int4",
                         help=f"comma-separated kinds: {', '.join(KIND_NAMES)}, {TINYGEMM} (default fp16-int4)")
+    parser.add_argument("--show-launch", action="store_true",
+                        help="end each row with the kernel configuration the call launched (note_launch)")
     args = parser.parse_args(argv)
 
     import torch
 
-    from marlin_convert.kernel import ensure_kernel, marlin_gemm, required_workspace_ints
+    from marlin_convert.kernel import ensure_kernel, load_kernel, marlin_gemm, required_workspace_ints
 
     ensure_kernel(0)
+    last_launch = load_kernel(0).last_launch
     shapes, ms, groups = SHAPES, MS, GROUPS
     if args.quick:
         shapes, ms, groups = [(4096, 4096), (4096, 12288), (8192, 8192), (8192, 57344)], [1, 2, 4, 8, 16, 64, 128], [128]
@@ -319,6 +325,8 @@ def main(argv=None) -> int:
                                            if v is not None)
                         speedups.setdefault((kind, variant), {}).setdefault(g, {}).setdefault(m, []).append(sp)
                         tag = f" {variant}" if variant else ""
+                        if args.show_launch and kind != TINYGEMM:
+                            tag += f"  [{last_launch()}]"
                         print(f"{kind:>12} {k:>6} {n:>6} {g:>4} {m:>4} | {t_ours * 1e6:>8.1f} {t_torch * 1e6:>8.1f} "
                               f"{sp:>6.2f}x | {ours_bw / 1e9:>9.0f} {100 * ours_bw / copy_bw:>5.0f}% "
                               f"{torch_bw / 1e9:>10.0f}{tag}", flush=True)

@@ -62,14 +62,16 @@ def main(argv=None) -> int:
                   (kind, 5, 1040, 8192, 16, False, 0),   # fp16 4-bit, the same with a partial stage: 8 strips x 2
                   (kind, 70, 528, 256, 16, False, 0),    # m > 64 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
                   (kind, 36, 16448, 128, 64, False, 0),  # and m = 33..64 with long k; partial last stages
-                  (kind, 12, 512, 34816, 64, False, 0)]  # m = 9..16, n / 128 >= 2 SMs (fp16 4-bit: 128-column
+                  (kind, 12, 512, 34816, 64, False, 0),  # m = 9..16, n / 128 >= 2 SMs (4-bit kinds: 128-column
                                                          # tiles, 8 strips x 2 stages)
+                  (kind, 15, 256, 17408, 128, False, 0)]  # and SMs < n / 128 with group scales
     # fp16 4-bit, m = 9..16, SMs / 2 < n / 64 <= SMs with k >= 16384: the same kernel split in two, a partial stage
     cases.append((("float16", 4, False), 16, 16448, 4352, 64, False, 0))
     cases = [c + (None, None) for c in cases]  # MARLIN_CONVERT_STREAM_K and _WGMMA unset: split-K, default kernels
     for kind in KINDS:  # stream-K grids (the 2-stage kernels of >= 4 strips): blocks that end one tile and start the
         # next (m <= 16 and the 32-row m > 16 kernel), one tile row over many blocks (the 64-row kernel, capped)
         cases += [(kind, 1, 1040, 10240, 16, False, 0, "2", None), (kind, 12, 528, 10240, -1, False, 0, "2", None),
+                  (kind, 12, 1040, 17408, 128, False, 0, "2", None),  # the 128-column 8-strip kernel
                   (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None)]
     # the Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
     # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages (channelwise)

@@ -360,7 +360,8 @@ def test_two_batch_block_forced_split_k(torch, m, split_k):
     _run_case(torch, m, 4096, 256, 128, False, seed=split_k * 31 + m, split_k=split_k)
 
 
-@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8", "10", "11", "12", "13", "14", "23", "24"])
+@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "6", "7", "8", "10", "11", "12", "13", "14", "23", "24",
+                                 "25"])
 @pytest.mark.parametrize("m,group", [(4, 128), (13, 128), (16, -1)])
 def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
     """Every MARLIN_CONVERT_SMALL_CFG kernel (benchmark switch) gives the right result."""
@@ -369,14 +370,49 @@ def test_small_m_benchmark_configs(torch, monkeypatch, cfg, m, group):
 
 
 # fp16 x 4-bit, m = 9..16, on a GPU of 132 SMs: the 128-column, 8-strip, 2-stage kernel the default takes where n / 128
-# >= 2 SMs (n = 34816) or SMs / 2 < n / 64 <= SMs with k >= 16384 (n = 4352); elsewhere these shapes take the other
-# kernels and pass too. Group 128 and channelwise, group 16 and 64 (a warp's 128 k of a stage cross groups: scales on
-# B), act-order, a partial last stage, split in two over k (the one-wave layers).
+# >= 2 SMs (n = 34816) or SMs / 2 < n / 64 <= SMs with k >= 16384 (n = 4352) (the rule itself:
+# test_wide_eight_rule_picks_its_layers); elsewhere these shapes take the other kernels and pass too. Group 128 and
+# channelwise, group 16 and 64 (a warp's 128 k of a stage cross groups: scales on B), act-order, a partial last stage,
+# split in two over k (the one-wave layers).
 @pytest.mark.parametrize("m,k,n,group,act_order", [(12, 1024, 34816, 128, False), (16, 512, 34816, -1, False),
                                                    (9, 1040, 34816, 16, False), (13, 2048, 34816, 64, True),
                                                    (16, 16384, 4352, 128, False), (10, 16448, 4352, -1, False)])
 def test_wide_eight_strip_kernel(torch, m, k, n, group, act_order):
     _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((m, k, n, group)).encode()), calls=2)
+
+
+def _last_launch(torch) -> str:
+    """The configuration of the last kernel this thread launched (note_launch in kernel/marlin_gemm_impl.cuh)."""
+    return load_kernel(torch.cuda.current_device()).last_launch()
+
+
+WIDE_EIGHT = "pipelined MB=1 WN=2 STRIPS=8 STAGES=2 SWAP=2 "
+
+
+# The rule itself (wide_eight_pays, kernel/marlin_gemm_impl.cuh), for every 4-bit kind at m = 9..16, read back from
+# the launch: n / 128 >= 2 SMs; SMs / 2 < n / 64 <= SMs with k >= 16384 (fp16 x 4-bit symmetric only), not with short
+# k; SMs < n / 128 with group scales only; SMs < n / 64 with n / 128 <= SMs never; never grouped with zero points (two
+# blocks do not fit an SM). Hopper with 132 SMs or more, where it was measured.
+@pytest.mark.parametrize("dtype,asym", [("float16", False), ("bfloat16", False), ("float16", True),
+                                        ("bfloat16", True)])
+@pytest.mark.parametrize("layer", ["wide", "one_wave_long_k", "one_wave_short_k", "over_one_wave", "between"])
+@pytest.mark.parametrize("group", [128, -1])
+def test_wide_eight_rule_picks_its_layers(torch, dtype, asym, layer, group):
+    _skip_unless_hopper_132(torch, "the rule's layers are sized for a Hopper GPU of >= 132 SMs")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fits = not (asym and group != -1)
+    k, n, expected = {
+        "wide": (512, 256 * sms, fits),
+        "one_wave_long_k": (16384, 128 * (sms // 4 + 1), dtype == "float16" and not asym),
+        "one_wave_short_k": (2048, 128 * (sms // 4 + 1), False),
+        "over_one_wave": (1024, 128 * (sms + 4), fits and group != -1),
+        "between": (1024, 64 * (sms + 10) // 128 * 128, False),
+    }[layer]
+    m = 16 if layer != "between" else 12
+    _run_case(torch, m, k, n, group, False, seed=zlib.crc32(repr((dtype, asym, layer, group)).encode()), asym=asym,
+              dtype=dtype)
+    launch = _last_launch(torch)
+    assert launch.startswith(WIDE_EIGHT) == expected, f"k = {k}, n = {n} ({sms} SMs): {launch}"
 
 
 @pytest.mark.parametrize("cfg", ["20", "21", "22"])
