@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     for kind in KINDS:  # stream-K grids (the 2-stage kernels of >= 4 strips): blocks that end one tile and start the
         # next (m <= 16 and the 32-row m > 16 kernel), one tile row over many blocks (the 64-row kernel, capped)
         cases += [(kind, 1, 1040, 10240, 16, False, 0, "2", None), (kind, 12, 528, 10240, -1, False, 0, "2", None),
-                  (kind, 12, 1040, 17408, 128, False, 0, "2", None),  # the 128-column 8-strip kernel
+                  (kind, 12, 1536, 17408, 128, False, 0, "2", None),  # the 128-column 8-strip kernel
                   (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None)]
     # the Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
     # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages (channelwise)
@@ -103,6 +103,10 @@ def main(argv=None) -> int:
         cases = [c for i, c in enumerate(cases)
                  if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None or c in direct_cases
                  or c in direct_sk_cases]
+    # a case whose k the group size does not divide is not a layer the converter emits (the reference below fails)
+    bad = [c for c in cases if c[4] != -1 and c[2] % c[4] != 0]
+    if bad:
+        raise SystemExit(f"sanitize_kernel: k is not a multiple of the group size in {bad}")
     failures = 0
     for case in cases:
         (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma = case
