@@ -20,6 +20,8 @@ Bandwidth arithmetic:
            its speed-up is over torch's bf16 matmul)
     copy   bytes = 2 * size (read + write) of a 2 GiB device-to-device copy, median of 30 event-timed copies, measured
            in the same run: the ceiling for "% copy".
+    launch floor: a one-element fill per call, timed as our calls are (graph replays of back-to-back kernels): the
+           time no call can go under, printed once at the start.
     --cfgs 0,1,..  times each m <= 16 kernel configuration (MARLIN_CONVERT_SMALL_CFG: fp16 x 4-bit symmetric in
            kernel/marlin_gemm.cu; in dispatch_kind, kernel/marlin_gemm_impl.cuh, 16 / 17 for the other 4-bit kinds'
            8-strip kernel (skip it / take it channelwise at k >= 16384 too) and 20-22 for 8-bit; for every 4-bit
@@ -157,6 +159,14 @@ def copy_bandwidth(torch, size: int = 2 * 2**30, repeats: int = 30) -> float:
     return 2 * size / statistics.median(times)
 
 
+def launch_floor(torch, repeats: int) -> float:
+    """Seconds per call of the smallest kernel timed the way our calls are (time_graph): a fill of one element per
+    call, so what remains is the gap the GPU leaves between back-to-back kernels of a graph replay. No layer's call can
+    take less."""
+    cells = [torch.empty(1, dtype=torch.float16, device="cuda") for _ in range(8)]
+    return time_graph(torch, lambda i: cells[i].fill_(1.0), len(cells), repeats)
+
+
 KIND_NAMES = {  # name -> (activation dtype, bits, zero points)
     "fp16-int4": ("float16", 4, False), "fp16-int4-zp": ("float16", 4, True), "fp16-int8": ("float16", 8, False),
     "fp16-int8-zp": ("float16", 8, True), "bf16-int4": ("bfloat16", 4, False), "bf16-int4-zp": ("bfloat16", 4, True),
@@ -256,6 +266,8 @@ def main(argv=None) -> int:
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"D2D copy {copy_bw / 1e9:.0f} GB/s (read + write)")
     print(f"GPU state at the start: {gpu_state(torch)}")
+    print(f"Launch floor (a one-element fill per call, timed as our calls are): "
+          f"{launch_floor(torch, args.repeats) * 1e6:.1f} us")
     print(f"{'kind':>12} {'K':>6} {'N':>6} {'g':>4} {'m':>4} | {'ours us':>8} {'torch us':>8} {'speedup':>7} | "
           f"{'ours GB/s':>9} {'% copy':>6} {'torch GB/s':>10}")
     def variant_values(option):  # "-" = the default (variable unset)
