@@ -72,7 +72,8 @@ def typed(value, kind: type, key: str, where: str):
     if not ok:
         wanted = {bool: "a JSON boolean (true or false)", int: "a JSON integer", str: "a JSON string",
                   dict: "a JSON object", list: "a JSON list"}[kind]
-        raise InputError(f"{where}: '{key}' must be {wanted}, found {_json_kind(value)} {json.dumps(value)}")
+        found = "null" if value is None else f"{_json_kind(value)} {json.dumps(value)}"
+        raise InputError(f"{where}: '{key}' must be {wanted}, found {found}")
     return value
 
 
@@ -445,6 +446,7 @@ def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: d
         index_json = read_json(index_path)
         weight_map = _check_index(index_path, index_json)
         shard_names = sorted(set(weight_map.values()))  # by file name (00001 first), not by first tensor
+        _check_series_complete(in_dir, shard_names, index_path)
     elif os.path.lexists(in_dir / SINGLE_FILE):
         weight_map, shard_names = None, [SINGLE_FILE]
     else:
@@ -471,6 +473,28 @@ def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: d
             if name not in weight_map:
                 raise InputError(f"{index_path}: does not list tensor '{name}' found in {shard.path.name}")
     return checkpoint
+
+
+#: a shard of a numbered series, as transformers names them: <prefix>-00002-of-00004.safetensors
+_SERIES_SHARD = re.compile(r"^(.+)-(\d+)-of-(\d+)\.safetensors$")
+
+
+def _check_series_complete(in_dir: Path, shard_names: list[str], index_path: Path) -> None:
+    """Raise :class:`InputError` where ``in_dir`` holds a shard of a numbered series the index uses (same prefix and
+    count, ``model-00002-of-00002.safetensors``) that the index lists no tensor in: an index that lost entries would
+    otherwise give an output without those layers, complete-looking (seen with every entry of the second shard
+    deleted: exit 0, one layer and lm_head gone)."""
+    series = {(m.group(1), m.group(3)) for m in map(_SERIES_SHARD.match, shard_names) if m}
+    if not series:
+        return
+    listed = set(shard_names)
+    for name in sorted(os.listdir(in_dir)):
+        m = _SERIES_SHARD.match(name)
+        if m and (m.group(1), m.group(3)) in series and name not in listed:
+            raise InputError(f"{index_path}: lists no tensor in {name}, a shard of the same series beside it: the "
+                             "index is incomplete",
+                             hint="restore the index from where the checkpoint came from (or move the stray shard "
+                                  "out of IN_DIR if it is not part of this checkpoint)")
 
 
 def _check_index(index_path: Path, index_json: dict) -> dict[str, str]:

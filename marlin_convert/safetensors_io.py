@@ -186,11 +186,12 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
         raise corrupt(f"is described by a JSON {type(entry).__name__}, not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
-        raise corrupt("has no dtype" if dtype is None else f"has unknown dtype {dtype!r}")
+        raise corrupt("has no dtype" if dtype is None else
+                      f"has dtype {json.dumps(dtype)}, not one marlin-convert reads ({', '.join(NUMPY_DTYPES)})")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise corrupt(f"has shape {shape!r}: expected a list of non-negative integers")
+        raise corrupt(f"has shape {json.dumps(shape)}: expected a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
-        raise corrupt(f"has data_offsets {offsets!r}: expected two non-negative integers")
+        raise corrupt(f"has data_offsets {json.dumps(offsets)}: expected two non-negative integers")
     elements = 1
     for dim in shape:
         elements *= dim

@@ -55,7 +55,8 @@ from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .safetensors_io import open_as_read
-from .workers import MAX_WORKERS, check_workers, shutdown_pool, worker_pool
+from .interrupts import held
+from .workers import MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, worker_pool
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
 DEFAULT_WORKERS = max(1, min(MAX_WORKERS, os.cpu_count() or 1))
@@ -602,8 +603,9 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
             _STATE.messages = context.Queue() if context else queue.Queue()
             for slot in range(slot_count):
                 _STATE.free_slots.put(slot)
-        pool = _pool(workers)
-        futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
+        with held():  # (pool calls: never interrupted halfway, :mod:`.interrupts`)
+            pool = _pool(workers)
+            futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
         mark("workers started")
         compared: dict = {}
         if source is not None:  # in a thread beside the workers and the GPU feeding (its reads and hashing release
@@ -666,16 +668,18 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                 absorb(_run(task))
         waiting = set(futures)
         while waiting or (checking and counts["received"] < counts["expected"]):
-            if checking:
-                feed_gpus(True)
-                done = {f for f in waiting if f.done()}
-            else:
-                done, _ = wait(waiting, timeout=_FEED_POLL * 50, return_when=FIRST_COMPLETED)
-                if gpu_workers is not None:
-                    gpu_workers.poll()  # a GPU that cannot run the kernel is reported now, not at the end
-            for future in done:
+            with held():  # one round of short waits on the queues and the pool (an interrupt: at its end)
+                if checking:
+                    feed_gpus(True)
+                    done = {f for f in waiting if f.done()}
+                else:
+                    done, _ = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+                    if gpu_workers is not None:
+                        gpu_workers.poll()  # a GPU that cannot run the kernel is reported now, not at the end
+                outcomes = [(future, future.result()) for future in done]
+            for future, outcome in outcomes:
                 waiting.discard(future)
-                absorb(future.result())
+                absorb(outcome)
                 if not waiting:
                     mark("workers done")
         if gpu_workers is not None:
@@ -708,7 +712,8 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
         finished = True
     finally:
         if pool is not None:
-            shutdown_pool(pool, finished)
+            with held():
+                shutdown_pool(pool, finished)
         for channel in (_STATE.free_slots, _STATE.messages):
             if hasattr(channel, "cancel_join_thread"):  # a multiprocessing queue: what is left in it is not needed,
                 channel.close()                         # and joining its feeder thread at exit took 0.3 s each

@@ -22,10 +22,11 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from .errors import InputError
+from .interrupts import held
 
 #: the most worker processes a command starts (``--workers``; each is a process with its own buffers: 100000
 #: exhausted a machine's memory)
@@ -43,6 +44,9 @@ Result = TypeVar("Result")
 _PR_SET_PDEATHSIG = 1
 #: how often the fallback watcher (no prctl) checks whether the parent is gone
 _WATCH_SECONDS = 0.5
+#: the longest a wait for the workers runs with interrupts held back (:mod:`.interrupts`): an interrupt is raised
+#: at most this late
+POLL_SECONDS = 0.1
 
 
 def _die_with_parent(parent: int) -> None:
@@ -78,21 +82,29 @@ def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], work
     """Yield ``function(item)`` for every item, in the order they finish: in ``workers`` forked processes (see
     the module docstring), or in this process when ``workers <= 1`` or fork is missing. Forked workers inherit
     this process's state, so ``function`` may read module globals set just before. A worker's exception is
-    raised here. Close the generator (``contextlib.closing``) to abandon the work: the workers are killed."""
+    raised here. Close the generator (``contextlib.closing``) to abandon the work: the workers are killed.
+    Every call into the pool runs with interrupts held back (:func:`.interrupts.held`; the waits poll every
+    :data:`POLL_SECONDS`), so an interrupt never lands inside the pool's locks."""
     items = list(items)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         for item in items:
             yield function(item)
         return
-    pool = worker_pool(workers)
+    with held():
+        pool = worker_pool(workers)
     finished = False
     try:
-        futures = [pool.submit(function, item) for item in items]
-        for future in as_completed(futures):
-            yield future.result()
+        with held():
+            waiting = {pool.submit(function, item) for item in items}
+        while waiting:
+            with held():
+                done, waiting = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+                results = [future.result() for future in done]
+            yield from results
         finished = True
     finally:
-        shutdown_pool(pool, finished)
+        with held():
+            shutdown_pool(pool, finished)
 
 
 def shutdown_pool(pool: ProcessPoolExecutor, finished: bool) -> None:

@@ -132,6 +132,24 @@ def test_index_names_a_missing_shard(capsys, tmp_path):
     _convert_fails(capsys, tmp_path, src, "model.safetensors.index.json", victim.name, "missing")
 
 
+def test_index_that_lost_a_shards_entries_is_refused(capsys, tmp_path):
+    """Every weight_map entry of the second shard deleted: that shard lies beside the first, of the same numbered
+    series, and is listed nowhere. The output lacked a layer and lm_head and exited 0; now the index is refused. A
+    .safetensors file outside the series (an adapter) is no shard of it and stays a note."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2, shards=2))
+    second = sorted(src.glob("model-*.safetensors"))[1]
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    pristine = json.dumps(index)
+    index["weight_map"] = {name: shard for name, shard in index["weight_map"].items() if shard != second.name}
+    index_path.write_text(json.dumps(index))
+    _convert_fails(capsys, tmp_path, src, "model.safetensors.index.json", f"lists no tensor in {second.name}",
+                   "the index is incomplete")
+    index_path.write_text(pristine)
+    (src / "adapter_model.safetensors").write_bytes(second.read_bytes())
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+
+
 def test_index_names_a_tensor_that_is_not_there(capsys, tmp_path):
     src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, shards=2))
     index_path = src / "model.safetensors.index.json"
@@ -366,7 +384,10 @@ HEADER_CASES = {
     "float offsets": (lambda h: h[NORM].update(data_offsets=[float(o) for o in h[NORM]["data_offsets"]]),
                       "two non-negative integers"),
     "three offsets": (lambda h: h[NORM].update(data_offsets=[0, 0, 0]), "two non-negative integers"),
-    "unknown dtype": (lambda h: h[NORM].update(dtype="F17"), "unknown dtype 'F17'"),
+    "unknown dtype": (lambda h: h[NORM].update(dtype="F17"), 'has dtype "F17", not one marlin-convert reads (F64,'),
+    # the values as JSON writes them (false, not Python's False)
+    "boolean offset": (lambda h: h[NORM].update(data_offsets=[False, h[NORM]["data_offsets"][1]]),
+                       "has data_offsets [false, "),
     "entry not an object": (lambda h: h.update({NORM: [1, 2]}), "not an object"),
     "duplicate key": (_duplicate_norm, "duplicate key 'model.norm.weight'"),
     "overlapping offsets": (lambda h: _shift(h, _by_offset(h)[1], -2), "overlaps tensor"),
@@ -1104,3 +1125,19 @@ def test_every_read_of_a_shard_checks_it_is_the_file_whose_header_was_read(tmp_p
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the modification time put back
     with pytest.raises(InputError, match="modification or status-change time moved"):
         read_tensor(header, name)
+
+
+def test_an_error_quoting_a_huge_config_value_is_shortened(capsys, tmp_path, src):
+    """A dynamic rule of 300,000 characters: the Error line keeps its start and end (at most MAX_LINE characters,
+    one line), the --json report of the failure holds the message whole."""
+    from marlin_convert.cli._errors import MAX_LINE
+
+    rule = "+:" + "(a" * 50000 + ")" * 50000
+    _write_dynamic(src, {rule: {"bits": 8}}, {rule: {"bits": 8}})
+    report = tmp_path.parent / f"{tmp_path.name}-report.json"
+    rc = main([str(src), str(tmp_path / "out"), "--json", str(report)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert rc == 2 and len(errors) == 1 and len(errors[0]) <= MAX_LINE + 60, (rc, len(err))
+    assert "characters left out" in errors[0] and all(len(line) <= MAX_LINE + 60 for line in err.splitlines())
+    assert len(json.loads(report.read_text())["error"]) > 100000

@@ -309,6 +309,9 @@ def test_verify_rejects_bad_gpu_and_batch_lists(tmp_path, src, capsys):
     assert "--gpu 'zero'" in capsys.readouterr().err
     assert main(["verify", str(out), "--batch", "1,0"]) == 2
     assert "--batch '1,0'" in capsys.readouterr().err
+    # a batch no GPU holds is a bad argument (exit 2), not a GPU out of memory read as a failed checkpoint (exit 1)
+    assert main(["verify", str(out), "--batch", "16,100000000000"]) == 2
+    assert "--batch '16,100000000000': at most 4096 rows" in capsys.readouterr().err
     # refused with --skip-kernel too, not ignored
     assert main(["verify", str(out), "--skip-kernel", "--gpu", "abc"]) == 2
     assert "--gpu 'abc'" in capsys.readouterr().err

@@ -346,3 +346,119 @@ def test_a_command_after_an_interrupted_one_in_the_same_process_takes_its_own_fi
     finally:
         signal.signal(signal.SIGINT, previous)
         _signals.forget_signals()
+
+
+def test_an_interrupt_inside_a_held_section_is_raised_at_its_end():
+    """interrupts.interrupt raises at once outside held(), at the end of the outermost section inside one (only the
+    first of several), and a section in another thread holds nothing back."""
+    import threading
+
+    from marlin_convert.interrupts import held, interrupt
+
+    with pytest.raises(KeyError):
+        interrupt(KeyError("now"))
+    reached = []
+    with pytest.raises(KeyError, match="first"):
+        with held():
+            with held():
+                interrupt(KeyError("first"))
+                interrupt(KeyError("second"))
+                reached.append("inner")
+            reached.append("outer")
+    assert reached == ["inner", "outer"]
+    with pytest.raises(KeyError, match="wins"):  # an interrupt replaces an error that unwinds through the section
+        with held():
+            interrupt(KeyError("wins"))
+            raise ValueError("the error it interrupted")
+    caught = []
+
+    def other_thread():
+        try:
+            with held():
+                interrupt(KeyError("not held"))
+        except KeyError as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert len(caught) == 1
+
+
+def _slow_square(x: int) -> int:
+    time.sleep(0.2)
+    return x * x
+
+
+def test_an_interrupt_during_the_pool_wait_lands_after_it_and_stops_the_workers(monkeypatch):
+    """A signal while run_parallel waits for its workers (inside concurrent.futures, where a lock can be held) is
+    raised once the wait has returned, never inside it: a helper reported convert and verify hanging for good at the
+    pool's shutdown after such an interrupt, about once in a hundred. The workers are stopped."""
+    from marlin_convert import workers
+    from marlin_convert.cli._errors import Interrupted
+    from marlin_convert.interrupts import interrupt
+
+    real_wait, calls, pools = workers.wait, [], []
+    real_pool = workers.worker_pool
+
+    def wait_hit_by_a_signal(*args, **kwargs):
+        calls.append("entered")
+        if len(calls) == 1:
+            interrupt(Interrupted(signal.SIGINT))  # what the CLI's handler does when SIGINT lands here
+        result = real_wait(*args, **kwargs)
+        calls.append("returned")
+        return result
+
+    monkeypatch.setattr(workers, "wait", wait_hit_by_a_signal)
+    monkeypatch.setattr(workers, "worker_pool", lambda n: pools.append(real_pool(n)) or pools[-1])
+    with pytest.raises(Interrupted):
+        list(workers.run_parallel(_slow_square, range(8), workers=2))
+    assert calls == ["entered", "returned"]
+    processes = list((pools[0]._processes or {}).values())
+    assert processes == [] or not any(p.is_alive() for p in processes)
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_a_signal_whose_exception_python_dropped_still_ends_the_run_as_interrupted(tmp_path, src, capsys,
+                                                                                  monkeypatch, command):
+    """Python drops an exception raised in a signal handler that runs inside an at-fork hook or an import lock's
+    callback ("Exception ignored in ..."): a helper saw runs go on and exit 0 after Ctrl-C, with a finished output.
+    The signal stays noted: convert stops before it publishes anything, verify exits 130 at its end."""
+    from marlin_convert.cli import convert as cli_convert
+    from marlin_convert.cli import verify as cli_verify
+
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+        capsys.readouterr()
+    module, name = (cli_convert, "build_plan") if command == "convert" else (cli_verify, "run_verify")
+    real = getattr(module, name)
+
+    def signal_dropped_then_real(*args, **kwargs):
+        try:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the CLI's handler, in a place that drops it
+        except BaseException:
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, signal_dropped_then_real)
+    args = [str(src), str(out), "-q", "--workers", "1"] if command == "convert" else ["verify", str(out),
+                                                                                       "--skip-kernel", "-q"]
+    assert main(args) == 130
+    assert capsys.readouterr().err.strip() == "Error: interrupted"
+    assert out.exists() == (command == "verify") and _leftovers(tmp_path) == []
+
+
+def test_a_forked_worker_that_gets_a_signal_before_its_own_handlers_does_not_raise(monkeypatch):
+    """Workers are forked with the CLI's handlers and set their own as they start; a signal to the process group in
+    between raised inside the worker (a traceback, then "internal error: BrokenProcessPool", exit 3). There SIGINT is
+    ignored and SIGTERM ends the worker quietly."""
+    from marlin_convert.cli import _signals, app
+
+    _signals.forget_signals()  # (a command before may have left its first signal noted)
+    exits = []
+    monkeypatch.setattr(_signals.os, "getpid", lambda: -1)  # not the process whose handlers these are
+    monkeypatch.setattr(_signals.os, "_exit", lambda code: exits.append(code))
+    app._raise_interrupted(signal.SIGINT, None)
+    app._raise_interrupted(signal.SIGTERM, None)
+    assert exits == [143] and _signals.first_signal() is None

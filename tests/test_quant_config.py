@@ -168,6 +168,7 @@ def test_config_values_of_the_wrong_json_type_are_refused_naming_key_and_file(ca
     ({"+:.*down_proj": {"bits": "8"}}, "dynamic rule \"+:.*down_proj\": 'bits' must be a JSON integer"),
     ({"+:.*down_proj": {"sym": "false"}}, "dynamic rule \"+:.*down_proj\": 'sym' must be a JSON boolean"),
     ({"+:.*down_proj": {"group_size": 32.5}}, "'group_size' must be a JSON integer"),
+    ({"+:.*down_proj": {"bits": None}}, "'bits' must be a JSON integer, found null"),  # (not "null null")
     ({"+:.*down_proj": 8}, "dynamic rule \"+:.*down_proj\": 'value' must be a JSON object"),
     ({"+:.*down_proj": {"bits": 5}}, "'bits' is 5; GPTQ has 2, 3, 4, 8 bits"),
     ({"+:(unclosed": {"bits": 8}}, "dynamic rule \"+:(unclosed\": not a valid regular expression"),
@@ -177,7 +178,7 @@ def test_bad_dynamic_rules_are_refused_naming_the_rule_and_file(tmp_path, rule, 
     with pytest.raises(InputError) as caught:
         open_checkpoint(src)
     assert "config.json (quantization_config): " + fragment in caught.value.message or fragment in caught.value.message
-    assert "config.json" in caught.value.message
+    assert "config.json" in caught.value.message and "null null" not in caught.value.message
 
 
 def test_format_keys_that_disagree_or_say_marlin_are_refused(tmp_path):

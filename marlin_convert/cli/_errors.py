@@ -50,6 +50,20 @@ def one_line(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+#: the longest Error / Hint line printed; a longer message (a 300,000-character regex quoted from a config) keeps its
+#: start and end (the JSON report of a failed command has it whole)
+MAX_LINE = 2000
+
+
+def shortened(line: str) -> str:
+    """``line`` if at most :data:`MAX_LINE` characters, else its first and last parts around a note of what was left
+    out."""
+    if len(line) <= MAX_LINE:
+        return line
+    head, tail = MAX_LINE * 2 // 3, MAX_LINE // 4
+    return f"{line[:head]} [... {len(line) - head - tail} characters left out ...] {line[-tail:]}"
+
+
 def error_message(exc: BaseException) -> str:
     """What :func:`report_error` says of ``exc`` after ``Error:`` (also the JSON report of a failed command)."""
     if isinstance(exc, MarlinConvertError):
@@ -73,14 +87,14 @@ def report_error(exc: BaseException) -> int:
     (``Error: terminated``), as shells report them. An OSError the library did not turn into one of its errors (a
     permission or a full disk met outside the paths it checks, such as stdout; :data:`_ENVIRONMENT_ERRNOS`) exits 2
     naming the file; any other OSError is an internal error (exit 3), as a bug would be. Messages are
-    printed on one line each (:func:`one_line`).
+    printed on one line each (:func:`one_line`), of at most :data:`MAX_LINE` characters (:func:`shortened`).
     """
     if os.environ.get(DEBUG_VARIABLE):
         traceback.print_exception(exc, file=sys.stderr)
-    print(one_line(f"Error: {error_message(exc)}"), file=sys.stderr)
+    print(shortened(one_line(f"Error: {error_message(exc)}")), file=sys.stderr)
     if isinstance(exc, MarlinConvertError):
         if exc.hint:
-            print(f"Hint: {one_line(exc.hint)}", file=sys.stderr)
+            print(shortened(f"Hint: {one_line(exc.hint)}"), file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, Interrupted):
         return 128 + exc.signum

@@ -2,6 +2,13 @@
 again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends the process at once. Once a
 command's output is complete they are only noted (:func:`defer_signals`), and once it has ended, ignored.
 
+The first one's exception goes through :func:`marlin_convert.interrupts.interrupt`: held back while the library is
+inside a worker pool's calls, raised at their end. Python drops an exception raised in a handler that runs inside an
+at-fork hook or an import lock's callback ("Exception ignored in ..."); the signal stays noted (:func:`first_signal`),
+so the command still ends as interrupted (the CLI checks before it publishes an output, and at the end). A forked
+worker process that gets a signal before it has set its own handlers does not raise: SIGINT is ignored (its parent
+decides), SIGTERM ends it quietly (:func:`in_forked_child`).
+
 GNU ``timeout`` sends its signal to the command and then to the command's process group, so the command gets it twice
 at once; by the default action, the copy ended the process in the middle of its clean-up. Shared by the console
 script's first step (:mod:`marlin_convert.cli.launch`, before the command line is imported) and the command line
@@ -15,16 +22,40 @@ import signal
 import threading
 import time
 
+from ..interrupts import interrupt
+
 #: seconds after a signal in which the same signal again is taken as the same request
 REPEAT_SECONDS = 1.0
 _first_signal_at: dict[int, float] = {}
 _deferred: list[int] = []  # signals noted once the output was complete (defer_signals)
+_owner_pid = os.getpid()  # the process whose handlers these are (forked workers inherit them)
 
 
 def forget_signals() -> None:
-    """Start afresh (a new command in this process): no signal so far is the first of its kind, none deferred."""
+    """Start afresh (a new command in this process): no signal so far is the first of its kind, none deferred; the
+    handlers belong to this process."""
+    global _owner_pid
     _first_signal_at.clear()
     _deferred.clear()
+    _owner_pid = os.getpid()
+
+
+def first_signal() -> int | None:
+    """The first SIGINT or SIGTERM this command took (its exception raised, held back or dropped by Python), or
+    None."""
+    return min(_first_signal_at, key=_first_signal_at.__getitem__) if _first_signal_at else None
+
+
+def in_forked_child() -> bool:
+    """Whether this handler runs in a process forked from the command's (a worker that has not yet set its own)."""
+    return os.getpid() != _owner_pid
+
+
+def child_signal(signum: int) -> None:
+    """A forked worker's signal before its own handlers are set: SIGINT ignored (the parent got it too and stops the
+    workers), SIGTERM ends the worker at once, quietly (no traceback from its start-up)."""
+    if signum == signal.SIGTERM:
+        os._exit(128 + signum)
 
 
 def _note(signum: int, _frame) -> None:
@@ -61,11 +92,12 @@ def is_repeat(signum: int) -> bool:
 
 
 def take_first(signum: int, exception: BaseException) -> None:
-    """In a signal handler, for the first ``signum``: note its time, hand later ones to :func:`_repeated`, and
-    raise ``exception`` in the main thread."""
+    """In a signal handler, for the first ``signum``: note it and its time, hand later ones to :func:`_repeated`, and
+    raise ``exception`` in the main thread (now, or at the end of the library's held-back section:
+    :func:`marlin_convert.interrupts.interrupt`)."""
     _first_signal_at[signum] = time.monotonic()
     signal.signal(signum, _repeated)
-    raise exception
+    interrupt(exception)
 
 
 def _repeated(signum: int, _frame) -> None:

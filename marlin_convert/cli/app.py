@@ -25,7 +25,7 @@ from .. import __version__
 from ..errors import InputError
 from ._errors import Interrupted, InterruptedAfterPublish, error_message, report_error
 from ._output import OutputClosed, forget_report_target, print_stdout, report_failure
-from ._signals import forget_signals, ignore_signals, is_repeat, take_first
+from ._signals import child_signal, first_signal, forget_signals, ignore_signals, in_forked_child, is_repeat, take_first
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -106,7 +106,9 @@ def with_default_command(argv: list[str]) -> list[str]:
 
 
 def _raise_interrupted(signum: int, _frame) -> None:
-    if not is_repeat(signum):  # (a copy of the console script's own first signal: :mod:`._signals`)
+    if in_forked_child():  # a worker process before its own handlers are set (:mod:`._signals`)
+        child_signal(signum)
+    elif not is_repeat(signum):  # (a copy of the console script's own first signal: :mod:`._signals`)
         take_first(signum, Interrupted(signum))
 
 
@@ -159,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()  # a usage error (unknown option, missing argument): click formats it with the usage line
             return exc.exit_code
-        return _failed(exc)
+        signum = first_signal()  # a signal came first: the failure is its consequence (a worker it stopped)
+        return _failed(exc if signum is None else Interrupted(signum))
     except (Interrupted, KeyboardInterrupt) as exc:
         return _failed(exc)
+    signum = first_signal()
+    if signum is not None:  # taken, but its exception dropped by Python (:mod:`._signals`): interrupted all the same
+        return _failed(Interrupted(signum))
     # typer returns the exit code of a typer.Exit raised inside a command (--version: 0), else the command's None
     return returned if isinstance(returned, int) else 0
 

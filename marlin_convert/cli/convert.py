@@ -21,15 +21,15 @@ from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, re
 from ..outdir import check_out_dir
 from ..workers import MAX_WORKERS
 from ..sources import FORM_NAMES
-from ._errors import InterruptedAfterPublish
+from ._errors import Interrupted, InterruptedAfterPublish
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
 from ._render import add_layer_rows, counts_line
-from ._signals import defer_signals, deferred_signal
+from ._signals import defer_signals, deferred_signal, first_signal
 from .inspect import plan_output
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
-OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (must be empty or absent).")]
+OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (absent or empty; --overwrite replaces a previous output).")]
 OverwriteOpt = Annotated[bool, typer.Option(
     "--overwrite", help="Replace OUT_DIR if it is a previous output (it holds marlin_manifest.json); another non-empty "
     "directory is never replaced.")]
@@ -52,6 +52,16 @@ WorkersOpt = Annotated[int, typer.Option(
     "--workers", min=1, max=MAX_WORKERS, metavar="N", help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar and no per-layer table: only the summary lines (and errors).")]
+
+
+def _before_publish() -> None:
+    """The output is complete: from here on signals are only noted (:func:`._signals.defer_signals`). A signal
+    taken before, whose exception Python dropped (raised inside an at-fork hook: :mod:`._signals`), stops the
+    conversion here, before anything is published."""
+    signum = first_signal()
+    if signum is not None:
+        raise Interrupted(signum)
+    defer_signals()
 
 
 def convert(
@@ -84,7 +94,7 @@ def convert(
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
                                 stack_experts=stack_experts, workers=workers, progress=advance, plan=plan,
-                                before_publish=defer_signals)
+                                before_publish=_before_publish)
     report.seconds = time.perf_counter() - started  # the whole command: planning (headers, small tensors) included
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
     if not quiet:

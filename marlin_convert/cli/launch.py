@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from ._signals import is_repeat, take_first
+from ._signals import child_signal, in_forked_child, is_repeat, take_first
 
 #: arguments after which verify runs no kernel (or nothing at all), so no GPU process is started early
 _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
@@ -23,7 +23,9 @@ class _Terminated(BaseException):
 
 
 def _terminated(signum: int, _frame) -> None:
-    if not is_repeat(signum):  # (the same SIGTERM twice: GNU timeout; :mod:`._signals`)
+    if in_forked_child():  # (a process forked from this one: :mod:`._signals`)
+        child_signal(signum)
+    elif not is_repeat(signum):  # (the same SIGTERM twice: GNU timeout; :mod:`._signals`)
         take_first(signum, _Terminated())
 
 

@@ -35,8 +35,13 @@ from ._output import Output, check_json_path
 from ._progress import item_progress
 
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
+#: the most rows of A one check runs: each batch size is one GEMM per layer, its activations and the fp32 reference
+#: on the GPU (a batch of 10^11 asked for 95 TB, and a GPU out of memory read as a failed checkpoint, exit 1)
+MAX_BATCH = 4096
+
+
 GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over.")]
-BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help="Comma-separated batch sizes (rows of A) to run per layer.")]
+BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help=f"Comma-separated batch sizes (rows of A, 1 to {MAX_BATCH}) to run per layer.")]
 SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
@@ -64,6 +69,8 @@ def _parse_batches(spec: str) -> list[int]:
         raise InputError(f"--batch {spec!r}: expected comma-separated positive integers such as 1,16,128") from exc
     if not sizes or min(sizes) < 1:
         raise InputError(f"--batch {spec!r}: expected comma-separated positive integers such as 1,16,128")
+    if max(sizes) > MAX_BATCH:
+        raise InputError(f"--batch {spec!r}: at most {MAX_BATCH} rows per check")
     return sizes
 
 
