@@ -84,16 +84,16 @@ bool pdl_enabled() { return hopper_switch("MARLIN_CONVERT_PDL") != 0; }
 std::atomic<long> pdl_launch_count{0};
 void count_pdl_launch() { pdl_launch_count.fetch_add(1, std::memory_order_relaxed); }
 
-// The last launch of this host thread (note_launch), as text: "pipelined MB=1 WN=2 STRIPS=8 STAGES=2 SWAP=2
-// stream_k=0 grid=448" or "direct MB8=1 cluster=2 units_per_block=0 grid=128".
-thread_local char last_launch[128] = "";
+// The last launch of this host thread (note_launch): its fields, stored as they are (formatted only when asked for,
+// by marlin_last_launch, so a launch pays a few stores, not a string's formatting).
+struct LastLaunch {
+  const char* family = nullptr;
+  int mb = 0, wn = 0, strips = 0, stages = 0, swap = 0, schedule = 0;
+  long grid = 0;
+};
+thread_local LastLaunch last_launch;
 void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid) {
-  if (family[0] == 'd')
-    snprintf(last_launch, sizeof last_launch, "direct MB8=%d cluster=%d units_per_block=%d grid=%ld", mb, wn,
-             schedule, grid);
-  else
-    snprintf(last_launch, sizeof last_launch, "%s MB=%d WN=%d STRIPS=%d STAGES=%d SWAP=%d stream_k=%d grid=%ld", family,
-             mb, wn, strips, stages, swap, schedule, grid);
+  last_launch = LastLaunch{family, mb, wn, strips, stages, swap, schedule, grid};
 }
 
 // The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters or stream-K), MARLIN_CONVERT_DIRECT: 1 = where
@@ -273,7 +273,14 @@ long marlin_required_workspace_ints(int n) { return (long)(n / 64) * 16; }
 
 long marlin_pdl_launches() { return detail::pdl_launch_count.load(std::memory_order_relaxed); }
 
-int marlin_last_launch(char* buf, int len) { return snprintf(buf, len, "%s", detail::last_launch); }
+int marlin_last_launch(char* buf, int len) {
+  const detail::LastLaunch& l = detail::last_launch;
+  if (l.family == nullptr) return snprintf(buf, len, "%s", "");
+  if (l.family[0] == 'd')
+    return snprintf(buf, len, "direct MB8=%d cluster=%d units_per_block=%d grid=%ld", l.mb, l.wn, l.schedule, l.grid);
+  return snprintf(buf, len, "%s MB=%d WN=%d STRIPS=%d STAGES=%d SWAP=%d stream_k=%d grid=%ld", l.family, l.mb, l.wn,
+                  l.strips, l.stages, l.swap, l.schedule, l.grid);
+}
 
 int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* zp, void* C, int* workspace,
                        long workspace_ints, int m, int n, int k, int scale_rows, int bits, int act, int sms,

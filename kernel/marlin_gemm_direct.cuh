@@ -530,7 +530,6 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
     }
   }
   const LaunchShape shape(plan.grid, pl.smem, L.stream, cluster, pl.pdl);
-  note_launch("direct", MB8, cluster, 0, 0, 0, plan.units_per_block, plan.grid);
   const int chunks_per_group = L.scale_rows > 1 ? (L.k / L.scale_rows) / kDirectChunkK : 1;
   e = cudaLaunchKernelEx(&shape.cfg, kernel, static_cast<const int4*>(L.A), static_cast<const int4*>(L.B),
                          static_cast<const int4*>(L.s), static_cast<const uint32_t*>(L.zp), static_cast<ActT*>(L.C),
@@ -543,6 +542,7 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
               plan.grid, plan.splits, plan.units_per_block, pl.smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
+  note_launch("direct", MB8, cluster, 0, 0, 0, plan.units_per_block, plan.grid);
   return MARLIN_OK;
 }
 

@@ -1332,7 +1332,7 @@ int stream_k_per_sm();
 bool pdl_enabled();
 // [PDL] Counts one launch that carries the attribute (marlin_gemm.cu; marlin_pdl_launches reads the count).
 void count_pdl_launch();
-// Notes the configuration of a kernel this host thread launches (marlin_gemm.cu; marlin_last_launch reads it back, so
+// Notes the configuration of a kernel this host thread launched (marlin_gemm.cu; marlin_last_launch reads it back, so
 // tests can check which kernel a dispatch rule chose): `family` "pipelined" (MB, WN, STRIPS, STAGES, SWAP as the
 // template parameters, `schedule` 1 for stream-K) or "direct" (MB = batch blocks of 8 rows, WN = blocks per tile's
 // cluster, `schedule` = units per block, 0 in cluster mode; the rest 0).
@@ -1515,7 +1515,6 @@ int launch_config(const Launch& L) {
   }
   const PdlLaunch pl = pdl_launch(grid, smem, per_sm, L.sms, optin);
   const LaunchShape shape(grid, pl.smem, L.stream, 1, pl.pdl);
-  note_launch("pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid);
   e = cudaLaunchKernelEx(&shape.cfg, stream_k ? sk_kernel : kernel, static_cast<const int4*>(L.A),
                          static_cast<const int4*>(L.B), static_cast<const int4*>(L.s), static_cast<const int4*>(L.zp),
                          static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift, tile_units,
@@ -1527,6 +1526,7 @@ int launch_config(const Launch& L) {
               WN, grid, smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
+  note_launch("pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid);
   return MARLIN_OK;
 }
 

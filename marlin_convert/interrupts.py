@@ -27,7 +27,13 @@ def interrupt(exception: BaseException) -> None:
         if not _waiting:
             _waiting.append(exception)
         return
+    _waiting.clear()  # (one held back by a section that is just ending: this one is raised instead)
     raise exception
+
+
+def reset() -> None:
+    """Forget a held-back interrupt (a new command in this process starts afresh)."""
+    _waiting.clear()
 
 
 @contextmanager
@@ -45,5 +51,6 @@ def held() -> Iterator[None]:
     finally:
         _depth -= 1
         if _depth == 0 and _waiting:
-            exception = _waiting.pop()
+            exception = _waiting[0]
+            _waiting.clear()
             raise exception

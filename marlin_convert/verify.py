@@ -648,18 +648,24 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
 
         def feed_gpus(block: bool) -> None:
             """Pass staged slices on to their GPU processes; give the slots they have uploaded back to the workers.
-            Raises when a GPU process failed (see GpuWorkers.poll)."""
-            while True:
-                try:
-                    message = _STATE.messages.get(timeout=_FEED_POLL) if block else _STATE.messages.get_nowait()
-                except queue.Empty:
-                    break
+            Raises when a GPU process failed (see GpuWorkers.poll). The queues' calls run with interrupts held back
+            (their locks); the sends to the GPU processes, which may block, do not."""
+            messages = []
+            with held():
+                while True:
+                    try:
+                        message = _STATE.messages.get(timeout=_FEED_POLL) if block else _STATE.messages.get_nowait()
+                    except queue.Empty:
+                        break
+                    messages.append(message)
+                    block = False
+            for layer_index, expert, slot, placed, zero_format in messages:
                 counts["received"] += 1
-                layer_index, expert, slot, placed, zero_format = message
                 gpu_workers.submit(layer_index, checked.layers[layer_index], expert, slot, placed, zero_format)
-                block = False
-            for slot in gpu_workers.poll():
-                _STATE.free_slots.put(slot)
+            uploaded = gpu_workers.poll()
+            with held():
+                for slot in uploaded:
+                    _STATE.free_slots.put(slot)
 
         if pool is None:  # no worker processes: the tasks run here, the GPUs fed whenever a slot is needed
             if checking:
@@ -668,15 +674,16 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                 absorb(_run(task))
         waiting = set(futures)
         while waiting or (checking and counts["received"] < counts["expected"]):
-            with held():  # one round of short waits on the queues and the pool (an interrupt: at its end)
+            if checking:
+                feed_gpus(True)
+            with held():  # the pool's calls: a short wait at most (an interrupt: at its end)
                 if checking:
-                    feed_gpus(True)
                     done = {f for f in waiting if f.done()}
                 else:
                     done, _ = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
-                    if gpu_workers is not None:
-                        gpu_workers.poll()  # a GPU that cannot run the kernel is reported now, not at the end
                 outcomes = [(future, future.result()) for future in done]
+            if not checking and gpu_workers is not None:
+                gpu_workers.poll()  # a GPU that cannot run the kernel is reported now, not at the end
             for future, outcome in outcomes:
                 waiting.discard(future)
                 absorb(outcome)
@@ -711,14 +718,16 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
             mark("copies compared with the source")
         finished = True
     finally:
-        if pool is not None:
-            with held():
-                shutdown_pool(pool, finished)
-        for channel in (_STATE.free_slots, _STATE.messages):
-            if hasattr(channel, "cancel_join_thread"):  # a multiprocessing queue: what is left in it is not needed,
-                channel.close()                         # and joining its feeder thread at exit took 0.3 s each
-                channel.cancel_join_thread()
-        _STATE = None
+        try:
+            if pool is not None:
+                with held():
+                    shutdown_pool(pool, finished)
+        finally:  # (also when an interrupt held back during the shutdown is raised at its end)
+            for channel in (_STATE.free_slots, _STATE.messages):
+                if hasattr(channel, "cancel_join_thread"):  # a multiprocessing queue: what is left in it is not
+                    channel.close()                         # needed, and joining its feeder thread at exit took 0.3 s
+                    channel.cancel_join_thread()            # each
+            _STATE = None
 
     flat = [result for results in per_entry for result in results]
     peaks[os.getpid()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -109,9 +109,10 @@ def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], work
 
 def shutdown_pool(pool: ProcessPoolExecutor, finished: bool) -> None:
     """Shut ``pool`` down, its workers killed first unless the work ``finished``. While an error or an interrupt
-    unwinds (``finished`` False), a pool caught half-started does not replace it: an interrupt inside ``submit``
-    can land between the creation and the start of the executor's manager thread, and ``shutdown`` then raises
-    "cannot join thread before it is started" (seen as exit 3 on a Ctrl-C 0.3 s into verify)."""
+    unwinds (``finished`` False), a pool caught half-started does not replace it: an interrupt raised inside
+    ``submit`` (a caller without :func:`.interrupts.held`, such as Python's own SIGINT handler where the library is
+    used directly) can land between the creation and the start of the executor's manager thread, and ``shutdown``
+    then raises "cannot join thread before it is started" (seen as exit 3 on a Ctrl-C 0.3 s into verify)."""
     if not finished:
         kill_workers(pool)
     try:

@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     for kind in KINDS:  # stream-K grids (the 2-stage kernels of >= 4 strips): blocks that end one tile and start the
         # next (m <= 16 and the 32-row m > 16 kernel), one tile row over many blocks (the 64-row kernel, capped)
         cases += [(kind, 1, 1040, 10240, 16, False, 0, "2", None), (kind, 12, 528, 10240, -1, False, 0, "2", None),
-                  (kind, 12, 1536, 17408, 128, False, 0, "2", None),  # the 128-column 8-strip kernel
+                  (kind, 12, 1536, 17408, 128, False, 0, "2", None),  # the 128-column 8-strip kernel (bf16
+                                                                      # x 4-bit symmetric: no stream-K form, split-K)
                   (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None)]
     # the Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
     # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages (channelwise)

@@ -398,12 +398,13 @@ def test_an_interrupt_during_the_pool_wait_lands_after_it_and_stops_the_workers(
     from marlin_convert.cli._errors import Interrupted
     from marlin_convert.interrupts import interrupt
 
-    real_wait, calls, pools = workers.wait, [], []
+    real_wait, calls, pools, processes = workers.wait, [], [], []
     real_pool = workers.worker_pool
 
     def wait_hit_by_a_signal(*args, **kwargs):
         calls.append("entered")
         if len(calls) == 1:
+            processes.extend(pools[0]._processes.values())  # (shutdown sets _processes to None)
             interrupt(Interrupted(signal.SIGINT))  # what the CLI's handler does when SIGINT lands here
         result = real_wait(*args, **kwargs)
         calls.append("returned")
@@ -414,8 +415,7 @@ def test_an_interrupt_during_the_pool_wait_lands_after_it_and_stops_the_workers(
     with pytest.raises(Interrupted):
         list(workers.run_parallel(_slow_square, range(8), workers=2))
     assert calls == ["entered", "returned"]
-    processes = list((pools[0]._processes or {}).values())
-    assert processes == [] or not any(p.is_alive() for p in processes)
+    assert processes and not any(p.is_alive() for p in processes)
 
 
 @pytest.mark.parametrize("command", ["convert", "verify"])
@@ -462,3 +462,38 @@ def test_a_forked_worker_that_gets_a_signal_before_its_own_handlers_does_not_rai
     app._raise_interrupted(signal.SIGINT, None)
     app._raise_interrupted(signal.SIGTERM, None)
     assert exits == [143] and _signals.first_signal() is None
+
+
+def test_an_interrupt_raised_at_once_drops_one_left_held_back():
+    """A section ending with an interrupt held back, and a second signal landing just as it ends (before the held one
+    is raised): the second is raised, and the first must not wait for the next section (it had turned a later clean
+    up's exit 143 into 130, or leaked into the next command of the process)."""
+    from marlin_convert import interrupts
+
+    interrupts._waiting.append(KeyError("held back by a section that was ending"))
+    with pytest.raises(KeyError, match="now"):
+        interrupts.interrupt(KeyError("now"))
+    with interrupts.held():
+        pass  # nothing left to raise
+    interrupts._waiting.append(KeyError("left over"))
+    interrupts.reset()
+    with interrupts.held():
+        pass
+
+
+# the console script's first step with a SIGTERM during the command line's import whose exception Python drops (as in
+# an import lock's callback): the run must still end as terminated
+EARLY_TERM_DROPPED = EARLY_TERM.replace(
+    "        os.kill(os.getpid(), signal.SIGTERM)\n",
+    "        try:\n            os.kill(os.getpid(), signal.SIGTERM)\n        except BaseException:\n            pass\n")
+
+
+def test_a_sigterm_during_the_imports_whose_exception_was_dropped_still_terminates(tmp_path, src):
+    assert EARLY_TERM_DROPPED != EARLY_TERM
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    proc = subprocess.run([sys.executable, "-c", EARLY_TERM_DROPPED, str(src), str(out)], capture_output=True,
+                          text=True, env=env, timeout=WAIT_SECONDS,
+                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == "Error: terminated" and not out.exists()

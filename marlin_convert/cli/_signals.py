@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 
-from ..interrupts import interrupt
+from ..interrupts import interrupt, reset
 
 #: seconds after a signal in which the same signal again is taken as the same request
 REPEAT_SECONDS = 1.0
@@ -38,12 +38,21 @@ def forget_signals() -> None:
     _first_signal_at.clear()
     _deferred.clear()
     _owner_pid = os.getpid()
+    reset()
 
 
 def first_signal() -> int | None:
     """The first SIGINT or SIGTERM this command took (its exception raised, held back or dropped by Python), or
     None."""
     return min(_first_signal_at, key=_first_signal_at.__getitem__) if _first_signal_at else None
+
+
+def raise_if_signalled(exception_type) -> None:
+    """Raise ``exception_type(signum)`` if this command took a signal whose exception Python dropped: called before a
+    command writes its report, so that an interrupted run never reports success."""
+    signum = first_signal()
+    if signum is not None:
+        raise exception_type(signum)
 
 
 def in_forked_child() -> bool:

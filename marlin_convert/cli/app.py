@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     except (Interrupted, KeyboardInterrupt) as exc:
         return _failed(exc)
     signum = first_signal()
-    if signum is not None:  # taken, but its exception dropped by Python (:mod:`._signals`): interrupted all the same
-        return _failed(Interrupted(signum))
+    if signum is not None:  # taken, but its exception dropped by Python (:mod:`._signals`), after the command's own
+        return report_error(Interrupted(signum))  # check (its report is written: no second one): interrupted
     # typer returns the exit code of a typer.Exit raised inside a command (--version: 0), else the command's None
     return returned if isinstance(returned, int) else 0
 

@@ -25,7 +25,7 @@ from ._errors import Interrupted, InterruptedAfterPublish
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
 from ._render import add_layer_rows, counts_line
-from ._signals import defer_signals, deferred_signal, first_signal
+from ._signals import defer_signals, deferred_signal, raise_if_signalled
 from .inspect import plan_output
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
@@ -58,9 +58,7 @@ def _before_publish() -> None:
     """The output is complete: from here on signals are only noted (:func:`._signals.defer_signals`). A signal
     taken before, whose exception Python dropped (raised inside an at-fork hook: :mod:`._signals`), stops the
     conversion here, before anything is published."""
-    signum = first_signal()
-    if signum is not None:
-        raise Interrupted(signum)
+    raise_if_signalled(Interrupted)
     defer_signals()
 
 

@@ -15,8 +15,10 @@ import typer
 
 from ..convert import ConversionPlan, build_plan
 from ..sources import FORM_NAMES
+from ._errors import Interrupted
 from ._output import Output, check_json_path, human_bytes
 from ._render import add_layer_rows, counts_line, layer_dict
+from ._signals import raise_if_signalled
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the plan as JSON to this file ('-': print it on stdout instead of the table).")]
@@ -63,5 +65,6 @@ def inspect(in_dir: InDirArg, json_file: JsonOpt = None, json_stdout: JsonStdout
     check_json_path(json_file, in_dir)
     plan = build_plan(in_dir, skip_incompatible=True)
     output = plan_output(plan, as_json=json_stdout)
+    raise_if_signalled(Interrupted)  # (a signal whose exception Python dropped: no report of success)
     output.write_json(json_file)  # first: a closed stdout must not lose it
     output.render()

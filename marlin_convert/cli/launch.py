@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from ._signals import child_signal, in_forked_child, is_repeat, take_first
+from ._signals import child_signal, first_signal, in_forked_child, is_repeat, take_first
 
 #: arguments after which verify runs no kernel (or nothing at all), so no GPU process is started early
 _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
@@ -41,6 +41,8 @@ def run() -> None:
             prestart()
         from .app import run as run_app
 
+        if first_signal() is not None:  # taken during the imports, its exception dropped by Python (:mod:`._signals`)
+            raise _Terminated()
         run_app()
     except KeyboardInterrupt:  # Ctrl-C during the imports (later, main() turns it into the same line and exit code)
         print("Error: interrupted", file=sys.stderr)

@@ -30,16 +30,17 @@ from ..verify import (
 )
 from ..sources import FORM_NAMES
 from ..workers import check_workers
-from ._errors import one_line
+from ._errors import Interrupted, one_line
 from ._output import Output, check_json_path
 from ._progress import item_progress
+from ._signals import raise_if_signalled
 
-OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
 #: the most rows of A one check runs: each batch size is one GEMM per layer, its activations and the fp32 reference
 #: on the GPU (a batch of 10^11 asked for 95 TB, and a GPU out of memory read as a failed checkpoint, exit 1)
 MAX_BATCH = 4096
 
 
+OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
 GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over.")]
 BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help=f"Comma-separated batch sizes (rows of A, 1 to {MAX_BATCH}) to run per layer.")]
 SkipKernelOpt = Annotated[bool, typer.Option(
@@ -175,6 +176,7 @@ def verify(
                     f"{report.source_copies_checked} copied tensor(s) and file(s) with its own")
     output.lines.append(summary)
     output.lines.append(f"manifest {report.manifest_sha256}")
+    raise_if_signalled(Interrupted)  # (a signal whose exception Python dropped: no report of success)
     output.write_json(json_file)  # first: a closed stdout must not lose it
     output.render_then_raise(None if report.ok else _failure(report))
 
