@@ -55,6 +55,17 @@ def copy_hashing(src_fd: int, src_pos: int, dst_fd: int, dst_pos: int, nbytes: i
 _HUB_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
+def dead_link(path: Path) -> str:
+    """What is wrong with the link ``path`` whose target cannot be reached: ``"a loop of links (through X)"`` where
+    following it comes back round (ELOOP), else ``"broken link (to X)"``; X is the link's own text."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"a loop of links (through {os.readlink(path)})"
+    return f"broken link (to {os.readlink(path)})"
+
+
 def is_hub_blob(target: Path) -> bool:
     """Whether ``target`` (a resolved path) is a file of a Hugging Face cache repository's blob store:
     ``<cache>/{models,datasets,spaces}--<org>--<name>/blobs/<hash>``."""

@@ -23,7 +23,7 @@ import numpy as np
 from . import layout, strict_json
 from .config_regex import compile_config_regex
 from .errors import InputError
-from .fileio import outside_link, read_inside
+from .fileio import dead_link, outside_link, read_inside
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, TensorInfo, read_header, read_tensor
 from .spec import QuantSpec
 
@@ -226,7 +226,7 @@ def read_json(path: Path) -> dict:
     """The JSON object in ``path`` (a config or an index in a checkpoint directory, read there only:
     :func:`~marlin_convert.fileio.outside_link`). Raises :class:`InputError`."""
     if path.is_symlink() and not path.exists():
-        raise InputError(f"{path}: broken link (to {os.readlink(path)})", hint="restore its target, or remove the link")
+        raise InputError(f"{path}: {dead_link(path)}", hint="restore its target, or remove the link")
     refuse_outside_link(path, path.parent)
     if not path.is_file():  # a FIFO or a device would block or never end
         raise InputError(f"{path}: not a regular file")

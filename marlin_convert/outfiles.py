@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import SourceReadError, copy_file_hashing, hash_file, open_inside, outside_link
+from .fileio import SourceReadError, copy_file_hashing, dead_link, hash_file, open_inside, outside_link
 from .workers import run_parallel
 
 #: file names ending so hold weights in another format (or a checkpoint's index of them)
@@ -67,7 +67,7 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
         if entry.is_symlink():
             target = Path(os.path.realpath(path))  # a link loop resolves to a path that does not exist
             if not target.exists():
-                raise InputError(f"{path}: broken link (to {os.readlink(path)})",
+                raise InputError(f"{path}: {dead_link(path)}",
                                  hint="restore its target, or remove the link")
             if target.is_dir():
                 extra.skipped.append(f"{name}: a link to a directory, not followed")

@@ -670,10 +670,11 @@ def test_files_linked_into_the_hub_cache_blob_store_are_copied(capsys, tmp_path)
     assert (tmp_path / "out" / "chat_template.jinja").read_text() == "{{ messages }}"
 
 
-@pytest.mark.parametrize("target", ["gone.json", "merges.txt"])  # missing, or a link to itself (a loop)
-def test_a_broken_link_among_the_extra_files_is_named_before_any_work(capsys, tmp_path, src, target):
+@pytest.mark.parametrize("target, what", [("gone.json", "broken link (to gone.json)"),
+                                          ("merges.txt", "a loop of links (through merges.txt)")])
+def test_a_broken_link_among_the_extra_files_is_named_before_any_work(capsys, tmp_path, src, target, what):
     (src / "merges.txt").symlink_to(target)
-    _convert_fails(capsys, tmp_path, src, str(src / "merges.txt"), "broken link")
+    _convert_fails(capsys, tmp_path, src, str(src / "merges.txt"), what)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
