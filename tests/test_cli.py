@@ -683,5 +683,8 @@ def test_a_failed_command_leaves_a_failure_report_not_an_earlier_one(tmp_path, s
         assert failed["error"] in capsys.readouterr().err
         assert main([*bad_args, "--json", "-"]) == 2
         assert json.loads(capsys.readouterr().out)["ok"] is False
+        if command == "inspect":  # --json-stdout (the plan as JSON on stdout) likewise
+            assert main([*bad_args, "--json-stdout"]) == 2
+            assert json.loads(capsys.readouterr().out)["ok"] is False
     finally:
         (src / "config.json").write_text(config)

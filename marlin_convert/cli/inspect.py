@@ -62,7 +62,8 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
 
 def inspect(in_dir: InDirArg, json_file: JsonOpt = None, json_stdout: JsonStdoutOpt = False) -> None:
     """Show the conversion plan: layers found, shapes, group size, what is converted or kept and why, bytes."""
-    check_json_path(json_file, in_dir)
+    # (--json-stdout alone: a failure's JSON report goes to stdout, as with --json -)
+    check_json_path("-" if json_stdout and json_file is None else json_file, in_dir)
     plan = build_plan(in_dir, skip_incompatible=True)
     output = plan_output(plan, as_json=json_stdout)
     raise_if_signalled(Interrupted)  # (a signal whose exception Python dropped: no report of success)
