@@ -603,8 +603,8 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
             _STATE.messages = context.Queue() if context else queue.Queue()
             for slot in range(slot_count):
                 _STATE.free_slots.put(slot)
+        pool = _pool(workers)
         with held():  # (pool calls: never interrupted halfway, :mod:`.interrupts`)
-            pool = _pool(workers)
             futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
         mark("workers started")
         compared: dict = {}
@@ -720,8 +720,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     finally:
         try:
             if pool is not None:
-                with held():
-                    shutdown_pool(pool, finished)
+                shutdown_pool(pool, finished)
         finally:  # (also when an interrupt held back during the shutdown is raised at its end)
             for channel in (_STATE.free_slots, _STATE.messages):
                 if hasattr(channel, "cancel_join_thread"):  # a multiprocessing queue: what is left in it is not

@@ -73,9 +73,11 @@ def worker_started(parent: int) -> None:
 
 
 def worker_pool(workers: int) -> ProcessPoolExecutor:
-    """A pool of ``workers`` forked processes set up as the module docstring says."""
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
-                               initializer=worker_started, initargs=(os.getpid(),))
+    """A pool of ``workers`` forked processes set up as the module docstring says (made with interrupts held back:
+    :func:`.interrupts.held`)."""
+    with held():
+        return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=worker_started, initargs=(os.getpid(),))
 
 
 def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:
@@ -90,8 +92,7 @@ def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], work
         for item in items:
             yield function(item)
         return
-    with held():
-        pool = worker_pool(workers)
+    pool = worker_pool(workers)
     finished = False
     try:
         with held():
@@ -103,8 +104,7 @@ def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], work
             yield from results
         finished = True
     finally:
-        with held():
-            shutdown_pool(pool, finished)
+        shutdown_pool(pool, finished)
 
 
 def shutdown_pool(pool: ProcessPoolExecutor, finished: bool) -> None:
@@ -112,14 +112,16 @@ def shutdown_pool(pool: ProcessPoolExecutor, finished: bool) -> None:
     unwinds (``finished`` False), a pool caught half-started does not replace it: an interrupt raised inside
     ``submit`` (a caller without :func:`.interrupts.held`, such as Python's own SIGINT handler where the library is
     used directly) can land between the creation and the start of the executor's manager thread, and ``shutdown``
-    then raises "cannot join thread before it is started" (seen as exit 3 on a Ctrl-C 0.3 s into verify)."""
-    if not finished:
-        kill_workers(pool)
-    try:
-        pool.shutdown(wait=True, cancel_futures=True)
-    except RuntimeError:
-        if finished:
-            raise
+    then raises "cannot join thread before it is started" (seen as exit 3 on a Ctrl-C 0.3 s into verify). Runs with
+    interrupts held back (:func:`.interrupts.held`): one that arrives meanwhile is raised once the pool is down."""
+    with held():
+        if not finished:
+            kill_workers(pool)
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+        except RuntimeError:
+            if finished:
+                raise
 
 
 def kill_workers(pool: ProcessPoolExecutor) -> None:
