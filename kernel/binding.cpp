@@ -173,6 +173,20 @@ std::string last_launch() {
   return std::string(buf);
 }
 
+#if defined(MARLIN_CONVERT_TRACE)
+// Development builds: the int64 CUDA tensor [blocks, 16] the next launches stamp (scripts/trace_kernel.py); None stops.
+void trace_set(const c10::optional<torch::Tensor>& buffer) {
+  if (!buffer.has_value()) {
+    marlin_convert::marlin_trace_set(nullptr, 0);
+    return;
+  }
+  const torch::Tensor& t = *buffer;
+  MG_CHECK(t.is_cuda() && t.scalar_type() == at::kLong && t.dim() == 2 && t.size(1) == 16 && t.is_contiguous(),
+           "trace_set: the buffer must be a contiguous int64 CUDA tensor [blocks, 16], got shape %s", Dims(t).text);
+  marlin_convert::marlin_trace_set(t.data_ptr(), (long)t.size(0));
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "marlin-convert's Marlin GEMM: fp16 / bf16 x 4 / 8-bit weights (see marlin_convert/kernel.py)";
   m.def("marlin_gemm", &marlin_gemm, "C = A[:, perm] @ dequant(B, s, zp)", py::arg("A"), py::arg("B"), py::arg("s"),
@@ -181,4 +195,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("required_workspace_ints", &required_workspace_ints, "(n / 64) * 16", py::arg("n"));
   m.def("pdl_launches", &pdl_launches, "launches made with programmatic dependent launch so far (tests)");
   m.def("last_launch", &last_launch, "the configuration of the last kernel this thread launched (tests)");
+#if defined(MARLIN_CONVERT_TRACE)
+  m.def("trace_set", &trace_set, "development builds: the buffer the kernels stamp", py::arg("buffer"));
+#endif
 }

@@ -37,7 +37,8 @@ int env_switch(const char* name, int unset) {
 }
 
 // Benchmark-only switch for the stream-K schedule (MARLIN_CONVERT_STREAM_K, read per call: 0 = split-K, N = stream-K
-// at <= N blocks per SM; unset = launch_config's choice). Used by scripts/bench_kernel.py --stream-k.
+// at <= N blocks per SM; unset = launch_config's choice; the direct kernel's stream-K plans take N > 0 as their blocks
+// per SM cap, direct_plan). Used by scripts/bench_kernel.py --stream-k.
 int stream_k_per_sm() { return env_switch("MARLIN_CONVERT_STREAM_K", -1); }
 
 // Benchmark-only switch for the m <= 16 configuration (MARLIN_CONVERT_SMALL_CFG, read per call; unset = the
@@ -95,6 +96,12 @@ thread_local LastLaunch last_launch;
 void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid) {
   last_launch = LastLaunch{family, mb, wn, strips, stages, swap, schedule, grid};
 }
+
+#if defined(MARLIN_CONVERT_TRACE)
+// [TRACE] (development builds): the buffer the kernels stamp (marlin_trace_set), handed to each unit by trace_arm.
+unsigned long long* trace_host = nullptr;
+long trace_host_blocks = 0;
+#endif
 
 // The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters or stream-K), MARLIN_CONVERT_DIRECT: 1 = where
 // direct_pays, 2 = wherever it fits in cluster mode, 3 = in stream-K (try_direct).
@@ -272,6 +279,13 @@ int launch_fp16_int4_sym(const Launch& L) {
 long marlin_required_workspace_ints(int n) { return (long)(n / 64) * 16; }
 
 long marlin_pdl_launches() { return detail::pdl_launch_count.load(std::memory_order_relaxed); }
+
+#if defined(MARLIN_CONVERT_TRACE)
+void marlin_trace_set(void* buffer, long blocks) {
+  detail::trace_host = static_cast<unsigned long long*>(buffer);
+  detail::trace_host_blocks = buffer == nullptr ? 0 : blocks;
+}
+#endif
 
 int marlin_last_launch(char* buf, int len) {
   const detail::LastLaunch& l = detail::last_launch;

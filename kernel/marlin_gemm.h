@@ -38,6 +38,13 @@ long marlin_pdl_launches();
 // use it to check which kernel a dispatch rule chose.
 int marlin_last_launch(char* buf, int len);
 
+#if defined(MARLIN_CONVERT_TRACE)
+// Development builds only (-DMARLIN_CONVERT_TRACE): the device buffer of `blocks` rows of 16 64-bit words that the
+// next launches stamp (the [TRACE] section of marlin_gemm_impl.cuh says what each word is); null stops it. Takes
+// effect at the next launch outside graph capture.
+void marlin_trace_set(void* buffer, long blocks);
+#endif
+
 // C[m, n] = A[m, k] @ ((q - z) * s)[k, n], fp32 accumulation, output in the activation type.
 // b = bits (4 or 8), p = 32 / b values per int32 word, z = 2^(b-1) (8 / 128) when zp is null.
 //   A          act [m, k], row-major, contiguous rows (row stride k), 16-byte aligned

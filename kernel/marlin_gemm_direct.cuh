@@ -236,12 +236,15 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   const uint32_t* S2 = reinterpret_cast<const uint32_t*>(S);
   uint32_t* C2 = reinterpret_cast<uint32_t*>(C);
 
+  TraceClock trace;
+  trace.stamp(0, 0.0f);
   DirectSegment seg{0, 0, 0, 0, 1};
   bool have_seg = next_segment(seg);
   // [PDL] let the next kernel start, then wait for the one before: nothing above read or wrote memory
   grid_launch_dependents();
   grid_dependency_wait();
   if (have_seg) start(seg);
+  trace.stamp(1, 0.0f);
   while (have_seg) {
     const int tile = seg.tile;
     const int w_lo = warp_lo(seg), w_hi = warp_hi(seg);
@@ -341,7 +344,9 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
           }
         }
       }
+      if (c == w_lo) trace.stamp(2, acc[0][0][0]);
     }
+    trace.stamp(3, acc[0][0][0]);
 
     // ---- the next segment's first B words and A rows, in flight while this one is reduced
     DirectSegment following{0, 0, 0, 0, 1};
@@ -360,6 +365,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
               make_float2(acc[bb][j][2 * h], acc[bb][j][2 * h + 1]);
         }
     __syncthreads();
+    trace.stamp(4, 0.0f);
     // the block's sums P[row * 64 + col], rows < kRows
     for (int o = tid; o < kRows * 64; o += kThreads) {
       const int row = o >> 6, col = o & 63;
@@ -384,6 +390,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       }
       __syncthreads();
     }
+    trace.stamp(5, 0.0f);
 
     // ---- [OUT] output pairs p = row * 32 + col / 2 (rows < m); in a cluster those with p % splits == rank, the
     // cluster's sums added
@@ -424,9 +431,11 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       __syncthreads();               // (and red / sums are rewritten by the next segment)
       if (chained && tid == 0) atomicExch(lock, seg.contributor == seg.contributors - 1 ? 0 : seg.contributor + 1);
     }
+    trace.stamp(6, 0.0f);
     seg = following;
     have_seg = have_next;
   }
+  trace.flush();
   cp_async_wait<0>();
 #else
   __trap();
@@ -451,7 +460,9 @@ struct DirectPlan {
 // 7.8 us at 2 against 8.8 / 11.0 / 15.3 at 3 / 4 / 8: a cluster's blocks start and end together, so every wave pays
 // the whole chain of load, reduction and cluster barrier. stream_k: the (tile, unit) space cut evenly over the resident
 // blocks (each tile's contributors add through C under its lock; the grid never exceeds what is resident, so a block
-// never waits for one that cannot start).
+// never waits for one that cannot start). MARLIN_CONVERT_STREAM_K = N > 0 (benchmark only) caps stream-K's grid at N
+// blocks per SM; one (H200, fourteenth session, kernel/NOTES.md) was 12-30 % slower on 4096 x 22016 and 8192 x 57344,
+// 0-5 % on 8192 x 10240.
 template <int MB8>
 DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool stream_k) {
   DirectPlan plan;
@@ -463,7 +474,10 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
   const int tiles = L.n / 64;
   const int by_regs = MB8 == 1 ? 2 : 1;  // __launch_bounds__
   const int by_smem = kSmemPerSm / (smem + 1024);  // (1 KB per block reserved by the runtime)
-  const long resident = (long)L.sms * (by_smem < by_regs ? by_smem : by_regs);
+  int per_sm = by_smem < by_regs ? by_smem : by_regs;
+  const int sk_env = stream_k ? stream_k_per_sm() : -1;  // benchmark only: at most that many blocks per SM
+  if (sk_env > 0 && sk_env < per_sm) per_sm = sk_env;
+  const long resident = (long)L.sms * per_sm;
   if (stream_k) {
     // at most 4 contributors per tile (units_per_block >= ceil(tile_units / 3)): each adds its sums to C's 16-bit
     // values, so a longer chain rounds more often (bf16: a chain of 16 measured 2x torch's error in
@@ -531,6 +545,9 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
   }
   const LaunchShape shape(plan.grid, pl.smem, L.stream, cluster, pl.pdl);
   const int chunks_per_group = L.scale_rows > 1 ? (L.k / L.scale_rows) / kDirectChunkK : 1;
+#if defined(MARLIN_CONVERT_TRACE)
+  trace_arm();
+#endif
   e = cudaLaunchKernelEx(&shape.cfg, kernel, static_cast<const int4*>(L.A), static_cast<const int4*>(L.B),
                          static_cast<const int4*>(L.s), static_cast<const uint32_t*>(L.zp), static_cast<ActT*>(L.C),
                          L.workspace, L.m, L.n, L.k, chunks_per_group, plan.splits, plan.units_per_block);

@@ -120,6 +120,63 @@ __device__ __forceinline__ void grid_launch_dependents() {
 #endif
 }
 
+// ---- [TRACE] development builds only (MARLIN_CONVERT_TRACE=1 in the environment: kernel.py adds
+// -DMARLIN_CONVERT_TRACE; scripts/trace_kernel.py reads the stamps). Thread 0 of each block notes %globaltimer (ns, one
+// clock for all SMs) at seven phases of its last segment in registers, and writes them once, at the block's end, into
+// the buffer the host named with marlin_trace_set: row b (kTraceStamps 64-bit words) = phases 0 .. 6 in words 0 .. 6,
+// the SM id in word 7. (A first version wrote each stamp at once: the load of the buffer's address and the stores held
+// warp 0 up by ~1 us and delayed the cluster barrier's release.) Phases: 0 entry, 1 the first loads issued (after the
+// [PDL] wait), 2 warp 0's first chunk / stage computed, 3 warp 0's main loop done, 4 the block's warps all done (the
+// barrier before [RED]), 5 the reduction's cross-block wait done (cluster barrier or lock), 6 the segment's end.
+// Release builds have none of it (TraceClock is empty there).
+constexpr int kTraceStamps = 16;
+constexpr int kTracePhases = 7;
+#if defined(MARLIN_CONVERT_TRACE)
+extern unsigned long long* trace_host;  // the host's buffer (marlin_gemm.cu), or null
+extern long trace_host_blocks;          // its rows
+static __device__ unsigned long long* trace_device;  // this unit's copy of the two (each .cu is its own device module)
+static __device__ long trace_device_blocks;
+// Host: hands the buffer to this unit's kernels when it changed (a synchronous copy: call outside graph capture, as
+// scripts/trace_kernel.py's warm-up calls do).
+static inline void trace_arm() {
+  static unsigned long long* armed = nullptr;
+  static long armed_blocks = 0;
+  if (armed == trace_host && armed_blocks == trace_host_blocks) return;
+  cudaMemcpyToSymbol(trace_device, &trace_host, sizeof trace_host);
+  cudaMemcpyToSymbol(trace_device_blocks, &trace_host_blocks, sizeof trace_host_blocks);
+  armed = trace_host;
+  armed_blocks = trace_host_blocks;
+}
+#endif
+struct TraceClock {
+#if defined(MARLIN_CONVERT_TRACE)
+  unsigned long long at[kTracePhases];
+#endif
+  // notes `phase` (a constant at every call site, so `at` stays in registers) once `after` is computed (the input
+  // ties the clock read behind it)
+  __device__ __forceinline__ void stamp(int phase, float after) {
+#if defined(MARLIN_CONVERT_TRACE) && defined(__CUDA_ARCH__)
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(at[phase]) : "f"(after) : "memory");
+#else
+    (void)phase;
+    (void)after;
+#endif
+  }
+  __device__ __forceinline__ void flush() const {
+#if defined(MARLIN_CONVERT_TRACE) && defined(__CUDA_ARCH__)
+    unsigned long long* const buf = trace_device;
+    if (threadIdx.x == 0 && buf != nullptr && (long)blockIdx.x < trace_device_blocks) {
+      unsigned long long* const row = buf + (size_t)blockIdx.x * kTraceStamps;
+#pragma unroll
+      for (int i = 0; i < kTracePhases; ++i) row[i] = at[i];
+      unsigned int sm;
+      asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+      row[7] = sm;
+    }
+#endif
+  }
+};
+
 // [S2R] four 8x8 16-bit matrices; lane l gives the row address of matrix l / 8, row l % 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -851,12 +908,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       cp_async_commit();  // always commit (possibly empty) so the group count stays aligned
     }
   };
+  TraceClock trace;
+  trace.stamp(0, 0.0f);
   Segment seg{0, 0, 0};
   bool have_seg = next_segment(seg);
   // ---- [PDL] let the next kernel start, then wait for the one before: nothing above read or wrote memory
   grid_launch_dependents();
   grid_dependency_wait();
   if (have_seg) prologue(seg);
+  trace.stamp(1, 0.0f);
   while (have_seg) {
     const int ntile = seg.ntile;
     const int stage_begin = seg.stage_begin;
@@ -1152,7 +1212,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       cp_async_commit();
       compute_stage(slot_of(it), stage_begin + it);
       if constexpr (WG) wgmma_wait<0>();  // the stage's wgmma are done with its shared memory (refilled next)
+      if (it == 0) trace.stamp(2, acc[0][0][0]);
     }
+    trace.stamp(3, acc[0][0][0]);
     if constexpr (WG) {
       // the accumulators are read from here on: pin every one behind the last wait (an empty asm that "writes" it), so
       // that no compiler moves a read or copy of them above it (as CUTLASS's warpgroup_fence_operand does)
@@ -1172,6 +1234,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       cp_async_wait<0>();
       __syncthreads();  // the pipeline's shared memory is now free for the reduction
     }
+    trace.stamp(4, 0.0f);
 
     // ---- [RED] across blocks: wait for our turn on this tile's lock
     int* lock = locks + ntile * m_chunks + mchunk;
@@ -1184,6 +1247,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       }
       __syncthreads();
     }
+    trace.stamp(5, 0.0f);
 
     // ---- [RED] inside the block, then [OUT]; one m-block at a time (32 KB of shared memory)
     float2* red = reinterpret_cast<float2*>(smem);
@@ -1284,9 +1348,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       __syncthreads();
       if (tid == 0) atomicExch(lock, split == splits - 1 ? 0 : split + 1);
     }
+    trace.stamp(6, 0.0f);
     if (!kOverlapNext && have_seg) prologue(following);
     seg = following;
   }  // segments
+  trace.flush();
 }
 
 // ------------------------------------------------------------------------------------------------ host side
@@ -1515,6 +1581,9 @@ int launch_config(const Launch& L) {
   }
   const PdlLaunch pl = pdl_launch(grid, smem, per_sm, L.sms, optin);
   const LaunchShape shape(grid, pl.smem, L.stream, 1, pl.pdl);
+#if defined(MARLIN_CONVERT_TRACE)
+  trace_arm();
+#endif
   e = cudaLaunchKernelEx(&shape.cfg, stream_k ? sk_kernel : kernel, static_cast<const int4*>(L.A),
                          static_cast<const int4*>(L.B), static_cast<const int4*>(L.s), static_cast<const int4*>(L.zp),
                          static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift, tile_units,

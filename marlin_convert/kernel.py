@@ -36,6 +36,10 @@ SM90A_DEFINE = "-DMARLIN_CONVERT_SM90A"
 #: compiler flags of the build (part of the cache key, with the -gencode flags of the architectures)
 CXX_FLAGS = ["-O3", "-std=c++17"]
 CUDA_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+#: defined for the kernel and binding when ``MARLIN_CONVERT_TRACE=1`` (development builds: the kernels stamp each
+#: block's phases into a buffer, ``scripts/trace_kernel.py``); part of the cache key, so such a build never replaces
+#: the release one
+TRACE_DEFINE = "-DMARLIN_CONVERT_TRACE"
 #: minimum compute capability (mma.sync m16n8k16 with fp32 accumulation, cp.async, ldmatrix)
 MIN_CAPABILITY = (8, 0)
 
@@ -174,13 +178,15 @@ def unavailable_reason(device_index: int = 0) -> str | None:
 
 @dataclass(frozen=True)
 class _BuildSpec:
-    """One build of the extension: cache key, module name, build folder, target architectures, nvcc flags."""
+    """One build of the extension: cache key, module name, build folder, target architectures, nvcc and C++
+    flags."""
 
     key: str
     name: str
     build_dir: Path
     archs: tuple[str, ...]
     cuda_flags: list[str] = field(hash=False)
+    cxx_flags: list[str] = field(hash=False)
 
 
 def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
@@ -205,12 +211,14 @@ def _build_spec(capability: tuple[int, int]) -> _BuildSpec:
     if not any(_capability_of(a) == capability for a in archs):  # PTX for the driver to compile, never an "a" one's
         ptx = archs[-1].removesuffix("a")
         flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
-    cuda_flags = [*CUDA_FLAGS, *flags]
+    trace = [TRACE_DEFINE] if os.environ.get("MARLIN_CONVERT_TRACE") == "1" else []
+    cuda_flags = [*CUDA_FLAGS, *flags, *trace]
+    cxx_flags = [*CXX_FLAGS, *trace]
     key_text = "|".join([source_hash(), "sm" + arch, ",".join(archs), torch.__version__, str(torch.version.cuda),
-                         str(sysconfig.get_config_var("SOABI")), " ".join(CXX_FLAGS), " ".join(cuda_flags)])
+                         str(sysconfig.get_config_var("SOABI")), " ".join(cxx_flags), " ".join(cuda_flags)])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     name = f"marlin_convert_kernel_{key}"
-    return _BuildSpec(key, name, cache_root() / f"kernel-{key}", tuple(archs), cuda_flags)
+    return _BuildSpec(key, name, cache_root() / f"kernel-{key}", tuple(archs), cuda_flags, cxx_flags)
 
 
 def _is_built(name: str, build_dir: Path) -> bool:
@@ -225,6 +233,7 @@ def _is_built(name: str, build_dir: Path) -> bool:
 def _build(capability: tuple[int, int], verbose: bool = False):
     spec = _build_spec(capability)
     key, name, build_dir, archs, cuda_flags = spec.key, spec.name, spec.build_dir, spec.archs, spec.cuda_flags
+    cxx_flags = spec.cxx_flags
     if key in _modules:
         return _modules[key]
     built = _import_built(name, build_dir)
@@ -245,7 +254,7 @@ def _build(capability: tuple[int, int], verbose: bool = False):
             module = cpp_extension.load(
                 name=name,
                 sources=[str(KERNEL_DIR / "binding.cpp"), *(str(p) for p in kernel_sources())],
-                extra_cflags=CXX_FLAGS,
+                extra_cflags=cxx_flags,
                 extra_cuda_cflags=cuda_flags,
                 extra_include_paths=[str(KERNEL_DIR)],
                 build_directory=str(build_dir),

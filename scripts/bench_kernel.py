@@ -29,7 +29,8 @@ Bandwidth arithmetic:
            (wide_eight_pays); a value a kind does not know gives its default; "-" = unset)
            against the same torch time and prints a geomean per configuration.
     --stream-k 0,1,2   times each value of MARLIN_CONVERT_STREAM_K (benchmark only: 0 = split-K, N = stream-K over N
-           blocks per SM at most, kernel/marlin_gemm_impl.cuh launch_config), crossed with --cfgs.
+           blocks per SM at most, kernel/marlin_gemm_impl.cuh launch_config; N > 0 also caps the direct-load kernel's
+           stream-K grid at N blocks per SM, direct_plan), crossed with --cfgs.
     --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 32, 4-bit kinds: 0 = the mma.sync kernels,
            1 = the default rule, 2..4 = a fixed wgmma configuration, try_wgmma in kernel/marlin_gemm_impl.cuh), crossed
            with the two above.

@@ -32,3 +32,40 @@ def test_the_tiny_preset_prints_no_zero_sizes_no_inf_and_no_pass_or_miss(tmp_pat
     assert "0.000 GB" not in text and "inf" not in text.replace("info", ""), text
     assert "PASS" not in text and "MISS" not in text, text
     assert "targets apply only to the full presets" in text, text
+
+
+def _stamp_row(entry: int, phases: list[int], sm: int) -> list[int]:
+    """One block's row of the [TRACE] buffer: %globaltimer at phases 0 .. 6, the SM id, unused words."""
+    times = [entry]
+    for step in phases:
+        times.append(times[-1] + step)
+    return times + [sm] + [0] * 8
+
+
+def test_trace_summary_reads_spans_spreads_phases_and_sm_sharing():
+    """scripts/trace_kernel.py's summary of a traced call, on rows made by hand: 4 blocks on 3 SMs (blocks 0 and 3
+    share SM 5; SMs = 2, so block 0's second-round partner is block 2, on another SM), one block that never ran past
+    the grid is ignored."""
+    from trace_kernel import PHASES, summarize
+
+    rows = [_stamp_row(1000, [100, 200, 300, 10, 20, 30], 5), _stamp_row(1040, [100, 200, 300, 10, 20, 30], 6),
+            _stamp_row(1100, [100, 400, 300, 10, 20, 30], 7), _stamp_row(1010, [100, 200, 300, 10, 500, 30], 5),
+            [0] * 16]
+    s = summarize(rows, 4, 2)
+    ends = sorted(r[6] - 1000 for r in rows[:4])
+    assert ends == [660, 700, 960, 1150]
+    assert s["blocks"] == 4 and s["sms"] == 3 and s["per_sm"] == 2
+    assert s["span"] == 1150 and s["entry"] == 100 and s["end"] == 1150 - 660
+    assert s["pair"] == 0.0  # blocks 0 / 2 and 1 / 3 ran on different SMs
+    assert s["ends"] == [660, 960, 1150]  # 10th, 50th, 90th percentile of 4 (the sorted list's items 0, 2, 3)
+    assert s["lone"] == (2, (700 + 960) / 2, (660 + 1150) / 2)  # blocks 1, 2 alone; 0, 3 share SM 5
+    assert s[PHASES[1]] == (200, 400) and s[PHASES[4]] == (20, 500)
+    assert summarize([[0] * 16], 1, 2) == {}
+
+
+def test_trace_script_needs_the_trace_build():
+    """Without MARLIN_CONVERT_TRACE=1 the script would time the release build, which has no stamps: one line, exit 2."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MARLIN_CONVERT_TRACE"}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "trace_kernel.py")], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 2 and "MARLIN_CONVERT_TRACE=1" in done.stderr, done.stderr

@@ -126,3 +126,16 @@ def test_hopper_builds_sm90a_and_newer_gpus_get_portable_ptx(monkeypatch):
     assert every.archs == kernel.SUPPORTED_ARCHS and kernel.SM90A_DEFINE in every.cuda_flags
     assert "-gencode=arch=compute_90,code=compute_90" in every.cuda_flags
     assert not any("code=compute_90a" in flag for flag in every.cuda_flags)
+
+
+def test_trace_builds_have_their_own_key_and_define(monkeypatch):
+    """MARLIN_CONVERT_TRACE=1 (development builds: scripts/trace_kernel.py) adds the trace define to both compilers'
+    flags and so to the cache key: a trace build never stands in for the release build, nor the other way round."""
+    monkeypatch.delenv("MARLIN_CONVERT_ALL_ARCHS", raising=False)
+    monkeypatch.delenv("MARLIN_CONVERT_TRACE", raising=False)
+    release = kernel._build_spec((9, 0))
+    assert kernel.TRACE_DEFINE not in release.cuda_flags and kernel.TRACE_DEFINE not in release.cxx_flags
+    monkeypatch.setenv("MARLIN_CONVERT_TRACE", "1")
+    traced = kernel._build_spec((9, 0))
+    assert kernel.TRACE_DEFINE in traced.cuda_flags and kernel.TRACE_DEFINE in traced.cxx_flags
+    assert traced.key != release.key and traced.build_dir != release.build_dir
