@@ -175,14 +175,19 @@ std::string last_launch() {
 
 #if defined(MARLIN_CONVERT_TRACE)
 // Development builds: the int64 CUDA tensor [blocks, 16] the next launches stamp (scripts/trace_kernel.py); None stops.
+// The tensor is held here until replaced, so the kernels never write into memory the allocator has handed on.
 void trace_set(const c10::optional<torch::Tensor>& buffer) {
+  static torch::Tensor held;
   if (!buffer.has_value()) {
     marlin_convert::marlin_trace_set(nullptr, 0);
+    held = torch::Tensor();
     return;
   }
   const torch::Tensor& t = *buffer;
   MG_CHECK(t.is_cuda() && t.scalar_type() == at::kLong && t.dim() == 2 && t.size(1) == 16 && t.is_contiguous(),
-           "trace_set: the buffer must be a contiguous int64 CUDA tensor [blocks, 16], got shape %s", Dims(t).text);
+           "trace_set: the buffer must be a contiguous int64 CUDA tensor [blocks, 16], got %s %s on %s",
+           c10::toString(t.scalar_type()), Dims(t).text, c10::DeviceTypeName(t.device().type(), true).c_str());
+  held = t;
   marlin_convert::marlin_trace_set(t.data_ptr(), (long)t.size(0));
 }
 #endif

@@ -460,11 +460,11 @@ struct DirectPlan {
 // 7.8 us at 2 against 8.8 / 11.0 / 15.3 at 3 / 4 / 8: a cluster's blocks start and end together, so every wave pays
 // the whole chain of load, reduction and cluster barrier. stream_k: the (tile, unit) space cut evenly over the resident
 // blocks (each tile's contributors add through C under its lock; the grid never exceeds what is resident, so a block
-// never waits for one that cannot start). MARLIN_CONVERT_STREAM_K = N > 0 (benchmark only) caps stream-K's grid at N
-// blocks per SM; one (H200, fourteenth session, kernel/NOTES.md) was 12-30 % slower on 4096 x 22016 and 8192 x 57344,
-// 0-5 % on 8192 x 10240.
+// never waits for one that cannot start). With `capped`, MARLIN_CONVERT_STREAM_K = N > 0 (benchmark only) caps
+// stream-K's grid at N blocks per SM; one (H200, fourteenth session, kernel/NOTES.md) took 14-29 % more time on
+// 4096 x 22016 and 8192 x 57344 at group 128, 0-5 % on 8192 x 10240.
 template <int MB8>
-DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool stream_k) {
+DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool stream_k, bool capped) {
   DirectPlan plan;
   if (L.m > 8 * MB8 || L.k % kDirectChunkK != 0) return plan;
   if (L.scale_rows > 1 && (L.k / L.scale_rows) % kDirectChunkK != 0) return plan;
@@ -475,7 +475,7 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
   const int by_regs = MB8 == 1 ? 2 : 1;  // __launch_bounds__
   const int by_smem = kSmemPerSm / (smem + 1024);  // (1 KB per block reserved by the runtime)
   int per_sm = by_smem < by_regs ? by_smem : by_regs;
-  const int sk_env = stream_k ? stream_k_per_sm() : -1;  // benchmark only: at most that many blocks per SM
+  const int sk_env = stream_k && capped ? stream_k_per_sm() : -1;  // benchmark only: at most that many per SM
   if (sk_env > 0 && sk_env < per_sm) per_sm = sk_env;
   const long resident = (long)L.sms * per_sm;
   if (stream_k) {
@@ -546,7 +546,7 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
   const LaunchShape shape(plan.grid, pl.smem, L.stream, cluster, pl.pdl);
   const int chunks_per_group = L.scale_rows > 1 ? (L.k / L.scale_rows) / kDirectChunkK : 1;
 #if defined(MARLIN_CONVERT_TRACE)
-  trace_arm();
+  trace_arm(L.stream);
 #endif
   e = cudaLaunchKernelEx(&shape.cfg, kernel, static_cast<const int4*>(L.A), static_cast<const int4*>(L.B),
                          static_cast<const int4*>(L.s), static_cast<const uint32_t*>(L.zp), static_cast<ActT*>(L.C),
@@ -579,14 +579,18 @@ int try_direct(const Launch& L, int optin, bool& launched) {
     const int forced = variant == 2 && L.split_k > 0 ? L.split_k : 0;
     const bool stream_k = variant == 3;
     if (L.m <= 8) {
-      DirectPlan plan = direct_plan<1>(L, optin, forced, stream_k);
-      // the default: a cluster of two per tile, else stream-K (direct_pays)
-      if (variant == 1 && plan.splits != 2) plan = direct_plan<1>(L, optin, 0, true);
+      DirectPlan plan = direct_plan<1>(L, optin, forced, stream_k, true);
+      // the default: a cluster of two per tile, else stream-K (direct_pays, decided on the plan without the benchmark
+      // cap, so that MARLIN_CONVERT_STREAM_K changes how the direct kernel runs, not whether)
+      if (variant == 1 && plan.splits != 2) {
+        plan = direct_plan<1>(L, optin, 0, true, false);
+        if (plan.splits != 0 && direct_pays(plan, GROUPED)) plan = direct_plan<1>(L, optin, 0, true, true);
+      }
       if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED))) return MARLIN_OK;
       launched = true;
       return launch_direct<K, 1, GROUPED>(L, plan);
     }
-    const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k);
+    const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, true);
     if (plan.splits == 0) return MARLIN_OK;
     launched = true;
     return launch_direct<K, 2, GROUPED>(L, plan);

@@ -124,10 +124,14 @@ __device__ __forceinline__ void grid_launch_dependents() {
 // -DMARLIN_CONVERT_TRACE; scripts/trace_kernel.py reads the stamps). Thread 0 of each block notes %globaltimer (ns, one
 // clock for all SMs) at seven phases of its last segment in registers, and writes them once, at the block's end, into
 // the buffer the host named with marlin_trace_set: row b (kTraceStamps 64-bit words) = phases 0 .. 6 in words 0 .. 6,
-// the SM id in word 7. (A first version wrote each stamp at once: the load of the buffer's address and the stores held
-// warp 0 up by ~1 us and delayed the cluster barrier's release.) Phases: 0 entry, 1 the first loads issued (after the
-// [PDL] wait), 2 warp 0's first chunk / stage computed, 3 warp 0's main loop done, 4 the block's warps all done (the
-// barrier before [RED]), 5 the reduction's cross-block wait done (cluster barrier or lock), 6 the segment's end.
+// the SM id in word 7; a phase the block never reached stays 0 (phase 2 where warp 0 has no chunk). (A first version
+// wrote each stamp at once: the load of the buffer's address held warp 0 up before its first loads, ~0.3 us on the
+// H100.) Phases: 0 entry, 1 the first loads issued (after the [PDL] wait), 2 warp 0's first chunk / stage computed, 3
+// warp 0's main loop done, 4 the block's warps all done (the barrier before [RED]), 5 the reduction's cross-block wait
+// done (cluster barrier or lock; the direct kernel's includes its own sum over the warps), 6 the segment's end. A
+// stamp is issued after the instructions that compute `after` (in order: once their operands, the loaded weights,
+// were there), not after their results. The seven 64-bit stamps cost registers: in a trace build six kernels spilled
+// 4-16 bytes (none of fp16 x 4-bit's m <= 16 defaults), so those run a little slower traced than in release.
 // Release builds have none of it (TraceClock is empty there).
 constexpr int kTraceStamps = 16;
 constexpr int kTracePhases = 7;
@@ -136,24 +140,29 @@ extern unsigned long long* trace_host;  // the host's buffer (marlin_gemm.cu), o
 extern long trace_host_blocks;          // its rows
 static __device__ unsigned long long* trace_device;  // this unit's copy of the two (each .cu is its own device module)
 static __device__ long trace_device_blocks;
-// Host: hands the buffer to this unit's kernels when it changed (a synchronous copy: call outside graph capture, as
-// scripts/trace_kernel.py's warm-up calls do).
-static inline void trace_arm() {
+// Host: hands the buffer to this unit's kernels when it changed: a synchronous copy, so not while `stream` is being
+// captured into a graph (scripts/trace_kernel.py's warm-up calls arm it before the capture); a failed copy leaves it
+// unarmed, to be tried again at the next launch. (One GPU per process: the copy goes to the current device.)
+static inline void trace_arm(cudaStream_t stream) {
   static unsigned long long* armed = nullptr;
   static long armed_blocks = 0;
   if (armed == trace_host && armed_blocks == trace_host_blocks) return;
-  cudaMemcpyToSymbol(trace_device, &trace_host, sizeof trace_host);
-  cudaMemcpyToSymbol(trace_device_blocks, &trace_host_blocks, sizeof trace_host_blocks);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) return;
+  if (cudaMemcpyToSymbol(trace_device, &trace_host, sizeof trace_host) != cudaSuccess ||
+      cudaMemcpyToSymbol(trace_device_blocks, &trace_host_blocks, sizeof trace_host_blocks) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
   armed = trace_host;
   armed_blocks = trace_host_blocks;
 }
 #endif
 struct TraceClock {
 #if defined(MARLIN_CONVERT_TRACE)
-  unsigned long long at[kTracePhases];
+  unsigned long long at[kTracePhases] = {};
 #endif
-  // notes `phase` (a constant at every call site, so `at` stays in registers) once `after` is computed (the input
-  // ties the clock read behind it)
+  // notes `phase` (a constant at every call site, so `at` stays in registers) after the code that computes `after`
   __device__ __forceinline__ void stamp(int phase, float after) {
 #if defined(MARLIN_CONVERT_TRACE) && defined(__CUDA_ARCH__)
     asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(at[phase]) : "f"(after) : "memory");
@@ -1582,7 +1591,7 @@ int launch_config(const Launch& L) {
   const PdlLaunch pl = pdl_launch(grid, smem, per_sm, L.sms, optin);
   const LaunchShape shape(grid, pl.smem, L.stream, 1, pl.pdl);
 #if defined(MARLIN_CONVERT_TRACE)
-  trace_arm();
+  trace_arm(L.stream);
 #endif
   e = cudaLaunchKernelEx(&shape.cfg, stream_k ? sk_kernel : kernel, static_cast<const int4*>(L.A),
                          static_cast<const int4*>(L.B), static_cast<const int4*>(L.s), static_cast<const int4*>(L.zp),

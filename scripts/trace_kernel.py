@@ -9,18 +9,25 @@ untouched): thread 0 of every block notes %globaltimer at seven phases of its la
 them at the block's end ([TRACE] in kernel/marlin_gemm_impl.cuh):
     0 entry          1 first loads issued (after the [PDL] wait)   2 warp 0's first chunk / stage computed
     3 warp 0's main loop done   4 the block's warps all done (barrier before [RED])
-    5 the cross-block wait of the reduction done (cluster barrier or lock)   6 the segment's end
-(For a block of several segments, phases 2 .. 6 are its last segment's, counted from the end of the phase before.)
-Each case is timed as scripts/bench_kernel.py times it (CUDA-graph replays over weight copies larger than L2, --pdl as
-there); the stamps are those of the last call of the last replay. Printed per case:
+    5 the cross-block wait of the reduction done (cluster barrier or lock; the direct kernel's includes its own sum
+      over the warps)   6 the segment's end
+For a block of several segments (stream-K), phases 2 .. 6 are those of the segment it takes last (a tile's tail), and
+phase 2 counts from phase 1, so it holds every segment before that one. A phase a block never reached (phase 2 where
+warp 0 had no chunk) is left out of that phase's figures. Traced kernels run as in release, except that six of them
+spill a few bytes for the stamps' registers (the [TRACE] comment in kernel/marlin_gemm_impl.cuh).
+Each case is timed as scripts/bench_kernel.py times it (CUDA-graph replays over weight copies larger than L2), with
+--pdl 0 by default here (each call waits for the one before); the stamps are those of the last call of the last
+replay. Printed per case (variant: split = --split-k, di = MARLIN_CONVERT_DIRECT, pdl = MARLIN_CONVERT_PDL):
     call     the time per call of the graph replay (what bench_kernel.py reports), us
     span     the traced call on the GPU: the first block's entry to the last block's end (%globaltimer), us
-    gap      call - span: what the GPU spends between two kernels of the replay (launch, ramp-down, ramp-up)
+    gap      call - span: what the GPU spends between two kernels of the replay (launch, ramp-down, ramp-up); with
+             --pdl 1 the entries come before the wait for the kernel before, so span can exceed the call and gap is
+             negative
     entry    spread of the blocks' entries (last entry - first); end: spread of their ends
     blk, sm  blocks, SMs they ran on; b/sm: most blocks on one SM; pair: the share of blocks b < SMs whose SM also ran
              block b + SMs (the block scheduler's second round on the same SM)
-    ends     when the blocks end, from the first entry: 10th, 50th and 90th percentile, us; lone: the blocks alone on
-             their SM (count, median end) against the median end of the others
+    ends     when the blocks end, from the first entry: 10th, 50th and 90th percentile (nearest rank), us; lone: the
+             blocks alone on their SM (count, median end) against the median end of the others
     phases   per phase, the median and the largest duration over the blocks, ns
 A build without the trace define has no `trace_set`: the script says so and stops (exit 2).
 """
@@ -28,6 +35,7 @@ A build without the trace define has no `trace_set`: the script says so and stop
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -64,11 +72,11 @@ def summarize(rows, grid: int, sms: int) -> dict:
         "end": max(r[6] for r in done) - min(r[6] for r in done),
     }
     for i, name in enumerate(PHASES, start=1):
-        ns = [r[i] - r[i - 1] for r in done]
-        out[name] = (statistics.median(ns), max(ns))
+        ns = [r[i] - r[i - 1] for r in done if r[i] and r[i - 1]]  # (a phase never reached stays 0)
+        out[name] = (statistics.median(ns), max(ns)) if ns else (float("nan"), float("nan"))
     # when the blocks end (from the first entry): percentiles, and the blocks alone on their SM against the others
     ends = sorted(r[6] - first for r in done)
-    out["ends"] = [ends[min(len(ends) - 1, int(q * len(ends)))] for q in (0.1, 0.5, 0.9)]
+    out["ends"] = [ends[max(0, math.ceil(q * len(ends)) - 1)] for q in (0.1, 0.5, 0.9)]  # nearest rank
     lone = [r[6] - first for r in done if per_sm[r[7]] == 1]
     shared = [r[6] - first for r in done if per_sm[r[7]] > 1]
     out["lone"] = (len(lone), statistics.median(lone) if lone else float("nan"),
@@ -152,7 +160,7 @@ def main(argv=None) -> int:
                             launch = module.last_launch()
                             grid = int(re.search(r"grid=(\d+)", launch).group(1))
                             s = summarize(buffer[:grid].cpu().tolist(), grid, props.multi_processor_count)
-                            variant = f"sk{split}/di{direct}/pdl{pdl}"
+                            variant = f"split{split}/di{direct}/pdl{pdl}"
                             if not s:
                                 print(f"{k:>6} {n:>6} {g:>4} {m:>3} {variant:>16} | {t * 1e6:>6.1f}  no stamps "
                                       f"[{launch}]")

@@ -57,10 +57,14 @@ def test_trace_summary_reads_spans_spreads_phases_and_sm_sharing():
     assert s["blocks"] == 4 and s["sms"] == 3 and s["per_sm"] == 2
     assert s["span"] == 1150 and s["entry"] == 100 and s["end"] == 1150 - 660
     assert s["pair"] == 0.0  # blocks 0 / 2 and 1 / 3 ran on different SMs
-    assert s["ends"] == [660, 960, 1150]  # 10th, 50th, 90th percentile of 4 (the sorted list's items 0, 2, 3)
+    assert s["ends"] == [660, 700, 1150]  # 10th, 50th, 90th percentile of 4, nearest rank: items 1, 2, 4
     assert s["lone"] == (2, (700 + 960) / 2, (660 + 1150) / 2)  # blocks 1, 2 alone; 0, 3 share SM 5
     assert s[PHASES[1]] == (200, 400) and s[PHASES[4]] == (20, 500)
     assert summarize([[0] * 16], 1, 2) == {}
+    # a phase a block never reached (0: phase 2 where warp 0 had no chunk) is left out of that phase's figures only
+    rows[1][2] = 0
+    s = summarize(rows, 4, 2)
+    assert s[PHASES[1]] == (200, 400) and s[PHASES[2]] == (300, 300) and s["blocks"] == 4
 
 
 def test_trace_script_needs_the_trace_build():
