@@ -241,7 +241,13 @@ def main(argv=None) -> int:
 
     from marlin_convert.kernel import ensure_kernel, load_kernel, marlin_gemm, required_workspace_ints
 
-    ensure_kernel(0)
+    from marlin_convert.errors import KernelUnavailableError
+
+    try:
+        ensure_kernel(0)
+    except KernelUnavailableError as exc:  # no GPU, a CPU torch, no nvcc: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     last_launch = load_kernel(0).last_launch
     shapes, ms, groups = SHAPES, MS, GROUPS
     if args.quick:

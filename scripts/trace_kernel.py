@@ -117,7 +117,13 @@ def main(argv=None) -> int:
 
     from marlin_convert.kernel import ensure_kernel, load_kernel, marlin_gemm, required_workspace_ints
 
-    ensure_kernel(0)
+    from marlin_convert.errors import KernelUnavailableError
+
+    try:
+        ensure_kernel(0)
+    except KernelUnavailableError as exc:  # no GPU, a CPU torch, no nvcc: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     module = load_kernel(0)
     if not hasattr(module, "trace_set"):
         print("error: the loaded kernel build has no trace_set (not a MARLIN_CONVERT_TRACE build)", file=sys.stderr)

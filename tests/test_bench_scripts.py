@@ -73,3 +73,15 @@ def test_trace_script_needs_the_trace_build():
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "trace_kernel.py")], capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 2 and "MARLIN_CONVERT_TRACE=1" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("script, env", [("trace_kernel.py", {"MARLIN_CONVERT_TRACE": "1"}), ("bench_kernel.py", {})])
+def test_kernel_scripts_say_why_when_the_kernel_cannot_run(script, env):
+    """Without a usable GPU (CI: a CPU build of torch) the kernel scripts print one line and exit 2, not a traceback."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the scripts would run the kernel")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / script)], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, **env})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
