@@ -460,11 +460,11 @@ struct DirectPlan {
 // 7.8 us at 2 against 8.8 / 11.0 / 15.3 at 3 / 4 / 8: a cluster's blocks start and end together, so every wave pays
 // the whole chain of load, reduction and cluster barrier. stream_k: the (tile, unit) space cut evenly over the resident
 // blocks (each tile's contributors add through C under its lock; the grid never exceeds what is resident, so a block
-// never waits for one that cannot start). With `capped`, MARLIN_CONVERT_STREAM_K = N > 0 (benchmark only) caps
-// stream-K's grid at N blocks per SM; one (H200, fourteenth session, kernel/NOTES.md) took 14-29 % more time on
+// never waits for one that cannot start). per_sm_cap > 0 (MARLIN_CONVERT_STREAM_K, benchmark only) caps stream-K's
+// grid at that many blocks per SM; one (H200, fourteenth session, kernel/NOTES.md) took 14-29 % more time on
 // 4096 x 22016 and 8192 x 57344 at group 128, 0-5 % on 8192 x 10240.
 template <int MB8>
-DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool stream_k, bool capped) {
+DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool stream_k, int per_sm_cap = 0) {
   DirectPlan plan;
   if (L.m > 8 * MB8 || L.k % kDirectChunkK != 0) return plan;
   if (L.scale_rows > 1 && (L.k / L.scale_rows) % kDirectChunkK != 0) return plan;
@@ -475,8 +475,7 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
   const int by_regs = MB8 == 1 ? 2 : 1;  // __launch_bounds__
   const int by_smem = kSmemPerSm / (smem + 1024);  // (1 KB per block reserved by the runtime)
   int per_sm = by_smem < by_regs ? by_smem : by_regs;
-  const int sk_env = stream_k && capped ? stream_k_per_sm() : -1;  // benchmark only: at most that many per SM
-  if (sk_env > 0 && sk_env < per_sm) per_sm = sk_env;
+  if (stream_k && per_sm_cap > 0 && per_sm_cap < per_sm) per_sm = per_sm_cap;
   const long resident = (long)L.sms * per_sm;
   if (stream_k) {
     // at most 4 contributors per tile (units_per_block >= ceil(tile_units / 3)): each adds its sums to C's 16-bit
@@ -578,19 +577,24 @@ int try_direct(const Launch& L, int optin, bool& launched) {
     if (variant == 0 || (variant == 1 && (L.m > 8 || L.split_k > 0))) return MARLIN_OK;
     const int forced = variant == 2 && L.split_k > 0 ? L.split_k : 0;
     const bool stream_k = variant == 3;
+    // benchmark only (MARLIN_CONVERT_STREAM_K): stream-K's blocks per SM, read where a stream-K plan is launched
+    const int forced_cap = stream_k ? stream_k_per_sm() : 0;
     if (L.m <= 8) {
-      DirectPlan plan = direct_plan<1>(L, optin, forced, stream_k, true);
+      DirectPlan plan = direct_plan<1>(L, optin, forced, stream_k, forced_cap);
       // the default: a cluster of two per tile, else stream-K (direct_pays, decided on the plan without the benchmark
       // cap, so that MARLIN_CONVERT_STREAM_K changes how the direct kernel runs, not whether)
       if (variant == 1 && plan.splits != 2) {
-        plan = direct_plan<1>(L, optin, 0, true, false);
-        if (plan.splits != 0 && direct_pays(plan, GROUPED)) plan = direct_plan<1>(L, optin, 0, true, true);
+        plan = direct_plan<1>(L, optin, 0, true);
+        if (plan.splits != 0 && direct_pays(plan, GROUPED)) {
+          const int cap = stream_k_per_sm();
+          if (cap > 0) plan = direct_plan<1>(L, optin, 0, true, cap);
+        }
       }
       if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED))) return MARLIN_OK;
       launched = true;
       return launch_direct<K, 1, GROUPED>(L, plan);
     }
-    const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, true);
+    const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, forced_cap);
     if (plan.splits == 0) return MARLIN_OK;
     launched = true;
     return launch_direct<K, 2, GROUPED>(L, plan);

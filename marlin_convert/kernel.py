@@ -232,8 +232,7 @@ def _is_built(name: str, build_dir: Path) -> bool:
 
 def _build(capability: tuple[int, int], verbose: bool = False):
     spec = _build_spec(capability)
-    key, name, build_dir, archs, cuda_flags = spec.key, spec.name, spec.build_dir, spec.archs, spec.cuda_flags
-    cxx_flags = spec.cxx_flags
+    key, name, build_dir, archs = spec.key, spec.name, spec.build_dir, spec.archs
     if key in _modules:
         return _modules[key]
     built = _import_built(name, build_dir)
@@ -254,8 +253,8 @@ def _build(capability: tuple[int, int], verbose: bool = False):
             module = cpp_extension.load(
                 name=name,
                 sources=[str(KERNEL_DIR / "binding.cpp"), *(str(p) for p in kernel_sources())],
-                extra_cflags=cxx_flags,
-                extra_cuda_cflags=cuda_flags,
+                extra_cflags=spec.cxx_flags,
+                extra_cuda_cflags=spec.cuda_flags,
                 extra_include_paths=[str(KERNEL_DIR)],
                 build_directory=str(build_dir),
                 verbose=verbose,

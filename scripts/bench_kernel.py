@@ -211,6 +211,20 @@ def _operands(torch, kind: str, k: int, n: int, g: int, gen):
     return [operand_copy(torch, kind, k, n, g, gen) for _ in range(copies)], w_bytes
 
 
+def kernel_ready() -> bool:
+    """Build or load the kernel for GPU 0; where it cannot run (no GPU, a CPU build of torch, no nvcc), say why on one
+    line of stderr and return False (the scripts then exit 2, not with a traceback)."""
+    from marlin_convert.errors import KernelUnavailableError
+    from marlin_convert.kernel import ensure_kernel
+
+    try:
+        ensure_kernel(0)
+    except KernelUnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 shapes, m = 1..16, 64, 128, group 128")
@@ -239,14 +253,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from marlin_convert.kernel import ensure_kernel, load_kernel, marlin_gemm, required_workspace_ints
+    from marlin_convert.kernel import load_kernel, marlin_gemm, required_workspace_ints
 
-    from marlin_convert.errors import KernelUnavailableError
-
-    try:
-        ensure_kernel(0)
-    except KernelUnavailableError as exc:  # no GPU, a CPU torch, no nvcc: one line, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
+    if not kernel_ready():
         return 2
     last_launch = load_kernel(0).last_launch
     shapes, ms, groups = SHAPES, MS, GROUPS

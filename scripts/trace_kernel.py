@@ -115,14 +115,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from marlin_convert.kernel import ensure_kernel, load_kernel, marlin_gemm, required_workspace_ints
+    from marlin_convert.kernel import load_kernel, marlin_gemm, required_workspace_ints
 
-    from marlin_convert.errors import KernelUnavailableError
-
-    try:
-        ensure_kernel(0)
-    except KernelUnavailableError as exc:  # no GPU, a CPU torch, no nvcc: one line, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
+    if not bench.kernel_ready():
         return 2
     module = load_kernel(0)
     if not hasattr(module, "trace_set"):
