@@ -28,7 +28,9 @@
 //          the next chunk's strip i as soon as they are dequantized; the next chunk's zero-point word (group zero
 //          points) one chunk ahead too, the chunk's scale word at its start; and the next chunk's rows < m of A (256
 //          bytes each) into the warp's other shared-memory slot (cp.async, two slots per warp), rows kARowBytes = 272
-//          bytes apart. The next segment's first chunk (B and A) is loaded before this one is reduced.
+//          bytes apart; allocated in L1 too (cp.async.ca, cp_async16<true>), since the blocks of one split on an SM read the same A
+//          chunks at about the same time (at m = 8 the A copies are half of B's bytes, all from L2). The next
+//          segment's first chunk (B and A) is loaded before this one is reduced.
 //   [S2R]  the activations' fragment of a strip and batch block: two 4-byte ld.shared per lane (k 2t, 2t + 1 and
 //          2t + 8, 2t + 9 of row 8 bb + g); the 16-byte pad per row puts the 32 lanes on 32 banks (row g at word
 //          68 g: bank 4 g + t).
@@ -198,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       unsigned char* const dst = a_slots + slot * slot_bytes;
       for (int p = lane; p < m * 16; p += 32) {  // row p / 16, 16-byte piece p % 16 of the chunk's 256 bytes
         const int row = p >> 4, q = p & 15;
-        cp_async16(dst + row * kARowBytes + q * 16, A + row * a_row + (uint32_t)c * 16 + q, true);
+        cp_async16<true>(dst + row * kARowBytes + q * 16, A + row * a_row + (uint32_t)c * 16 + q, true);
       }
     }
     cp_async_commit();
@@ -451,6 +453,8 @@ struct DirectPlan {
   int splits = 0;           // 0: the direct kernel cannot take the layer
   int units_per_block = 0;  // > 0: stream-K
   long grid = 0;
+  long resident = 0;        // the blocks resident at once that the plan assumed (SMs x blocks per SM)
+  int chunks = 0;           // k / kDirectChunkK
 };
 
 // Whether the direct kernel can take L (4-bit, m <= 8 MB8, k a multiple of 128, group size a multiple of 128 or one
@@ -477,6 +481,8 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
   int per_sm = by_smem < by_regs ? by_smem : by_regs;
   if (stream_k && per_sm_cap > 0 && per_sm_cap < per_sm) per_sm = per_sm_cap;
   const long resident = (long)L.sms * per_sm;
+  plan.resident = resident;
+  plan.chunks = chunks;
   if (stream_k) {
     // at most 4 contributors per tile (units_per_block >= ceil(tile_units / 3)): each adds its sums to C's 16-bit
     // values, so a longer chain rounds more often (bf16: a chain of 16 measured 2x torch's error in
@@ -500,15 +506,19 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
 }
 
 // Where the direct kernel is the default (m <= 8, the automatic plans): in cluster mode where each tile takes a cluster
-// of two (2 x n / 64 <= resident blocks); otherwise in stream-K where each block gets enough units to amortise a
+// of two (2 x n / 64 <= resident blocks), or one block where every tile's block is resident at once (n / 64 <= resident
+// blocks) and each of its warps has a chunk; otherwise in stream-K where each block gets enough units to amortise a
 // segment's start, reduction and lock (grouped >= 4, channelwise >= 12). H200, direct / pipelined time at m = 1..8
 // (kernel/NOTES.md, ninth session, fp16 x 4-bit; the other 4-bit kinds alike): cluster mode 4096 x 4096, 11008 x 4096
 // and 28672 x 8192 0.81-0.92, 8192 x 8192 0.92-1.01 grouped (the eighth session's kernel had kept grouped layers
 // there on the pipelined kernels); stream-K grouped 8192 x 57344 (28 units per block) 0.86-0.90, 8192 x 10240 (5)
 // 0.90-0.98, 4096 x 22016 (6) 0.92-0.97, but 4096 x 12288 (3) 1.11-1.16; channelwise 8192 x 57344 0.91-0.93, the
-// others 0.98-1.08.
+// others 0.98-1.08. One block per tile (fifteenth session, since A goes through L1: the blocks of a wave read the same
+// A chunks in step): H100, time against the rule before at m = 1..8, 4096 x 12288 0.95-0.98 (against the pipelined
+// kernels), 8192 x 10240 0.91-0.95 (against stream-K); 4096 x 22016 (344 tiles, 1.3 waves) 1.05-1.20, so not there.
 inline bool direct_pays(const DirectPlan& plan, bool grouped) {
-  if (plan.units_per_block == 0) return plan.splits == 2;
+  if (plan.units_per_block == 0)
+    return plan.splits == 2 || (plan.splits == 1 && plan.grid <= plan.resident && plan.chunks >= kWarps);
   return plan.units_per_block >= (grouped ? 4 : 12);
 }
 
@@ -581,9 +591,10 @@ int try_direct(const Launch& L, int optin, bool& launched) {
     const int forced_cap = stream_k ? stream_k_per_sm() : 0;
     if (L.m <= 8) {
       DirectPlan plan = direct_plan<1>(L, optin, forced, stream_k, forced_cap);
-      // the default: a cluster of two per tile, else stream-K (direct_pays, decided on the plan without the benchmark
-      // cap, so that MARLIN_CONVERT_STREAM_K changes how the direct kernel runs, not whether)
-      if (variant == 1 && plan.splits != 2) {
+      // the default: a cluster of two per tile or one block per tile in one wave, else stream-K (direct_pays, decided
+      // on the plan without the benchmark cap, so that MARLIN_CONVERT_STREAM_K changes how the direct kernel runs, not
+      // whether)
+      if (variant == 1 && !direct_pays(plan, GROUPED)) {
         plan = direct_plan<1>(L, optin, 0, true);
         if (plan.splits != 0 && direct_pays(plan, GROUPED)) {
           const int cap = stream_k_per_sm();

@@ -82,16 +82,22 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// [G2S] 16-byte asynchronous copy global -> shared, L2 only (.cg). Skipped entirely when !pred (then `gmem` may
-// point outside the tensor: it is never dereferenced).
+// [G2S] 16-byte asynchronous copy global -> shared, L2 only (.cg), or allocated in L1 as well (.ca) with kL1: for data
+// that other blocks on the SM read at about the same time. The direct kernel's A chunks are such data (the blocks of
+// one split read the same chunks in step; with L1 hits their copies do not all load the L2: kernel/NOTES.md, fifteenth
+// session); A is read-only in the kernel and written only by kernels before it, whose writes are visible to this grid
+// from its start or its griddepcontrol.wait. Skipped entirely when !pred (then `gmem` may point outside the tensor: it
+// is never dereferenced).
+template <bool kL1 = false>
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %0, 0;\n"
-      "  @p cp.async.cg.shared.global [%1], [%2], 16;\n"
-      "}\n" ::"r"(static_cast<int>(pred)),
-      "r"(smem_u32(smem)), "l"(gmem));
+  const int on = static_cast<int>(pred);
+  if constexpr (kL1) {
+    asm volatile("{\n  .reg .pred p;\n  setp.ne.b32 p, %0, 0;\n  @p cp.async.ca.shared.global [%1], [%2], 16;\n}\n"
+                 ::"r"(on), "r"(smem_u32(smem)), "l"(gmem));
+  } else {
+    asm volatile("{\n  .reg .pred p;\n  setp.ne.b32 p, %0, 0;\n  @p cp.async.cg.shared.global [%1], [%2], 16;\n}\n"
+                 ::"r"(on), "r"(smem_u32(smem)), "l"(gmem));
+  }
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -1690,8 +1696,9 @@ namespace detail {
 
 // Every kind but fp16 x 4-bit symmetric (that one is dispatch_fp16_int4 in marlin_gemm.cu, with its benchmark
 // variants). The 4-bit kinds take the direct-load kernel first where it is the default (try_direct: Hopper, m <= 8,
-// a cluster of two blocks per tile, or stream-K where direct_pays). The m <= 16 schedule keeps at least as many bytes of B in flight per SM as fp16 x
-// 4-bit does (for 8-bit that did not make it faster: kernel/NOTES.md):
+// a cluster of two blocks per tile, one block per tile in one wave, or stream-K where direct_pays). The m <= 16
+// schedule keeps at least as many bytes of B in flight per SM as fp16 x 4-bit does (for 8-bit that did not make it
+// faster: kernel/NOTES.md):
 //   m <= 16, n / 64 <= SMs (one wave at one block per SM): 4 strips per warp, swapped (4-bit 144 KB, 8-bit 208 KB);
 //   4-bit with zero points and grouped scales, larger n: 4 strips at 2 stages, 2 blocks per SM (74 KB);
 //   4-bit, n / 64 <= 2 SMs, or any n with zero points (channelwise): 3 strips, 2 blocks per SM (108 KB; the

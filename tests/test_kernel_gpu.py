@@ -680,8 +680,8 @@ def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_ord
 @pytest.mark.parametrize("m,k,n,group", [(1, 4096, 4096, 128), (8, 8192, 8192, -1), (5, 11008, 4096, 128),
                                          (2, 8192, 10240, 128)])
 def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
-    """On compute capability 9.0 the direct kernel really runs by default at m <= 8 (cluster mode; 8192 x 10240 grouped:
-    stream-K): its sums come in another order than the pipelined kernels', so over 4-65 K outputs some roundings
+    """On compute capability 9.0 the direct kernel really runs by default at m <= 8 (cluster mode; 8192 x 10240: one
+    block per tile): its sums come in another order than the pipelined kernels', so over 4-65 K outputs some roundings
     differ; identical outputs would mean the same kernel ran. Both are checked against the reference."""
     _skip_unless_hopper_132(torch, "the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: "
                                    "its default rules, cluster mode or stream-K, are set for that count)")
@@ -690,6 +690,32 @@ def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
     p = Problem(k, n, group, False, rng, torch, bits=bits, asym=asym, dtype=dtype)
     a = torch.randn(m, k, device="cuda").to(p.dtype)
     _check_switch_changes_kernel(torch, monkeypatch, p, a, "MARLIN_CONVERT_DIRECT", None, "pipelined", "direct")
+
+
+# The direct kernel's default plans (direct_plan and direct_pays, kernel/marlin_gemm_direct.cuh), read back from the
+# launch, at m = 3 for every 4-bit kind and both scale kinds: a cluster of two blocks per tile where 2 x n / 64 <= 2 x
+# SMs; one block per tile where the tiles fit one wave (n / 64 <= 2 x SMs) and k has a chunk per warp (>= 1024); more
+# tiles: stream-K where each block gets >= 4 (grouped) / 12 (channelwise) units of 8 chunks, else the pipelined kernels.
+# Hopper with 132 SMs or more, where the rule was measured.
+@pytest.mark.parametrize("dtype,asym", [("float16", False), ("bfloat16", True)])
+@pytest.mark.parametrize("layer", ["pairs", "one_wave", "one_wave_short_k", "stream_k", "two_waves_few_units"])
+@pytest.mark.parametrize("group", [128, -1])
+def test_direct_plan_picks_its_layers(torch, dtype, asym, layer, group):
+    _skip_unless_hopper_132(torch, "the direct kernel's plans are sized for a Hopper GPU of >= 132 SMs")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n, expected = {
+        "pairs": (2048, 64 * sms, "direct MB8=1 cluster=2 units_per_block=0 "),
+        "one_wave": (1024, 64 * (sms + 8), "direct MB8=1 cluster=1 units_per_block=0 "),
+        "one_wave_short_k": (512, 64 * (sms + 8), "pipelined "),
+        # 2 x SMs + 8 tiles of 4 units (k = 4096): 5 units per block, the grouped threshold, not the channelwise one
+        "stream_k": (4096, 64 * (2 * sms + 8),
+                     "direct MB8=1 cluster=1 units_per_block=5 " if group != -1 else "pipelined "),
+        "two_waves_few_units": (1024, 64 * (2 * sms + 8), "pipelined "),
+    }[layer]
+    _run_case(torch, 3, k, n, group, False, seed=zlib.crc32(repr((dtype, asym, layer, group)).encode()), asym=asym,
+              dtype=dtype)
+    launch = _last_launch(torch)
+    assert launch.startswith(expected), f"k = {k}, n = {n} ({sms} SMs): {launch}"
 
 
 # [PDL] On compute capability 9.0 a launch may start while the kernel before it in the stream still runs (programmatic
