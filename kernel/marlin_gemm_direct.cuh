@@ -40,9 +40,11 @@
 //          With group scales the chunk lies inside one group (the host requires group_size % 128 == 0): its sums are
 //          formed unscaled and added to the accumulators times the group's scales in fp32 (16 FFMA per batch block).
 //   [RED]  the 8 warps' accumulators through shared memory into the block's sums P[row][64] (fp32); then
-//          cluster mode with splits > 1: a cluster barrier, and block s adds every cluster block's P over the output
-//            pairs p with p % splits == s (ld.shared::cluster); a second cluster barrier keeps each block's P alive
-//            until its peers have read it;
+//          cluster mode with splits > 1: each block pushes its P of the output pairs p (rows < m) into block
+//            p % splits' shared memory (st.shared::cluster; the barrier that lets it write there was arrived at on
+//            entry, so its wait costs nothing by then), one cluster barrier, and block s adds the pushed sums of its
+//            pairs (one barrier: an earlier form read the peers' P after a barrier and needed a second one to keep P
+//            alive until they had);
 //          stream-K with several contributors: contributor i > 0 waits until the tile's lock is i, adds what C holds;
 //            then sets the lock to i + 1 (the last one back to 0: the workspace is zero again at the end);
 //          channelwise scales applied in fp32, C written.
@@ -70,8 +72,10 @@ __device__ __forceinline__ uint4 ldg_stream16(const int4* p) {
 }
 
 // Cluster helpers (sm_90): the barrier of all blocks of the cluster (release / acquire: shared-memory writes before it
-// are visible to the other blocks' ld.shared::cluster after it), and a float2 load from block `rank`'s shared memory at
-// the address `addr` has in this block.
+// are visible to the other blocks after it), in two halves where the arrival comes early (cluster_arrive at the
+// kernel's start, cluster_wait before the first store into a peer: every block of the cluster has started, so its
+// shared memory may be written), and a float2 store into block `rank`'s shared memory at the address `addr` has in this
+// block.
 __device__ __forceinline__ void cluster_barrier() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -79,28 +83,42 @@ __device__ __forceinline__ void cluster_barrier() {
   __trap();
 #endif
 }
-__device__ __forceinline__ float2 ld_cluster_f2(uint32_t addr, uint32_t rank) {
-  float2 v = make_float2(0.0f, 0.0f);
+__device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 #else
   __trap();
 #endif
-  return v;
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void st_cluster_f2(uint32_t addr, uint32_t rank, float2 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(remote), "f"(v.x), "f"(v.y) : "memory");
+#else
+  __trap();
+#endif
 }
 
 constexpr int kARowBytes = kDirectChunkK * 2 + 16;  // one A row of a chunk (128 16-bit values) + 16 bytes of pad
 
 // Shared memory of one block: each warp's two A slots (m rows of kARowBytes each); behind them the warps' accumulators
 // for the reduction (8 warps x 64 columns x 8 MB8 rows, fp32), apart from the slots so that the next segment's first A
-// rows can be copied while a segment is reduced; the block's sums P (8 MB8 rows x 64 columns, fp32) last.
+// rows can be copied while a segment is reduced; last the block's sums P (8 MB8 rows x 64 columns, fp32), or in a
+// cluster the sums its peers push for the output pairs it writes (splits x ceil(m x 32 / splits) float2: at most
+// kDirectMaxSplits - 1 more than P's).
 template <int MB8>
 struct DirectSmem {
   static constexpr int kRows = 8 * MB8;
   static constexpr int kRedBytes = kWarps * 64 * kRows * 4;
-  static constexpr int kSumBytes = kRows * 64 * 4;
+  static constexpr int kSumBytes = (kRows * 32 + kDirectMaxSplits) * 8;
   static __host__ __device__ int slot_bytes(int m) { return m * kARowBytes; }
   static __host__ __device__ int red_offset(int m) { return kWarps * 2 * slot_bytes(m); }
   static __host__ __device__ int sum_offset(int m) { return red_offset(m) + kRedBytes; }
@@ -242,6 +260,10 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   trace.stamp(0, 0.0f);
   DirectSegment seg{0, 0, 0, 0, 1};
   bool have_seg = next_segment(seg);
+  // cluster mode with splits > 1: one segment per block, whose sums go to the peers that write them ([RED] below); this
+  // block's arrival at the barrier that makes it safe to write into a peer's shared memory comes now, the wait there
+  const bool cluster = !stream_k && splits > 1;
+  if (cluster) cluster_arrive();
   // [PDL] let the next kernel start, then wait for the one before: nothing above read or wrote memory
   grid_launch_dependents();
   grid_dependency_wait();
@@ -368,17 +390,37 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
         }
     __syncthreads();
     trace.stamp(4, 0.0f);
-    // the block's sums P[row * 64 + col], rows < kRows
-    for (int o = tid; o < kRows * 64; o += kThreads) {
-      const int row = o >> 6, col = o & 63;
-      float v = 0.0f;
+    // a cluster's output pairs p = row * 32 + col / 2 (rows < m) are written by block p % splits: pairs per block
+    const int per_rank = cluster ? (m * 32 + splits - 1) / splits : 0;
+    if (cluster) {
+      // push: the block's sums of pair p into block p % splits' shared memory at [this rank][p / splits] (thread o:
+      // row o % kRows, pair o / kRows, so that the reads of red fall on distinct banks but for two-way conflicts); one
+      // cluster barrier then makes every pair's sums visible to the block that adds and writes them
+      cluster_wait();
+      for (int o = tid; o < kRows * 32; o += kThreads) {
+        const int row = o % kRows, col = 2 * (o / kRows);
+        if (row >= m) continue;
+        float2 v = make_float2(0.0f, 0.0f);
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += red[(w * 64 + col) * kRows + row];
-      sums[o] = v;
+        for (int w = 0; w < kWarps; ++w) {
+          v.x += red[(w * 64 + col) * kRows + row];
+          v.y += red[(w * 64 + col + 1) * kRows + row];
+        }
+        const int p = row * 32 + col / 2;
+        st_cluster_f2(sums_addr + (uint32_t)((seg.contributor * per_rank + p / splits) * 8), (uint32_t)(p % splits), v);
+      }
+      cluster_barrier();
+    } else {
+      // the block's sums P[row * 64 + col], rows < kRows
+      for (int o = tid; o < kRows * 64; o += kThreads) {
+        const int row = o >> 6, col = o & 63;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += red[(w * 64 + col) * kRows + row];
+        sums[o] = v;
+      }
+      __syncthreads();
     }
-    const bool cluster = !stream_k && splits > 1;
-    if (cluster) cluster_barrier();
-    else __syncthreads();
 
     // ---- [RED] across blocks (stream-K): wait for this tile's lock to reach our turn
     int* const lock = locks + tile;
@@ -402,8 +444,9 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       float2 v;
       if (cluster) {
         v = make_float2(0.0f, 0.0f);
+        const float2* const pushed = reinterpret_cast<const float2*>(sums) + p / splits;
         for (int rk = 0; rk < splits; ++rk) {
-          const float2 x = ld_cluster_f2(sums_addr + (uint32_t)(row * 64 + col) * 4, (uint32_t)rk);
+          const float2 x = pushed[rk * per_rank];
           v.x += x.x;
           v.y += x.y;
         }
@@ -426,9 +469,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       }
       C2[at] = Ops::pack(v.x, v.y);
     }
-    if (cluster) {
-      cluster_barrier();  // no block reuses (or leaves with) its sums while a peer may still read them
-    } else {
+    if (!cluster) {  // (a cluster's peers wrote into this block's shared memory before the barrier above, never after)
       if (chained) __threadfence();  // our C writes are visible device-wide before the lock moves
       __syncthreads();               // (and red / sums are rewritten by the next segment)
       if (chained && tid == 0) atomicExch(lock, seg.contributor == seg.contributors - 1 ? 0 : seg.contributor + 1);
