@@ -61,6 +61,14 @@ void check_dense_2d(const torch::Tensor& t, const char* name) {
            "= %lld), got strides %s", name, (long long)t.size(1), Dims(t, true).text);
 }
 
+// Whether the memory of x and y (each dense: data_ptr() .. + numel() x element_size()) overlaps.
+bool shares_memory(const torch::Tensor& x, const torch::Tensor& y) {
+  if (x.numel() == 0 || y.numel() == 0) return false;
+  const char* const x0 = static_cast<const char*>(x.data_ptr());
+  const char* const y0 = static_cast<const char*>(y.data_ptr());
+  return x0 < y0 + y.numel() * y.element_size() && y0 < x0 + x.numel() * x.element_size();
+}
+
 int multiprocessors(int device) {
   int sms = 0;
   const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -135,6 +143,13 @@ torch::Tensor marlin_gemm(const torch::Tensor& A, const torch::Tensor& B, const 
     MG_CHECK(C.dim() == 2 && C.size(0) == m && C.size(1) == n, "marlin_gemm: out has shape %s, expected [%lld, %lld]",
              Dims(C).text, (long long)m, (long long)n);
     MG_CHECK(C.is_contiguous(), "marlin_gemm: out must be contiguous");
+    // the kernel's blocks write out while others still read the operands (and the direct kernel keeps A in L1)
+    const std::pair<const char*, const torch::Tensor*> operands[] = {
+        {"A", &A}, {"B", &B}, {"s", &s}, {"workspace", &workspace}, {"zp", zp.has_value() ? &*zp : nullptr},
+        {"perm", perm.has_value() ? &*perm : nullptr}};
+    for (const auto& [name, t] : operands)
+      MG_CHECK(t == nullptr || !shares_memory(C, *t), "marlin_gemm: out shares memory with %s: pass a separate buffer",
+               name);
   } else {
     C = torch::empty({m, n}, A.options());
   }

@@ -6,14 +6,15 @@
 // Why a second kernel: at m <= 16 the work is reading B once, and the pipelined kernel moves it global -> shared ->
 // registers, with a barrier per stage and the split-K chain through C between blocks. Here every lane loads its B words
 // straight into registers, and the blocks that share an output tile reduce through distributed shared memory (cluster
-// mode) or, where the tiles outnumber what two blocks each could cover at once, take even shares of the work and add
-// through C (stream-K).
+// mode: two blocks per tile where all fit at once, one block per tile where only the tiles do) or, where the tiles
+// outnumber the blocks that fit at once, take even shares of the work and add through C (stream-K).
 //
 // ------------------------------------------------------------------------------------------------ overview
 // Work: a block computes runs of one 64-column tile's chunks (32 x 16-byte words of B per 16-row strip, 512 bytes;
 // kDirectChunkK = 128 k = 8 strips per chunk): segments.
 //   cluster mode (units_per_block == 0): one segment per block. The `splits` blocks of a tile form one thread-block
-//     cluster (cluster rank = split), so their partial sums meet in shared memory, not in C; no workspace or lock:
+//     cluster (cluster rank = split; splits = 1: one block per tile, no cluster), so their partial sums meet in shared
+//     memory, not in C; no workspace or lock:
 //       grid = (n / 64 tiles) x splits, blockIdx.x = tile * splits + split, cluster = (splits, 1, 1), splits <= 8
 //       block split s: chunks [s * chunks / splits, (s + 1) * chunks / splits) of the k / 128 chunks
 //   stream-K (units_per_block > 0, no clusters): the (tile, unit) space, a unit = kDirectUnitChunks = 8 chunks of a
@@ -28,9 +29,9 @@
 //          the next chunk's strip i as soon as they are dequantized; the next chunk's zero-point word (group zero
 //          points) one chunk ahead too, the chunk's scale word at its start; and the next chunk's rows < m of A (256
 //          bytes each) into the warp's other shared-memory slot (cp.async, two slots per warp), rows kARowBytes = 272
-//          bytes apart; allocated in L1 too (cp.async.ca, cp_async16<true>), since the blocks of one split on an SM read the same A
-//          chunks at about the same time (at m = 8 the A copies are half of B's bytes, all from L2). The next
-//          segment's first chunk (B and A) is loaded before this one is reduced.
+//          bytes apart; allocated in L1 too (cp.async.ca, cp_async16<true>), since the blocks of one split on an SM
+//          read the same A chunks at about the same time (at m = 8 the A copies are half of B's bytes, all from L2).
+//          The next segment's first chunk (B and A) is loaded before this one is reduced.
 //   [S2R]  the activations' fragment of a strip and batch block: two 4-byte ld.shared per lane (k 2t, 2t + 1 and
 //          2t + 8, 2t + 9 of row 8 bb + g); the 16-byte pad per row puts the 32 lanes on 32 banks (row g at word
 //          68 g: bank 4 g + t).
@@ -39,8 +40,9 @@
 //          activations' fragment (8 batch rows) the B operand; MB8 batch blocks of 8 rows (m <= 8: 1, m <= 16: 2).
 //          With group scales the chunk lies inside one group (the host requires group_size % 128 == 0): its sums are
 //          formed unscaled and added to the accumulators times the group's scales in fp32 (16 FFMA per batch block).
-//   [RED]  the 8 warps' accumulators through shared memory into the block's sums P[row][64] (fp32); then
-//          cluster mode with splits > 1: each block pushes its P of the output pairs p (rows < m) into block
+//   [RED]  the 8 warps' accumulators through shared memory (red); then
+//          stream-K, or one block per tile: summed into the block's sums P[row][64] (fp32);
+//          cluster mode with splits > 1: summed per output pair p (rows < m) and pushed into block
 //            p % splits' shared memory (st.shared::cluster; the barrier that lets it write there was arrived at on
 //            entry, so its wait costs nothing by then), one cluster barrier, and block s adds the pushed sums of its
 //            pairs (one barrier: an earlier form read the peers' P after a barrier and needed a second one to keep P

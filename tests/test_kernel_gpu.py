@@ -327,6 +327,16 @@ def test_rejects_bad_out_shape(torch):
         marlin_gemm(a, b, s, w, out=torch.empty(3, 3, dtype=torch.float16, device="cuda"))
 
 
+@pytest.mark.parametrize("which", ["A", "s", "workspace"])
+def test_rejects_out_sharing_memory_with_an_operand(torch, which):
+    """out may not overlap an operand: the kernel writes out while other blocks still read them."""
+    a, b, s, w = _args(torch, m=2, k=256, n=256, rows=2, ws=1024)
+    operand = {"A": a, "s": s, "workspace": w}[which]
+    out = operand.view(torch.float16).view(-1)[: 2 * 256].view(2, 256) if which != "A" else a[:, :256]
+    with pytest.raises(KernelError, match=rf"out shares memory with {which}: pass a separate buffer"):
+        marlin_gemm(a, b, s, w, out=out)
+
+
 # m = 9..16 takes the swapped kernel with two 8-row batch blocks, 4 strips at 4 stages when n / 64 <= SMs, 4 strips at
 # 2 stages when n / 64 > SMs grouped or n / 64 <= 2 SMs channelwise (n = 10240, 12288 on 132 SMs), else the
 # unswapped 2-strip kernel (channelwise n = 22016); a partial last stage, odd m, channelwise and grouped, forced
@@ -640,6 +650,8 @@ DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (6, 1024, 256, 64, False, 0),
     (11, 1040, 256, -1, False, 0),
     (6, 2048, 512, 128, False, 1),
+    (1, 1024, 128, 128, False, 7),  # m = 1 in clusters of 7 (the push reduction: pairs per block ceil(32 / 7))
+    (3, 768, 64, -1, False, 6),     # clusters of 6
     (14, 1024, 192, -1, True, 1),
 ]
 
@@ -681,8 +693,8 @@ def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_ord
                                          (2, 8192, 10240, 128)])
 def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
     """On compute capability 9.0 the direct kernel really runs by default at m <= 8 (cluster mode; 8192 x 10240: one
-    block per tile): its sums come in another order than the pipelined kernels', so over 4-65 K outputs some roundings
-    differ; identical outputs would mean the same kernel ran. Both are checked against the reference."""
+    block per tile on 132-159 SMs): its sums come in another order than the pipelined kernels', so over 4-65 K outputs
+    some roundings differ; identical outputs would mean the same kernel ran. Both are checked against the reference."""
     _skip_unless_hopper_132(torch, "the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: "
                                    "its default rules, cluster mode or stream-K, are set for that count)")
     dtype, bits, asym = kind
