@@ -350,7 +350,8 @@ def marlin_gemm(A, B, s, workspace, perm=None, out=None, split_k: int = 0, *, zp
       ``g = k / s.shape[0]`` (a multiple of 16); one row means channelwise (``g = k``, channelwise table).
     - ``workspace``: int32, zeroed, at least :func:`required_workspace_ints` ``(n)`` elements; left zeroed.
     - ``perm``: optional int32 ``[k]`` (act-order): the activations' columns are gathered as ``A[:, perm]`` first.
-    - ``out``: optional ``[m, n]`` contiguous output buffer of ``A``'s dtype (every element is written).
+    - ``out``: optional ``[m, n]`` contiguous output buffer of ``A``'s dtype (every element is written), sharing no
+      memory with the other arguments.
     - ``split_k``: 0 chooses the split over k automatically; ``> 0`` caps it (benchmarks and tests).
     - ``zp``: optional int32 ``[k / g, n / p]``: the true zero points in the Marlin order (FORMAT.md section 7
       "Asymmetric", ``layout.marlin_zero_points``), one row per scale row; None for a symmetric layer.
