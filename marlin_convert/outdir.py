@@ -73,7 +73,11 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
         if not dst.is_dir():
             raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
         if not overwrite and any(dst.iterdir()):
-            raise OutputError(f"OUT_DIR {out_dir} is not empty", hint="pass --overwrite to replace it")
+            if is_replaceable(dst):
+                raise OutputError(f"OUT_DIR {out_dir} is not empty (a previous output)",
+                                  hint="pass --overwrite to replace it")
+            raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: not a previous output, "
+                              "which is all --overwrite replaces", hint="empty it, or choose another OUT_DIR")
         if overwrite and not is_replaceable(dst):
             raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: --overwrite replaces a "
                               "previous marlin-convert output only", hint="empty it, or choose another OUT_DIR")

@@ -234,13 +234,19 @@ def test_out_dir_not_empty(capsys, tmp_path, src):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    _run_failing(capsys, tmp_path, [str(src), str(out)], "is not empty")
+    rc = main([str(src), str(out)])
+    err = capsys.readouterr().err
+    # not a previous output: the hint does not offer --overwrite, which would be refused too
+    assert rc == 2 and "is not empty and holds no marlin_manifest.json" in err and "--overwrite to replace" not in err
+    assert "Hint: empty it, or choose another OUT_DIR" in err
     assert (out / "precious.txt").read_text() == "keep me"
     # --overwrite replaces a previous output only: a directory without the manifest is not the tool's to delete
     _run_failing(capsys, tmp_path, [str(src), str(out), "--overwrite"], "holds no marlin_manifest.json")
     assert (out / "precious.txt").read_text() == "keep me"
     (out / "precious.txt").unlink()
     assert main([str(src), str(out), "-q"]) == 0
+    # a previous output: refused without --overwrite, with the hint to pass it
+    _run_failing(capsys, tmp_path, [str(src), str(out)], "is not empty (a previous output)")
     (out / "leftover.txt").write_text("added to a previous output")
     assert main([str(src), str(out), "--overwrite", "-q"]) == 0
     assert not (out / "leftover.txt").exists() and (out / "marlin_manifest.json").exists()
