@@ -658,6 +658,18 @@ def test_a_value_that_ends_in_an_equals_sign_is_not_empty(tmp_path, src, capsys)
     assert json.loads(report.read_text())["layers"]
 
 
+def test_a_failure_report_carries_the_hint(tmp_path, src, capsys):
+    """The JSON report of a failed command holds the Hint line's text as well as the Error line's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept.txt").write_text("x")
+    report = tmp_path / "report.json"
+    assert main([str(src), str(out), "--json", str(report)]) == 2
+    assert "Hint: empty it, or choose another OUT_DIR" in capsys.readouterr().err
+    failed = json.loads(report.read_text())
+    assert failed["hint"] == "empty it, or choose another OUT_DIR" and "holds no marlin_manifest.json" in failed["error"]
+
+
 @pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
 def test_a_failed_command_leaves_a_failure_report_not_an_earlier_one(tmp_path, src, capsys, command):
     """--json FILE of a failed run says so ({"ok": false, the exit code, the error}); an earlier run's report at
@@ -680,7 +692,10 @@ def test_a_failed_command_leaves_a_failure_report_not_an_earlier_one(tmp_path, s
         assert main([*bad_args, "--json", str(report)]) == 2
         failed = json.loads(report.read_text())
         assert failed["ok"] is False and failed["exit_code"] == 2 and failed["error"]
-        assert failed["error"] in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert failed["error"] in err
+        hints = [line.removeprefix("Hint: ") for line in err.splitlines() if line.startswith("Hint: ")]
+        assert failed["hint"] == (hints[0] if hints else None)
         assert main([*bad_args, "--json", "-"]) == 2
         assert json.loads(capsys.readouterr().out)["ok"] is False
         if command == "inspect":  # --json-stdout (the plan as JSON on stdout) likewise

@@ -80,6 +80,17 @@ def error_message(exc: BaseException) -> str:
     return f"internal error: {type(exc).__name__}: {exc}"
 
 
+def error_hint(exc: BaseException) -> str | None:
+    """The ``Hint:`` :func:`report_error` prints for ``exc`` (also the JSON report of a failed command), or None."""
+    if isinstance(exc, MarlinConvertError):
+        return exc.hint or None
+    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+        return None
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
+        return None
+    return f"this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it"
+
+
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` for a person on stderr and return the exit code. Tracebacks only with MARLIN_CONVERT_DEBUG=1.
 
@@ -92,9 +103,10 @@ def report_error(exc: BaseException) -> int:
     if os.environ.get(DEBUG_VARIABLE):
         traceback.print_exception(exc, file=sys.stderr)
     print(shortened(one_line(f"Error: {error_message(exc)}")), file=sys.stderr)
+    hint = error_hint(exc)
+    if hint:
+        print(shortened(f"Hint: {one_line(hint)}"), file=sys.stderr)
     if isinstance(exc, MarlinConvertError):
-        if exc.hint:
-            print(shortened(f"Hint: {one_line(exc.hint)}"), file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, Interrupted):
         return 128 + exc.signum
@@ -102,6 +114,4 @@ def report_error(exc: BaseException) -> int:
         return 128 + signal.SIGINT
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         return 2
-    print(f"Hint: this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it",
-          file=sys.stderr)
     return 3

@@ -199,14 +199,15 @@ def forget_report_target() -> None:
     _report_target[0] = None
 
 
-def report_failure(message: str, exit_code: int) -> None:
-    """Where the failed command had a --json target: write ``{"ok": false, "exit_code": ..., "error": ...}`` there
-    (``-``: on stdout), so that no report of an earlier run is left to read as this one's. Best effort: a target that
-    cannot be written now is left as it is (the Error line on stderr says what failed)."""
+def report_failure(message: str, exit_code: int, hint: str | None = None) -> None:
+    """Where the failed command had a --json target: write ``{"ok": false, "exit_code": ..., "error": ...,
+    "hint": ...}`` there (``-``: on stdout; the whole message and hint, ``hint`` null where there is none), so that no
+    report of an earlier run is left to read as this one's. Best effort: a target that cannot be written now is left
+    as it is (the Error line on stderr says what failed)."""
     path = _report_target[0]
     if path is None:
         return
-    text = json.dumps({"ok": False, "exit_code": exit_code, "error": message}, indent=2) + "\n"
+    text = json.dumps({"ok": False, "exit_code": exit_code, "error": message, "hint": hint}, indent=2) + "\n"
     try:
         if is_stdout(path):
             sys.stdout.write(text)

@@ -23,7 +23,7 @@ from typer.core import TyperCommand
 
 from .. import __version__
 from ..errors import InputError
-from ._errors import Interrupted, InterruptedAfterPublish, error_message, report_error
+from ._errors import Interrupted, InterruptedAfterPublish, error_hint, error_message, report_error
 from ._output import OutputClosed, forget_report_target, print_stdout, report_failure
 from ._signals import child_signal, first_signal, forget_signals, ignore_signals, in_forked_child, is_repeat, take_first
 from .convert import convert
@@ -140,7 +140,7 @@ def _failed(exc: BaseException) -> int:
     """Report ``exc`` (stderr), and in the command's --json target where it has one; the exit code."""
     code = report_error(exc)
     if not isinstance(exc, InterruptedAfterPublish):  # (its report, written before, is right: the output is done)
-        report_failure(error_message(exc), code)
+        report_failure(error_message(exc), code, error_hint(exc))
     return code
 
 
