@@ -48,6 +48,9 @@ def load_manifest(directory: Path) -> dict:
     target = outside_link(path, Path(directory))
     if target is not None:
         raise ManifestError(f"{path}: a link to {target}, outside {directory}: not read")
+    if not Path(directory).is_dir():
+        raise ManifestError(f"{directory}: " + ("not a directory" if Path(directory).exists() else "does not exist"),
+                            hint="give the OUT_DIR a conversion wrote ('marlin-convert IN_DIR OUT_DIR')")
     if not path.is_file():
         raise ManifestError(
             f"{directory}: no {MANIFEST_FILE}: not a directory written by marlin-convert",

@@ -302,6 +302,14 @@ def test_verify_on_a_directory_without_manifest(tmp_path, src, capsys):
     assert "no marlin_manifest.json" in capsys.readouterr().err
 
 
+def test_verify_names_a_missing_or_non_directory_out_dir(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "missing"), "--skip-kernel"]) == 2
+    assert f"Error: {tmp_path / 'missing'}: does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["verify", str(tmp_path / "file"), "--skip-kernel"]) == 2
+    assert f"Error: {tmp_path / 'file'}: not a directory" in capsys.readouterr().err
+
+
 def test_verify_rejects_bad_gpu_and_batch_lists(tmp_path, src, capsys):
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q"]) == 0
