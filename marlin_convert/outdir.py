@@ -81,6 +81,11 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
         if overwrite and not is_replaceable(dst):
             raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: --overwrite replaces a "
                               "previous marlin-convert output only", hint="empty it, or choose another OUT_DIR")
+    else:
+        existing = next(p for p in dst.parents if p.exists())  # (the root exists)
+        if not existing.is_dir():
+            raise OutputError(f"OUT_DIR {out_dir} cannot be created: {existing} is a file, not a directory",
+                              hint="choose another OUT_DIR")
     try:
         cwd = Path(os.path.realpath(os.getcwd()))
     except OSError:  # the current directory was removed: it cannot be OUT_DIR

@@ -318,7 +318,9 @@ def test_out_dir_equal_to_in_dir(capsys, tmp_path, src):
 def test_unwritable_out_dir(capsys, tmp_path, src):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    _run_failing(capsys, tmp_path, [str(src), str(blocker / "out")], "cannot create the output directory")
+    for out in (blocker / "out", blocker / "sub" / "out"):  # the file named, however deep OUT_DIR lies under it
+        _run_failing(capsys, tmp_path, [str(src), str(out)], f"OUT_DIR {out} cannot be created: {blocker} is a file")
+    assert blocker.read_text() == "not a directory"
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
