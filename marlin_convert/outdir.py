@@ -72,15 +72,12 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
     if dst.exists():
         if not dst.is_dir():
             raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
-        if not overwrite and any(dst.iterdir()):
-            if is_replaceable(dst):
-                raise OutputError(f"OUT_DIR {out_dir} is not empty (a previous output)",
-                                  hint="pass --overwrite to replace it")
-            raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: not a previous output, "
-                              "which is all --overwrite replaces", hint="empty it, or choose another OUT_DIR")
-        if overwrite and not is_replaceable(dst):
+        if not is_replaceable(dst):  # (with or without --overwrite: it is not the tool's to replace)
             raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: --overwrite replaces a "
                               "previous marlin-convert output only", hint="empty it, or choose another OUT_DIR")
+        if not overwrite and any(dst.iterdir()):
+            raise OutputError(f"OUT_DIR {out_dir} is not empty (a previous output)",
+                              hint="pass --overwrite to replace it")
     else:
         existing = next(p for p in dst.parents if p.exists())  # (the root exists)
         if not existing.is_dir():

@@ -80,15 +80,27 @@ def error_message(exc: BaseException) -> str:
     return f"internal error: {type(exc).__name__}: {exc}"
 
 
+def exit_code(exc: BaseException) -> int:
+    """The exit code of a command that ends with ``exc`` (see :func:`report_error`)."""
+    if isinstance(exc, MarlinConvertError):
+        return exc.exit_code
+    if isinstance(exc, Interrupted):
+        return 128 + exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
+        return 2
+    return 3
+
+
 def error_hint(exc: BaseException) -> str | None:
-    """The ``Hint:`` :func:`report_error` prints for ``exc`` (also the JSON report of a failed command), or None."""
+    """The ``Hint:`` :func:`report_error` prints for ``exc`` (also the JSON report of a failed command), or None: the
+    error's own, or for an internal error (exit 3) how to report it."""
     if isinstance(exc, MarlinConvertError):
         return exc.hint or None
-    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
-        return None
-    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
-        return None
-    return f"this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it"
+    if exit_code(exc) == 3:
+        return f"this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it"
+    return None
 
 
 def report_error(exc: BaseException) -> int:
@@ -106,12 +118,4 @@ def report_error(exc: BaseException) -> int:
     hint = error_hint(exc)
     if hint:
         print(shortened(f"Hint: {one_line(hint)}"), file=sys.stderr)
-    if isinstance(exc, MarlinConvertError):
-        return exc.exit_code
-    if isinstance(exc, Interrupted):
-        return 128 + exc.signum
-    if isinstance(exc, KeyboardInterrupt):
-        return 128 + signal.SIGINT
-    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
-        return 2
-    return 3
+    return exit_code(exc)
