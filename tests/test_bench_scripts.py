@@ -3,6 +3,7 @@ that only the full presets are measured against."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,6 @@ def test_kernel_scripts_say_why_when_the_kernel_cannot_run(script, env):
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is here: the scripts would run the kernel")
     done = subprocess.run([sys.executable, str(REPO / "scripts" / script)], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, **env})
+                          env={**os.environ, **env})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
