@@ -14,8 +14,9 @@ namespace detail {
 // The instantiated configurations (see kernel/README.md for why these).
 // fp16 x 4-bit symmetric (the converter's main kind; dispatch_fp16_int4 below):
 //   m <= 8 on Hopper, where each 64-column tile takes a cluster of two blocks or, in one wave, one block, or in
-//             stream-K where every block gets enough of the work (direct_pays): the direct-load kernel
-//             (marlin_gemm_direct.cuh; try_direct), for every 4-bit kind; otherwise:
+//             stream-K where every block gets enough of the work (direct_pays), and m = 9..16 where each tile takes a
+//             cluster of two blocks at one block per SM: the direct-load kernel (marlin_gemm_direct.cuh; try_direct),
+//             for every 4-bit kind; otherwise:
 //   m <= 16 : grouped with n / 64 > SMs, or channelwise m <= 8 with n / 256 >= SMs: 4 strips at 2 stages, swapped;
 //             otherwise MB=1, WN=1 (64-column tiles: the most blocks for small n), 4 stages, swapped (C^T = W^T A^T) with
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips

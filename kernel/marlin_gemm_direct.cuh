@@ -52,7 +52,8 @@
 //          channelwise scales applied in fp32, C written.
 //
 // Only on compute capability 9.0 (clusters; the host's direct_variant decides), built into the sm_90a code. Elsewhere
-// the kernel body traps and is never launched. Where it is the default: direct_pays (m <= 8).
+// the kernel body traps and is never launched. Where it is the default: direct_pays (m <= 8; m = 9..16 in clusters of
+// two only).
 
 #pragma once
 
@@ -559,7 +560,11 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
 // others 0.98-1.08. One block per tile (fifteenth session, since A goes through L1: the blocks of a wave read the same
 // A chunks in step): H100, time against the rule before at m = 1..8, 4096 x 12288 0.95-0.98 (against the pipelined
 // kernels), 8192 x 10240 0.91-0.95 (against stream-K); 4096 x 22016 (344 tiles, 1.3 waves) 1.05-1.20, so not there.
-inline bool direct_pays(const DirectPlan& plan, bool grouped) {
+// Two batch blocks (MB8 = 2, m = 9..16, one block per SM): in clusters of two only (2 x n / 64 <= SMs). H100 (sixteenth
+// session, kernel/NOTES.md), time against the pipelined kernels at m = 12 / 16: 4096 x 4096 0.86-0.89, 11008 x 4096
+// 0.94-0.96; one block per tile, one wave (8192 x 8192, 28672 x 8192) 0.95-1.06, and 1.2-1.5 on the stream-K layers.
+inline bool direct_pays(const DirectPlan& plan, bool grouped, int mb8 = 1) {
+  if (mb8 == 2) return plan.units_per_block == 0 && plan.splits == 2;
   if (plan.units_per_block == 0)
     return plan.splits == 2 || (plan.splits == 1 && plan.grid <= plan.resident && plan.chunks >= kWarps);
   return plan.units_per_block >= (grouped ? 4 : 12);
@@ -625,9 +630,7 @@ int try_direct(const Launch& L, int optin, bool& launched) {
   if constexpr (K::kBits == 4) {
     if (L.m > 16) return MARLIN_OK;
     const int variant = direct_variant();
-    // default: m <= 8 only (direct_pays). At m = 9..16 (two batch blocks, 163-188 registers: one block of 8 warps per
-    // SM) it was 1.3-1.9x slower than the pipelined kernels on every shape (H100 and H200, kernel/NOTES.md)
-    if (variant == 0 || (variant == 1 && (L.m > 8 || L.split_k > 0))) return MARLIN_OK;
+    if (variant == 0 || (variant == 1 && L.split_k > 0)) return MARLIN_OK;
     const int forced = variant == 2 && L.split_k > 0 ? L.split_k : 0;
     const bool stream_k = variant == 3;
     // benchmark only (MARLIN_CONVERT_STREAM_K): stream-K's blocks per SM, read where a stream-K plan is launched
@@ -648,8 +651,9 @@ int try_direct(const Launch& L, int optin, bool& launched) {
       launched = true;
       return launch_direct<K, 1, GROUPED>(L, plan);
     }
+    // m = 9..16, two batch blocks (189-255 registers: one block of 8 warps per SM): by default in clusters of two only
     const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, forced_cap);
-    if (plan.splits == 0) return MARLIN_OK;
+    if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED, 2))) return MARLIN_OK;
     launched = true;
     return launch_direct<K, 2, GROUPED>(L, plan);
   }

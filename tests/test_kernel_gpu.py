@@ -360,7 +360,8 @@ def test_rejects_out_sharing_memory_with_an_operand(torch, which):
     (7, 1056, 17408, 32),
     (2, 1040, 17408, 16),   # 32-k warp ranges cross 16-row groups: fp16 scales on B
 ])
-def test_two_batch_block_swapped_path(torch, m, k, n, group):
+def test_two_batch_block_swapped_path(torch, monkeypatch, m, k, n, group):
+    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", "0")  # (on Hopper the direct kernel takes n / 64 <= SMs / 2 by default)
     _run_case(torch, m, k, n, group, False, seed=m * 7919 + n)
 
 
@@ -690,10 +691,10 @@ def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_ord
 
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
 @pytest.mark.parametrize("m,k,n,group", [(1, 4096, 4096, 128), (8, 8192, 8192, -1), (5, 11008, 4096, 128),
-                                         (2, 8192, 10240, 128)])
+                                         (2, 8192, 10240, 128), (12, 4096, 4096, -1), (16, 11008, 4096, 128)])
 def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
     """On compute capability 9.0 the direct kernel really runs by default at m <= 8 (cluster mode; 8192 x 10240: one
-    block per tile on 132-159 SMs): its sums come in another order than the pipelined kernels', so over 4-65 K outputs
+    block per tile on 132-159 SMs) and at m = 9..16 on n / 64 <= SMs / 2 (two batch blocks, clusters of two): its sums come in another order than the pipelined kernels', so over 4-65 K outputs
     some roundings differ; identical outputs would mean the same kernel ran. Both are checked against the reference."""
     _skip_unless_hopper_132(torch, "the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: "
                                    "its default rules, cluster mode or stream-K, are set for that count)")
@@ -730,6 +731,28 @@ def test_direct_plan_picks_its_layers(torch, dtype, asym, layer, group):
     assert launch.startswith(expected), f"k = {k}, n = {n} ({sms} SMs): {launch}"
 
 
+# The default at m = 9..16 (direct_pays with two batch blocks), read back from the launch for every 4-bit kind: the
+# direct kernel in clusters of two where 2 x n / 64 <= SMs (one block per SM); the pipelined kernels with one tile
+# more (one block per tile: slower on 8192 x 8192), where k is not a multiple of 128, and where the group is 64.
+@pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
+@pytest.mark.parametrize("layer", ["pairs", "one_tile_more", "k_1040", "group_64"])
+@pytest.mark.parametrize("group", [128, -1])
+def test_direct_plan_at_two_batch_blocks(torch, kind, layer, group):
+    _skip_unless_hopper_132(torch, "the direct kernel's plans are sized for a Hopper GPU of >= 132 SMs")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dtype, bits, asym = kind
+    k, n, grp, direct = {
+        "pairs": (2048, 64 * (sms // 2), group, True),
+        "one_tile_more": (2048, 64 * (sms // 2 + 1), group, False),
+        "k_1040": (1040, 64 * (sms // 2), -1, False),
+        "group_64": (2048, 64 * (sms // 2), 64, False),
+    }[layer]
+    _run_case(torch, 12, k, n, grp, False, seed=zlib.crc32(repr((kind, layer, group)).encode()), bits=bits, asym=asym,
+              dtype=dtype)
+    launch = _last_launch(torch)
+    assert launch.startswith("direct MB8=2 cluster=2 units_per_block=0 ") == direct, f"k = {k}, n = {n}: {launch}"
+
+
 # [PDL] On compute capability 9.0 a launch may start while the kernel before it in the stream still runs (programmatic
 # dependent launch where pdl_launch takes it; MARLIN_CONVERT_PDL=0 turns it off), and every kernel here lets its
 # successor start once all of its blocks run. That happens only between two of our calls back to back (torch's kernels
@@ -744,7 +767,7 @@ def test_direct_plan_picks_its_layers(torch, dtype, asym, layer, group):
 # on compute capability 9.0 every call of the chain must have, elsewhere none (both chains are then serialized).
 PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
     ("pipelined-m1", [{"MARLIN_CONVERT_DIRECT": "0"}], 1, 2048, 128, 4, "float16", False),
-    ("pipelined-m16", [{}], 16, 2048, 128, 4, "float16", False),
+    ("pipelined-m16", [{"MARLIN_CONVERT_DIRECT": "0"}], 16, 2048, 128, 4, "float16", False),
     ("pipelined-stream-k", [{"MARLIN_CONVERT_STREAM_K": "1", "MARLIN_CONVERT_DIRECT": "0"}], 8, 4096, 128, 4,
      "float16", True),
     ("pipelined-8bit", [{}], 3, 1024, 64, 8, "bfloat16", False),
