@@ -651,7 +651,7 @@ int try_direct(const Launch& L, int optin, bool& launched) {
       launched = true;
       return launch_direct<K, 1, GROUPED>(L, plan);
     }
-    // m = 9..16, two batch blocks (189-255 registers: one block of 8 warps per SM): by default in clusters of two only
+    // m = 9..16, two batch blocks (about 190-255 registers: one block of 8 warps per SM): by default in clusters of two only
     const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, forced_cap);
     if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED, 2))) return MARLIN_OK;
     launched = true;

@@ -1697,9 +1697,8 @@ namespace detail {
 // Every kind but fp16 x 4-bit symmetric (that one is dispatch_fp16_int4 in marlin_gemm.cu, with its benchmark
 // variants). The 4-bit kinds take the direct-load kernel first where it is the default (try_direct: Hopper, m <= 8,
 // a cluster of two blocks per tile, one block per tile in one wave, or stream-K where direct_pays; m = 9..16 in
-// clusters of two only). The m <= 16
-// schedule keeps at least as many bytes of B in flight per SM as fp16 x 4-bit does (for 8-bit that did not make it
-// faster: kernel/NOTES.md):
+// clusters of two only). The m <= 16 schedule keeps at least as many bytes of B in flight per SM as fp16 x 4-bit does
+// (for 8-bit that did not make it faster: kernel/NOTES.md):
 //   m <= 16, n / 64 <= SMs (one wave at one block per SM): 4 strips per warp, swapped (4-bit 144 KB, 8-bit 208 KB);
 //   4-bit with zero points and grouped scales, larger n: 4 strips at 2 stages, 2 blocks per SM (74 KB);
 //   4-bit, n / 64 <= 2 SMs, or any n with zero points (channelwise): 3 strips, 2 blocks per SM (108 KB; the
