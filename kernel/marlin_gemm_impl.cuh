@@ -1565,7 +1565,15 @@ int launch_config(const Launch& L) {
     const double per_sm_now = (double)grid / L.sms;
     const double gain = 1.0 - per_sm_now / std::ceil(per_sm_now);
     const double cost = upb > 0 ? ((double)upb / total_stages + 1.0) / (double)upb : 1.0;
-    if (upb > 0 && (sk_env > 0 || gain > cost)) {
+    // m = 17..32 with group scales (the 32-row kernel, two blocks per SM) where the tiles are one wave at one block per
+    // SM (SMs / 2 < n / 64 <= SMs: no split above) and k >= 16384: stream-K at two blocks per SM, each with half of a
+    // tile's k, although the formula above sees no idle SM. The scales on B make this kernel wait on latency, which a
+    // second block per SM hides; channelwise it gained nothing. H200 (seventeenth session, kernel/NOTES.md), fp16 x
+    // 4-bit group 128 m = 32: 28672 x 8192 86.6 -> 71.7 us (split in two 74.4); 8192 x 8192 (k = 8192) 0.96 of the
+    // time with stream-K, 1.04 split in two, so not there; 4096 x 4096 and 11008 x 4096 (split already) 1.2-1.4x slower.
+    const bool fill_one_wave = GROUPED && MB == 2 && SWAP == 0 && STRIPS == 4 && m_chunks == 1 && per_sm >= 2 &&
+                               2 * base_blocks > L.sms && base_blocks <= L.sms && L.k >= 16384;
+    if (upb > 0 && (sk_env > 0 || gain > cost || fill_one_wave)) {
       int sk_per_sm = 0;
       if (cudaFuncSetAttribute(sk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_attribute(smem, optin)) !=
               cudaSuccess ||

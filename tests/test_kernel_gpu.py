@@ -555,6 +555,34 @@ def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, 
               asym=asym, dtype=dtype)
 
 
+# m = 17..32 with group scales where the 32-row kernel's tiles are one wave at one block per SM and leave almost no SM
+# idle (n / 64 = SMs - 4: the stream-K formula sees nothing to gain) and k >= 16384: stream-K at two blocks per SM by
+# default (fill_one_wave in launch_config), read back from the launch; with k = 8192 or channelwise the grid stays
+# split-K (one block per tile). Every 4-bit kind whose 32-row kernel fits two blocks per SM (not grouped zero points);
+# 8-bit grouped runs at one block per SM, so never there. Hopper with >= 132 SMs, where it was measured.
+@pytest.mark.parametrize("kind", [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True),
+                                  ("float16", 8, False)], ids=_kind_id)
+@pytest.mark.parametrize("layer", ["long_k", "long_k_g64_act", "short_k", "channelwise"])
+def test_stream_k_fills_one_wave_at_m32(torch, monkeypatch, kind, layer):
+    _skip_unless_hopper_132(torch, "the rule's layers are sized for a Hopper GPU of >= 132 SMs")
+    monkeypatch.delenv("MARLIN_CONVERT_STREAM_K", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dtype, bits, asym = kind
+    m, k, group, act_order = {
+        "long_k": (32, 16384, 128, False),
+        "long_k_g64_act": (20, 16448, 64, True),
+        "short_k": (32, 8192, 128, False),
+        "channelwise": (32, 16384, -1, False),
+    }[layer]
+    n = 64 * (sms - 4)
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((kind, layer)).encode()), bits=bits, asym=asym,
+              dtype=dtype)
+    launch = _last_launch(torch)
+    assert launch.startswith("pipelined MB=2 WN=1 "), launch
+    expected = bits == 4 and not (asym and group != -1) and layer.startswith("long_k")
+    assert ("stream_k=1" in launch) == expected, f"{layer}: k = {k}, n = {n} ({sms} SMs): {launch}"
+
+
 # fp16 x 4-bit, m <= 16, one wave of 64-column tiles (SMs / 2 < n / 64 <= SMs on a GPU of 132 or 108 SMs) and
 # k < 16384: the 8-strip, 2-stage kernel (stage k = 1024; partial last stages, group 64 / 32 / channelwise, act-order).
 @pytest.mark.parametrize("m,k,n,group,act_order", [(1, 8192, 8192, 128, False), (16, 4096, 6144, 64, False),
