@@ -26,7 +26,9 @@ namespace detail {
 //             kernel (SWAP 3; try_wgmma in marlin_gemm_impl.cuh), 64- / 128-row chunks, 256-column tiles
 //   m > 64, and 33..64 with k >= 16384 or n >= 32768, n % 128 == 0: MB=4 (64-row chunks), WN=2 (128-column tiles,
 //             A fragments shared by 2x the columns), 8 strips, 2 stages (208 KB), one block per SM
-//   otherwise: MB=2 (32-row chunks), WN=1, 4 strips, 2 stages (104 KB), 2 blocks per SM
+//   otherwise: MB=2 (32-row chunks), WN=1, 4 strips, 2 stages (104 KB), 2 blocks per SM; at m <= 32 with group
+//             scales, one wave of tiles at one block per SM and k >= 16384 in stream-K at two blocks per SM
+//             (fill_one_wave in launch_config)
 //   m > 16 where the shared memory per block is below those (sm_86 / sm_89): MB=2, 1 strip
 // each once with grouped and once with channelwise scales, plus the benchmark-only m <= 16 variants.
 // The other kinds: dispatch_kind in marlin_gemm_impl.cuh.
