@@ -78,6 +78,24 @@ def test_options_before_a_command_name_are_refused(argv, capsys, tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv,error,usage", [
+    (["--bogus", "IN", "OUT"], "No such option: --bogus", "marlin-convert convert [OPTIONS] IN_DIR OUT_DIR"),
+    (["verify"], "Missing argument 'OUT_DIR'", "marlin-convert verify [OPTIONS] OUT_DIR"),
+    (["inspect", "IN", "--workers", "2"], "No such option: --workers", "marlin-convert inspect [OPTIONS] IN_DIR"),
+    (["IN", "OUT", "--workers", "0"], "Invalid value for '--workers'", "marlin-convert convert [OPTIONS] IN_DIR OUT_DIR"),
+])
+def test_a_command_line_error_is_an_error_line_and_a_usage_hint(argv, error, usage, capsys, tmp_path, monkeypatch):
+    """The parser's errors read as every other error: ``Error:`` with the reason, ``Hint:`` with the command's usage,
+    exit 2, nothing else on stderr and nothing created."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"Error: {error}"), captured.err
+    assert lines[1].startswith(f"Hint: usage: {usage}; '") and lines[1].endswith("-h' explains it"), captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv", [["IN", "", "--overwrite"], ["convert", "", "OUT"], ["inspect", ""],
                                   ["verify", "", "--skip-kernel"], ["IN", "OUT", "--json", ""],
                                   ["verify", "OUT", "--skip-kernel", "--source="], ["IN", "OUT", "--json="]])

@@ -144,6 +144,21 @@ def _failed(exc: BaseException) -> int:
     return code
 
 
+def _parser_error(exc: Exception) -> int:
+    """An error of the command-line parser (click's, as typer bundles it: an unknown option, a missing argument, a
+    value of the wrong type), in the form of every other error: an ``Error:`` line, a ``Hint:`` line with the
+    command's usage, exit 2. A bare ``marlin-convert`` still prints the whole help."""
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        exc.show()
+        return exc.exit_code
+    ctx = getattr(exc, "ctx", None)
+    usage = ctx.get_usage().strip() if ctx is not None else ""
+    usage = usage[len("Usage:"):].strip() if usage.startswith("Usage:") else usage
+    hint = f"usage: {' '.join(usage.split())}; '{ctx.command_path} -h' explains it" if ctx is not None else None
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    return _failed(InputError(message.rstrip(".") if message.endswith(".") else message, hint=hint))
+
+
 def main(argv: list[str] | None = None) -> int:
     forget_report_target()
     try:
@@ -159,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as exc:
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
-            exc.show()  # a usage error (unknown option, missing argument): click formats it with the usage line
-            return exc.exit_code
+            return _parser_error(exc)
         signum = first_signal()  # a signal came first: the failure is its consequence (a worker it stopped)
         return _failed(exc if signum is None else Interrupted(signum))
     except (Interrupted, KeyboardInterrupt) as exc:
