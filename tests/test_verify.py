@@ -297,7 +297,7 @@ def partial(tmp_path):
 def test_kept_layers_are_checked_byte_for_byte_and_counted(partial, capsys):
     assert main(["verify", str(partial), "--skip-kernel"]) == 0
     text = capsys.readouterr().out
-    assert "2/2 passed: 1 converted, 1 kept in GPTQ form" in text
+    assert "passed: 2/2 layers ok (1 converted, 1 kept in GPTQ form)" in text
     assert "kept in GPTQ form: model.layers.0.mlp.down_proj (" in text
     assert main(["verify", str(partial), "--skip-kernel", "-q"]) == 0  # -q: failures and the summary only
     assert "kept in GPTQ form: model.layers.0.mlp.down_proj (" not in capsys.readouterr().out

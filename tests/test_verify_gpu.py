@@ -82,7 +82,7 @@ def test_gpu_list_spreads_layers_and_the_cli_exits_zero(tmp_path, capsys):
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q"]) == 0
     assert main(["verify", str(out), "--gpu", "0,0", "--batch", "1,16", "-q", "--json", str(tmp_path / "v.json")]) == 0
-    assert "14/14 passed" in capsys.readouterr().out
+    assert "passed: 14/14 layers ok" in capsys.readouterr().out
 
 
 def _gpu_count() -> int:

@@ -163,7 +163,7 @@ def test_a_gpu_process_that_fails_before_its_kernel_is_ready_means_no_kernel_her
 def test_the_cli_exits_0_with_two_gpu_processes(monkeypatch, llama, capsys):
     _use(monkeypatch, "passing")
     assert main(["verify", str(llama[1]), "--gpu", "0,1", "--batch", "1,16"]) == 0
-    assert "21/21 passed" in capsys.readouterr().out
+    assert "passed: 21/21 layers ok" in capsys.readouterr().out
 
 
 def test_a_prestarted_gpu_process_is_the_first_gpus(monkeypatch, llama):

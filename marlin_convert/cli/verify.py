@@ -158,10 +158,11 @@ def verify(
         output.lines.append(Text(one_line(f"FAIL: {problem}"), style="red"))
     output.lines += [f"note: {note}" for note in report.notes]
     passed = len(report.results) - len(report.failures) + sum(k.ok for k in report.kept)
-    summary = (f"{passed}/{len(report.results) + len(report.kept)} passed: {len(report.results)} converted, "
-               f"{len(report.kept)} kept in {form} form; {report.files_checked} file(s) and {report.tensors_checked} "
-               f"copied tensor(s) hashed against the manifest; {len(report.problems)} other problem(s); "
-               f"{report.seconds:.1f} s")
+    # the verdict first: "7/7 layers ok" beside a problem with the files is still a failed run
+    summary = (f"{'passed' if report.ok else 'FAILED'}: {passed}/{len(report.results) + len(report.kept)} layers ok "
+               f"({len(report.results)} converted, {len(report.kept)} kept in {form} form); {report.files_checked} "
+               f"file(s) and {report.tensors_checked} copied tensor(s) hashed against the manifest, "
+               f"{len(report.problems)} problem(s) with the files; {report.seconds:.1f} s")
     if report.kernel_checked:
         worst = max((c.relative_error for r in report.results for c in r.kernel if c.batch), default=None)
         bound = f"bound {RELATIVE_ERROR_BOUND:.0e}" + ("; bf16 runs: max(2e-3, twice torch's own bf16 error)"
