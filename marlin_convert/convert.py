@@ -295,6 +295,24 @@ def refusal_error(refused: list[LayerPlan], total: int) -> UnsupportedLayerError
     )
 
 
+def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> UnsupportedLayerError | None:
+    """Why the conversion of ``plan`` must stop at its refused layers, or None: any refused layer without
+    ``skip_incompatible``; with it, only when every quantized layer is refused (the output would be the source
+    checkpoint, relabelled)."""
+    if not plan.refused:
+        return None
+    if not skip_incompatible:
+        return refusal_error(plan.refused, len(plan.layers))
+    if len(plan.refused) < len(plan.layers):
+        return None
+    listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in plan.refused[:3])
+    more = f" (and {len(plan.refused) - 3} more)" if len(plan.refused) > 3 else ""
+    return UnsupportedLayerError(
+        f"none of the {len(plan.layers)} quantized layers can be converted: {listed}{more}",
+        hint="--skip-incompatible keeps some layers in their source form; with none converted there is nothing to do",
+    )
+
+
 def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False) -> ConversionPlan:
     """Open and check ``in_dir`` and declare every output tensor. Writes nothing.
 
@@ -769,6 +787,9 @@ def convert(
     check_out_dir(in_dir, out_dir, overwrite)
     if plan is None:
         plan = build_plan(in_dir, skip_incompatible, stack_experts)
+    refusal = plan_refusal(plan, skip_incompatible)  # (a plan passed in was built with skip_incompatible)
+    if refusal is not None:
+        raise refusal
     checkpoint = plan.checkpoint
     bytes_in = plan.bytes_in  # (read once, now: nothing after the output is moved into place may fail)
     extra = select_extra_files(in_dir, _produced_names(plan))

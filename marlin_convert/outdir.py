@@ -14,7 +14,7 @@ one OUT_DIR). The final move never replaces what another process put at OUT_DIR 
 
 OUT_DIR itself must not be a symbolic link (it is refused: writing through a link would replace the link, not
 fill its target); links among OUT_DIR's parents are fine. ``--overwrite`` replaces only an empty directory or a
-previous output (one holding the manifest), and OUT_DIR must not hold the current directory or a file that an entry
+previous output (its manifest, and only the files that manifest lists), and OUT_DIR must not hold the current directory or a file that an entry
 of IN_DIR links to (:func:`check_out_dir`).
 """
 
@@ -30,8 +30,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from .errors import OutputError
-from .manifest import MANIFEST_FILE
+from .errors import ManifestError, OutputError
+from .manifest import MANIFEST_FILE, load_manifest
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -55,7 +55,7 @@ def _refuse_links_into(in_dir: Path, out_dir: Path, dst: Path) -> None:
 def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
     """Refuse an OUT_DIR that would overlap IN_DIR (also through a link of IN_DIR's into it), is a symbolic link, is
     not a directory, is or holds the current directory, or is not empty (without ``overwrite``; with it, not empty
-    and not a previous output: :func:`is_replaceable`). ``out_dir`` is absolute. Raises :class:`OutputError`; reads
+    and not a previous output: :func:`replace_refusal`). ``out_dir`` is absolute. Raises :class:`OutputError`; reads
     only."""
     if not out_dir.name:
         raise OutputError(f"OUT_DIR {out_dir} is a file system root", hint="choose a directory to create")
@@ -72,9 +72,11 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
     if dst.exists():
         if not dst.is_dir():
             raise OutputError(f"OUT_DIR {out_dir} exists and is not a directory")
-        if not is_replaceable(dst):  # (with or without --overwrite: it is not the tool's to replace)
-            raise OutputError(f"OUT_DIR {out_dir} is not empty and holds no {MANIFEST_FILE}: --overwrite replaces a "
-                              "previous marlin-convert output only", hint="empty it, or choose another OUT_DIR")
+        refusal = replace_refusal(dst)
+        if refusal is not None:  # (with or without --overwrite: it is not the tool's to replace)
+            raise OutputError(f"OUT_DIR {out_dir} is not empty and not a previous marlin-convert output: it {refusal}",
+                              hint="empty it, or choose another OUT_DIR (--overwrite replaces only an empty directory "
+                                   "or a previous output with nothing added)")
         if not overwrite and any(dst.iterdir()):
             raise OutputError(f"OUT_DIR {out_dir} is not empty (a previous output)",
                               hint="pass --overwrite to replace it")
@@ -92,9 +94,27 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
                           hint="run from another directory, or choose another OUT_DIR")
 
 
-def is_replaceable(directory: Path) -> bool:
-    """Whether --overwrite may replace ``directory``: empty, or a previous output (it holds the manifest)."""
-    return not any(directory.iterdir()) or (directory / MANIFEST_FILE).is_file()
+def replace_refusal(directory: Path) -> str | None:
+    """Why --overwrite may not replace ``directory`` (what follows "it"), or None where it may: empty, or a previous
+    output with nothing added, that is a manifest this tool reads and beside it only files the manifest lists (a
+    conversion writes no subdirectory and lists every file it writes). A file that merely has the manifest's name
+    does not make a directory of someone's work replaceable."""
+    entries = sorted(os.listdir(directory))
+    if not entries:
+        return None
+    if MANIFEST_FILE not in entries:
+        return f"holds no {MANIFEST_FILE}"
+    try:
+        manifest = load_manifest(directory)
+    except ManifestError as exc:
+        return f"holds a {MANIFEST_FILE} that is not this tool's ({exc.message})"
+    listed = set(manifest["files"]) | {MANIFEST_FILE}
+    foreign = [name for name in entries
+               if name not in listed or (os.path.isdir(directory / name) and not os.path.islink(directory / name))]
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        return f"holds what its manifest does not list: {', '.join(foreign[:3])}{more}"
+    return None
 
 
 def _lock(path: Path) -> int | None:
@@ -194,7 +214,7 @@ class PartialDir:
         behind (with ``overwrite``: the previous OUT_DIR's contents, where they could not all be removed). Raises
         :class:`OutputError` (and leaves OUT_DIR as it was) when OUT_DIR was filled by someone else while this run
         worked: without ``overwrite`` whatever it holds, with it unless it is a previous output
-        (:func:`is_replaceable`)."""
+        (:func:`replace_refusal`)."""
         out_dir = self.out_dir
         try:
             if overwrite and out_dir.is_symlink():
@@ -202,9 +222,10 @@ class PartialDir:
             if overwrite and out_dir.exists() and not out_dir.is_dir():  # --overwrite replaces a directory only
                 raise OutputError(f"OUT_DIR {out_dir} became a file while converting; left as it is")
             if overwrite and out_dir.exists():
-                if not is_replaceable(out_dir):  # filled by someone else meanwhile: not ours to delete
-                    raise OutputError(f"OUT_DIR {out_dir} was filled by another process while converting and holds "
-                                      f"no {MANIFEST_FILE}; it is left as it is and this run's output is discarded",
+                refusal = replace_refusal(out_dir)
+                if refusal is not None:  # filled by someone else meanwhile: not ours to delete
+                    raise OutputError(f"OUT_DIR {out_dir} was filled by another process while converting (it "
+                                      f"{refusal}); it is left as it is and this run's output is discarded",
                                       hint="choose another OUT_DIR")
                 if not _exchange(self.path, out_dir):
                     aside = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"

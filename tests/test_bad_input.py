@@ -237,7 +237,8 @@ def test_out_dir_not_empty(capsys, tmp_path, src):
     rc = main([str(src), str(out)])
     err = capsys.readouterr().err
     # not a previous output: the hint does not offer --overwrite, which would be refused too
-    assert rc == 2 and "is not empty and holds no marlin_manifest.json" in err and "--overwrite to replace" not in err
+    assert rc == 2 and "is not empty and not a previous marlin-convert output: it holds no marlin_manifest.json" in err \
+        and "--overwrite to replace" not in err
     assert "Hint: empty it, or choose another OUT_DIR" in err
     assert (out / "precious.txt").read_text() == "keep me"
     # --overwrite replaces a previous output only: a directory without the manifest is not the tool's to delete
@@ -247,9 +248,29 @@ def test_out_dir_not_empty(capsys, tmp_path, src):
     assert main([str(src), str(out), "-q"]) == 0
     # a previous output: refused without --overwrite, with the hint to pass it
     _run_failing(capsys, tmp_path, [str(src), str(out)], "is not empty (a previous output)")
-    (out / "leftover.txt").write_text("added to a previous output")
+    # a previous output with something added (notes, an adapter folder): not the tool's to delete, even with
+    # --overwrite; named in the error
+    (out / "NOTES.md").write_text("added to a previous output")
+    (out / "lora").mkdir()
+    _run_failing(capsys, tmp_path, [str(src), str(out), "--overwrite"], "holds what its manifest does not list: "
+                                                                          "NOTES.md, lora")
+    assert (out / "NOTES.md").exists() and (out / "lora").is_dir()
+    (out / "NOTES.md").unlink()
+    (out / "lora").rmdir()
     assert main([str(src), str(out), "--overwrite", "-q"]) == 0
-    assert not (out / "leftover.txt").exists() and (out / "marlin_manifest.json").exists()
+    assert (out / "marlin_manifest.json").exists()
+
+
+@pytest.mark.parametrize("manifest_text", ["", "{", "{}", '{"format": "marlin-convert-manifest", "version": 0}'])
+def test_overwrite_refuses_a_directory_whose_manifest_is_not_this_tools(capsys, tmp_path, src, manifest_text):
+    """A file named marlin_manifest.json does not make a directory of someone's work replaceable."""
+    out = tmp_path / "home"
+    (out / "docs").mkdir(parents=True)
+    (out / "thesis.tex").write_text("precious")
+    (out / "marlin_manifest.json").write_text(manifest_text)
+    _run_failing(capsys, tmp_path, [str(src), str(out), "--overwrite"],
+                 "not a previous marlin-convert output: it holds a marlin_manifest.json that is not this tool's")
+    assert sorted(p.name for p in out.iterdir()) == ["docs", "marlin_manifest.json", "thesis.tex"]
 
 
 def test_a_hub_snapshot_is_never_converted_into_its_own_blobs(capsys, tmp_path):
@@ -280,24 +301,22 @@ def test_the_current_directory_is_never_out_dir(capsys, tmp_path, src, monkeypat
 
 
 def test_an_overwritten_out_dir_that_cannot_all_be_removed_is_named(capsys, tmp_path, src):
-    """--overwrite publishes the new output and names what stays of the old one (here an immutable folder), and
+    """--overwrite publishes the new output and names what stays of the old one (here an immutable file of it), and
     the next run on the same OUT_DIR removes it once it can."""
     out = tmp_path / "out"
-    assert main([str(src), str(out), "-q"]) == 0  # a previous output, with a folder added to it
-    stuck = out / "stuck"
-    stuck.mkdir(parents=True)
-    (stuck / "old.bin").write_bytes(b"old")
+    assert main([str(src), str(out), "-q"]) == 0  # a previous output, one of its files made immutable
+    stuck = out / "config.json"
     if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
-        pytest.skip("needs chattr +i (root, a file system with attributes) to make a folder that cannot be removed")
+        pytest.skip("needs chattr +i (root, a file system with attributes) to make a file that cannot be removed")
     try:
         capsys.readouterr()
         assert main([str(src), str(out), "--overwrite"]) == 0
         printed = capsys.readouterr().out
-        assert (out / "marlin_manifest.json").exists() and not (out / "stuck").exists()
+        assert (out / "marlin_manifest.json").exists()
         left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
-        assert len(left) == 1 and (left[0] / "stuck" / "old.bin").exists()
+        assert len(left) == 1 and (left[0] / "config.json").exists()
         assert "the previous OUT_DIR's contents could not all be removed" in printed
-        assert f"they are left in {left[0]}" in printed and "old.bin: Operation not permitted" in printed
+        assert f"they are left in {left[0]}" in printed and "config.json: Operation not permitted" in printed
     finally:
         subprocess.run(["chattr", "-R", "-i", str(tmp_path)], capture_output=True)
     assert main([str(src), str(out), "--overwrite"]) == 0

@@ -172,22 +172,44 @@ def test_unsupported_layers_stop_the_run_before_anything_is_written(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["in"]
 
 
+def _one_layer_refused(**layer_kw) -> CheckpointSpec:
+    """down_proj with ``layer_kw`` (GPTQModel's ``dynamic``; no Marlin form), up_proj at the defaults."""
+    spec = _linear_spec()
+    spec.linears.append(LinearSpec("model.layers.0.mlp.up_proj", 128, 256))
+    for key, value in layer_kw.items():
+        setattr(spec.linears[0], key, value)
+    spec.dynamic = {"+:.*down_proj": dict(layer_kw)}
+    return spec
+
+
 @pytest.mark.parametrize("spec_kw, reason", [({"bits": 2}, "2-bit"), ({"group_size": 48}, "group size 48")])
 def test_skip_incompatible_keeps_layers_in_gptq_form_and_lists_them(tmp_path, spec_kw, reason):
-    src = write_checkpoint(tmp_path / "in", _linear_spec(**spec_kw))
+    src = write_checkpoint(tmp_path / "in", _one_layer_refused(**spec_kw))
     out = tmp_path / "out"
     report = convert(src, out, skip_incompatible=True)
-    assert report.layers == [] and report.skipped[0]["name"] == "model.layers.0.mlp.down_proj"
+    assert [layer["name"] for layer in report.layers] == ["model.layers.0.mlp.up_proj"]
+    assert report.skipped[0]["name"] == "model.layers.0.mlp.down_proj"
     assert reason in report.skipped[0]["reason"]
     kept = load_manifest(out)["kept"][0]
     assert kept["name"] == "model.layers.0.mlp.down_proj" and reason in kept["reason"]
     source, converted = _all_tensors(src), _all_tensors(out)
-    assert set(converted) == set(source)
-    assert all(converted[n][0].tobytes() == source[n][0].tobytes() for n in source)
+    copied = {n for n in source if not n.startswith("model.layers.0.mlp.up_proj.")}
+    assert copied <= set(converted)
+    assert all(converted[n][0].tobytes() == source[n][0].tobytes() for n in copied)
     assert set(kept["tensors"]) == {"qweight", "qzeros", "scales", "g_idx"}
     for kind, name in kept["tensors"].items():
         assert kept["shards"][kind] == "model.safetensors"
         assert kept["digests"][kind] == "sha256:" + hashlib.sha256(converted[name][0].tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("spec_kw", [{"bits": 2}, {"group_size": 48}])
+def test_skip_incompatible_with_no_layer_to_convert_stops_before_anything_is_written(tmp_path, spec_kw):
+    """The output would be the source checkpoint relabelled: an error naming the layers, as without the option."""
+    src = write_checkpoint(tmp_path / "in", _linear_spec(**spec_kw))
+    with pytest.raises(UnsupportedLayerError, match="none of the 1 quantized layers can be converted: "
+                                                   "model.layers.0.mlp.down_proj: "):
+        convert(src, tmp_path / "out", skip_incompatible=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["in"]
 
 
 def test_shapes_that_do_not_tile_are_padded_and_both_shapes_recorded(tmp_path):

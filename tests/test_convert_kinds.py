@@ -140,8 +140,11 @@ def test_v1_zero_point_that_would_be_2_to_the_bits_is_refused_naming_layer_and_v
     with pytest.raises(UnsupportedLayerError, match=rf"{LAYER}: asymmetric v1 zero points: stored value 255 means "
                                                     r"zero point 256, outside 0..255"):
         build_plan(src)
-    report = convert(src, tmp_path / "out", skip_incompatible=True)
-    assert [s["name"] for s in report.skipped] == [LAYER]
+    # --skip-incompatible would keep it in GPTQ form, but with no other layer there is nothing to convert
+    with pytest.raises(UnsupportedLayerError, match=rf"none of the 1 quantized layers can be converted: {LAYER}: "
+                                                    r"asymmetric v1 zero points: stored value 255"):
+        convert(src, tmp_path / "out", skip_incompatible=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_explicit_sym_false_with_symmetric_looking_zeros_converts_with_its_true_zero_points(tmp_path):

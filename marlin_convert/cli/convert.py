@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, refusal_error
+from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, plan_refusal
 from ..outdir import check_out_dir
 from ..workers import MAX_WORKERS
 from ..sources import FORM_NAMES
@@ -31,15 +31,15 @@ from .inspect import plan_output
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the Marlin checkpoint (absent or empty; --overwrite replaces a previous output).")]
 OverwriteOpt = Annotated[bool, typer.Option(
-    "--overwrite", help="Replace OUT_DIR if it is a previous output (it holds marlin_manifest.json); another non-empty "
-    "directory is never replaced.")]
+    "--overwrite", help="Replace OUT_DIR if it is a previous output (its marlin_manifest.json, and only the files "
+    "that manifest lists); another non-empty directory is never replaced.")]
 SkipOpt = Annotated[bool, typer.Option(
     "--skip-incompatible", help="Keep the layers Marlin has no form for in their source form and list them (the "
     "output then says checkpoint_format 'marlin-partial'), instead of stopping before anything is written: bits "
     "other than 4 and 8 (2/3-bit), group sizes other than -1, 32, 64, 128 or >= K, zero points that contradict "
     "'sym: true' or that Marlin cannot hold; compressed-tensors also activation quantization, float weights, other "
     "scale strategies. A config whose bits or group size the stored tensors' shapes contradict is a malformed "
-    "checkpoint: it always stops the run.")]
+    "checkpoint: it always stops the run, as does a checkpoint with no layer to convert.")]
 StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
     "and layer: '<base>.experts.<proj>.B' [E, K_pad/16, N_pad*bits/2] and '.s' [E, groups, N_pad] (+ zp, "
@@ -86,8 +86,7 @@ def convert(
         output = plan_output(plan, quiet=quiet)
         output.write_json(json_file)  # first: a closed stdout must not lose it
         # refused layers: the plan shows them; the conversion itself would stop (exit 2, even with stdout closed)
-        output.render_then_raise(refusal_error(plan.refused, len(plan.layers))
-                                 if plan.refused and not skip_incompatible else None)
+        output.render_then_raise(plan_refusal(plan, skip_incompatible))
         return
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
