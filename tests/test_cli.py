@@ -125,8 +125,30 @@ def test_convert_prints_a_table_and_writes_a_json_report(tmp_path, src, capsys):
     text = capsys.readouterr().out
     assert "model.layers.0.self_attn.q_proj" in text and "7 layer(s) converted into 7 Marlin manifest entries" in text
     report = json.loads(report_path.read_text())
+    assert list(report)[:2] == ["ok", "exit_code"] and report["ok"] is True and report["exit_code"] == 0
     assert len(report["layers"]) == 7 and report["skipped"] == []
     assert report["bytes_in"] > 0 and report["manifest"].endswith("marlin_manifest.json")
+
+
+def test_every_report_starts_with_its_outcome(tmp_path, src, capsys):
+    """inspect, a dry run (that would pass, that would stop), verify (passing, failing): "ok" and "exit_code" first,
+    the values the command exits with, as a failed command's report has them."""
+    out = tmp_path / "out"
+    odd_spec = tiny_llama(num_layers=1)
+    next(lin for lin in odd_spec.linears if lin.name.endswith("down_proj")).group_size = 8
+    odd_spec.dynamic = {"+:.*down_proj": {"group_size": 8}}
+    odd = write_checkpoint(tmp_path / "g8", odd_spec)
+    runs = [(["inspect", str(src)], 0), ([str(src), str(out), "--dry-run"], 0), ([str(odd), str(out), "--dry-run"], 2),
+            ([str(src), str(out), "-q"], 0), (["verify", str(out), "--skip-kernel"], 0)]
+    for i, (argv, code) in enumerate(runs):
+        report_path = tmp_path / f"r{i}.json"
+        assert main([*argv, "--json", str(report_path)]) == code, argv
+        report = json.loads(report_path.read_text())
+        assert list(report)[:2] == ["ok", "exit_code"] and report["ok"] is (code == 0) and report["exit_code"] == code
+    (out / "extra.txt").write_text("x")
+    assert main(["verify", str(out), "--skip-kernel", "--json", str(tmp_path / "failed.json")]) == 1
+    report = json.loads((tmp_path / "failed.json").read_text())
+    assert report["ok"] is False and report["exit_code"] == 1 and report["problems"]
 
 
 @pytest.mark.parametrize("command", ["convert", "inspect", "verify"])

@@ -78,6 +78,12 @@ class Output:
         self.rows.append([str(c) for c in cells])
         self.row_styles.append(style)
 
+    def set_outcome(self, exit_code: int) -> None:
+        """Put ``"ok"`` and ``"exit_code"`` first in the data, as a failed command's report has them
+        (:func:`report_failure`): a script reads every report's outcome the same way."""
+        rest = {key: value for key, value in self.data.items() if key not in ("ok", "exit_code")}
+        self.data = {"ok": exit_code == 0, "exit_code": exit_code, **rest}
+
     def render(self) -> None:
         """Print for people. Names, paths and reasons are printed as they are: nothing in them is read as rich
         markup (a label such as ``P[expert 3]`` stays visible), and control characters in them are written as

@@ -84,9 +84,11 @@ def convert(
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:
         output = plan_output(plan, quiet=quiet)
+        refusal = plan_refusal(plan, skip_incompatible)
+        output.set_outcome(0 if refusal is None else 2)
         output.write_json(json_file)  # first: a closed stdout must not lose it
         # refused layers: the plan shows them; the conversion itself would stop (exit 2, even with stdout closed)
-        output.render_then_raise(plan_refusal(plan, skip_incompatible))
+        output.render_then_raise(refusal)
         return
     with byte_progress(plan.work_bytes, "converting", enabled=not quiet) as advance:
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
@@ -94,6 +96,7 @@ def convert(
                                 before_publish=_before_publish)
     report.seconds = time.perf_counter() - started  # the whole command: planning (headers, small tensors) included
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
+    output.set_outcome(0)
     if not quiet:
         add_layer_rows(output, plan.layers)
     rate = report.bytes_in / report.seconds if report.seconds else 0.0

@@ -66,6 +66,7 @@ def inspect(in_dir: InDirArg, json_file: JsonOpt = None, json_stdout: JsonStdout
     check_json_path("-" if json_stdout and json_file is None else json_file, in_dir)
     plan = build_plan(in_dir, skip_incompatible=True)
     output = plan_output(plan, as_json=json_stdout)
+    output.set_outcome(0)
     raise_if_signalled(Interrupted)  # (a signal whose exception Python dropped: no report of success)
     output.write_json(json_file)  # first: a closed stdout must not lose it
     output.render()

@@ -127,6 +127,7 @@ def verify(
                             progress=advance)
     data = report.to_dict()
     output = Output(f"Verified {out_dir}" if report.ok else f"Verification FAILED: {out_dir}", data)
+    output.set_outcome(0 if report.ok else 1)
     output.columns = ["layer", "K x N", "kind", "lossless"]
     if report.kernel_checked:
         output.columns += [f"m={m} max / rel err" for m in report.batch_sizes] + ["time", "status"]
