@@ -41,8 +41,8 @@ from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outp
 from .outdir import PartialDir, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo, changed_since_read
-from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, open_checkpoint, plan_layers,
-                      plan_notes)
+from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, check_in_dir, open_checkpoint,
+                      plan_layers, plan_notes)
 from .spec import QuantSpec
 from .workers import check_workers, run_parallel
 
@@ -784,6 +784,7 @@ def convert(
     start = time.perf_counter()
     check_workers(workers)
     in_dir, out_dir = Path(in_dir), Path(os.path.abspath(out_dir))  # "." and ".." get a name and a parent
+    check_in_dir(in_dir)
     check_out_dir(in_dir, out_dir, overwrite)
     if plan is None:
         plan = build_plan(in_dir, skip_incompatible, stack_experts)

@@ -29,11 +29,18 @@ def _reader(checkpoint: Checkpoint):
     return compressed_tensors if checkpoint.source_format == compressed_tensors.QUANT_METHOD else gptq
 
 
-def open_checkpoint(in_dir: Path) -> Checkpoint:
-    """Open ``in_dir`` as compressed-tensors when its config.json says so, else as GPTQ. Raises :class:`InputError`."""
+def check_in_dir(in_dir: Path) -> None:
+    """Raise :class:`InputError` when ``in_dir`` is not a directory (missing, a file); before OUT_DIR is checked, so
+    that a mistyped IN_DIR is reported as such, not as a problem of OUT_DIR's."""
     in_dir = Path(in_dir)
     if not in_dir.is_dir():
         raise InputError(f"{in_dir}: {'not a directory' if in_dir.exists() else 'does not exist'}")
+
+
+def open_checkpoint(in_dir: Path) -> Checkpoint:
+    """Open ``in_dir`` as compressed-tensors when its config.json says so, else as GPTQ. Raises :class:`InputError`."""
+    in_dir = Path(in_dir)
+    check_in_dir(in_dir)
     config_json = compressed_tensors.detect(in_dir)
     if config_json is not None:
         return compressed_tensors.open_checkpoint(in_dir, config_json)

@@ -96,6 +96,30 @@ def test_a_command_line_error_is_an_error_line_and_a_usage_hint(argv, error, usa
     assert captured.out == "" and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("word,command", [("verfy", "verify"), ("inspct", "inspect"), ("conver", "convert")])
+def test_a_misspelt_command_is_named_not_converted(word, command, capsys, tmp_path, monkeypatch, src):
+    """``marlin-convert verfy OUT`` is no conversion of a directory 'verfy' (whose first complaint would be OUT's:
+    "not empty, pass --overwrite"); a directory of that name still converts."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    assert main([word, str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Error: '{word}' is no command") and f"did you mean 'marlin-convert {command} ...'" in err
+    assert (out / "marlin_manifest.json").exists()
+    (tmp_path / word).symlink_to(src)
+    assert main([word, str(tmp_path / "out2"), "-q"]) == 0
+
+
+def test_a_missing_in_dir_is_named_before_out_dir_problems(capsys, tmp_path, src):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path / "nothere"), str(out)]) == 2
+    assert capsys.readouterr().err == f"Error: {tmp_path / 'nothere'}: does not exist\n"
+
+
 @pytest.mark.parametrize("argv", [["IN", "", "--overwrite"], ["convert", "", "OUT"], ["inspect", ""],
                                   ["verify", "", "--skip-kernel"], ["IN", "OUT", "--json", ""],
                                   ["verify", "OUT", "--skip-kernel", "--source="], ["IN", "OUT", "--json="]])

@@ -12,6 +12,8 @@ exit code; set MARLIN_CONVERT_DEBUG=1 to see the traceback.
 
 from __future__ import annotations
 
+import difflib
+import os
 import signal
 import sys
 import threading
@@ -85,6 +87,18 @@ def _refuse_empty(argv: list[str]) -> None:
                              hint="give the path (or value) itself; the current directory is '.'")
 
 
+def _refuse_misspelt_command(word: str) -> None:
+    """Raise :class:`InputError` when ``word`` (the first argument, read as convert's IN_DIR) names nothing on disk
+    and is one letter or two from a command's name: ``marlin-convert verfy OUT`` would otherwise be a conversion of a
+    directory 'verfy' into OUT, and OUT's problems (not empty: "pass --overwrite") would be reported first."""
+    if word.startswith("-") or os.path.lexists(word):
+        return
+    close = difflib.get_close_matches(word, sorted(COMMANDS), n=1, cutoff=0.7)
+    if close:
+        raise InputError(f"'{word}' is no command, and no file or directory of that name exists",
+                         hint=f"did you mean 'marlin-convert {close[0]} ...'? ('marlin-convert -h' lists the commands)")
+
+
 def with_default_command(argv: list[str]) -> list[str]:
     """``marlin-convert IN OUT ...`` means ``marlin-convert convert IN OUT ...``, with convert's options anywhere
     (``marlin-convert -q --workers 2 IN OUT`` too): everything but a command name or one of the root's own options
@@ -94,6 +108,7 @@ def with_default_command(argv: list[str]) -> list[str]:
     _refuse_empty(argv)
     if not argv or argv[0] in COMMANDS or argv[0] in ROOT_OPTIONS:
         return argv
+    _refuse_misspelt_command(argv[0])
     if argv[0].startswith("-"):
         words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
         named = next((word for word in words if word in COMMANDS), None)

@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, plan_refusal
+from ..sources import check_in_dir
 from ..outdir import check_out_dir
 from ..workers import MAX_WORKERS
 from ..sources import FORM_NAMES
@@ -80,6 +81,7 @@ def convert(
     """
     started = time.perf_counter()
     check_json_path(json_file, in_dir, out_dir)
+    check_in_dir(in_dir)
     check_out_dir(in_dir, Path(os.path.abspath(out_dir)), overwrite)  # before the plan, which reads every header
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:
