@@ -82,7 +82,7 @@ def test_options_before_a_command_name_are_refused(argv, capsys, tmp_path, monke
     (["--bogus", "IN", "OUT"], "No such option: --bogus", "marlin-convert convert [OPTIONS] IN_DIR OUT_DIR"),
     (["verify"], "Missing argument 'OUT_DIR'", "marlin-convert verify [OPTIONS] OUT_DIR"),
     (["inspect", "IN", "--workers", "2"], "No such option: --workers", "marlin-convert inspect [OPTIONS] IN_DIR"),
-    (["IN", "OUT", "--workers", "0"], "Invalid value for '--workers'", "marlin-convert convert [OPTIONS] IN_DIR OUT_DIR"),
+    (["IN", "OUT", "--workers", "two"], "Invalid value for '--workers'", "marlin-convert convert [OPTIONS] IN_DIR OUT_DIR"),
 ])
 def test_a_command_line_error_is_an_error_line_and_a_usage_hint(argv, error, usage, capsys, tmp_path, monkeypatch):
     """The parser's errors read as every other error: ``Error:`` with the reason, ``Hint:`` with the command's usage,
@@ -110,6 +110,24 @@ def test_a_misspelt_command_is_named_not_converted(word, command, capsys, tmp_pa
     assert (out / "marlin_manifest.json").exists()
     (tmp_path / word).symlink_to(src)
     assert main([word, str(tmp_path / "out2"), "-q"]) == 0
+
+
+@pytest.mark.parametrize("command", [[], ["verify"]])
+def test_workers_out_of_range_is_one_error_for_both_commands(command, capsys, tmp_path, src):
+    argv = [*command, str(tmp_path / "out"), "--workers", "0"] if command else [str(src), str(tmp_path / "out"),
+                                                                                 "--workers", "0"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == "Error: --workers 0: expected 1 to 256\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_source_is_named_as_the_source(capsys, tmp_path, src):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    for source, what in ((tmp_path / "nothere", "does not exist"), (out / "config.json", "not a directory")):
+        assert main(["verify", str(out), "--skip-kernel", "--source", str(source)]) == 2
+        assert capsys.readouterr().err.startswith(f"Error: --source {source}: {what}\nHint: ")
 
 
 def test_a_missing_in_dir_is_named_before_out_dir_problems(capsys, tmp_path, src):

@@ -20,7 +20,7 @@ import typer
 from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, plan_refusal
 from ..sources import check_in_dir
 from ..outdir import check_out_dir
-from ..workers import MAX_WORKERS
+from ..workers import MAX_WORKERS, check_workers
 from ..sources import FORM_NAMES
 from ._errors import Interrupted, InterruptedAfterPublish
 from ._output import Output, check_json_path, human_bytes
@@ -50,7 +50,8 @@ DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run would stop before writing (OUT_DIR not usable, layers with no Marlin form).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 WorkersOpt = Annotated[int, typer.Option(
-    "--workers", min=1, max=MAX_WORKERS, metavar="N", help="Worker processes that repack, hash and copy tensors (default: one per core, at most 8).")]
+    "--workers", metavar="N", help=f"Worker processes that repack, hash and copy tensors, 1 to {MAX_WORKERS} (default: one "
+    "per core, at most 8).")]
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar and no per-layer table: only the summary lines (and errors).")]
 
@@ -81,6 +82,7 @@ def convert(
     """
     started = time.perf_counter()
     check_json_path(json_file, in_dir, out_dir)
+    check_workers(workers)
     check_in_dir(in_dir)
     check_out_dir(in_dir, Path(os.path.abspath(out_dir)), overwrite)  # before the plan, which reads every header
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)

@@ -29,7 +29,7 @@ from ..verify import (
     verify as run_verify,
 )
 from ..sources import FORM_NAMES
-from ..workers import check_workers
+from ..workers import MAX_WORKERS, check_workers
 from ._errors import Interrupted, one_line
 from ._output import Output, check_json_path
 from ._progress import item_progress
@@ -55,7 +55,8 @@ QuietOpt = Annotated[bool, typer.Option(
 DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", metavar="DTYPE", help=f"Activation dtype for the kernel check ({' or '.join(ACTIVATION_DTYPES)}); default: the model's "
                     "(config.json torch_dtype), else float16.")]
-WorkersOpt = Annotated[int, typer.Option("--workers", metavar="N", help="Worker processes for hashing and the inverse repack.")]
+WorkersOpt = Annotated[int, typer.Option("--workers", metavar="N", help=f"Worker processes for hashing and the inverse "
+                                         f"repack, 1 to {MAX_WORKERS} (default: one per core).")]
 ManifestDigestOpt = Annotated[Optional[str], typer.Option(
     "--manifest-sha256", metavar="DIGEST", help="Fail unless the manifest's SHA-256 is this (as printed by an earlier run).")]
 
@@ -120,6 +121,9 @@ def verify(
         gpus = None
     check_workers(workers)
     manifest = load_manifest(out_dir)
+    if source is not None and not source.is_dir():  # (named as --source's, not as a bare path)
+        raise InputError(f"--source {source}: {'not a directory' if source.exists() else 'does not exist'}",
+                         hint="give the checkpoint directory OUT_DIR was converted from")
     total = len(manifest["layers"]) + len(manifest["files"])
     with item_progress(total, "verifying", enabled=not quiet) as advance:
         report = run_verify(out_dir, gpus=gpus, batch_sizes=None if skip_kernel else batches, source_dir=source,
