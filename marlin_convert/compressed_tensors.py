@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar
@@ -30,7 +29,7 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from . import strict_json
-from .config_regex import compile_config_regex
+from .config_regex import compile_config_regex, config_regex_match
 from .errors import InputError
 from .fileio import outside_link, read_inside
 from .gptq import (CONFIG_FILE, MARLIN_BITS, QUANTIZE_CONFIG_FILE, SCALE_DTYPES, SUPPORTED_GROUP_SIZES, Checkpoint,
@@ -111,7 +110,7 @@ def _target_rank(target: str, module: str, modules: set[str]) -> int | None:
     (``LlamaAttention``: an attention or KV-cache scheme's target) matches no linear; a lowercase word is a module
     name (``lm_head``), even one the checkpoint does not store (a tied lm_head): it matches that module only."""
     if target.startswith("re:"):
-        return 1 if re.match(target[3:], module) else None
+        return 1 if config_regex_match(target[3:], module) else None
     if target == module:
         return 0
     linear_class = "." not in target and target[:1].isupper() and target.endswith("Linear")
@@ -134,7 +133,7 @@ class CompressedTensorsConfig:
     def ignored_by(self, module: str) -> str | None:
         """The ``ignore`` entry that names ``module`` (its name, or a ``re:`` regex matching it), or None."""
         for entry in self.ignore:
-            if (re.match(entry[3:], module) if entry.startswith("re:") else entry == module):
+            if (config_regex_match(entry[3:], module) if entry.startswith("re:") else entry == module):
                 return entry
         return None
 

@@ -21,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import layout, strict_json
-from .config_regex import compile_config_regex
+from .config_regex import compile_config_regex, config_regex_match
 from .errors import InputError
 from .fileio import dead_link, outside_link, read_inside
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, TensorInfo, read_header, read_tensor
@@ -191,7 +191,7 @@ class QuantConfig:
 
     def _resolve(self, module: str, rules: tuple[DynamicRule, ...]) -> ModuleSettings:
         for rule in rules:
-            if rule.pattern.match(module):
+            if config_regex_match(rule.pattern, module):
                 if rule.excluded:
                     return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act, rule, quantized=False)
                 o = rule.overrides

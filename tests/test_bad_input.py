@@ -892,6 +892,24 @@ def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, reg
     _bounded_fails(["inspect", str(src)], "config.json", regex, fragment)
 
 
+def test_a_module_name_too_long_to_match_against_the_config_regexes_is_refused(tmp_path, src):
+    """A rule within the limits still takes time of a power of the name's length, which the checkpoint chooses:
+    ``.*a.*a.*a!`` on one layer named with 2,000 a's took 29 s. Names over 256 characters are refused where a config
+    regex would be matched against them; without rules the same checkpoint converts."""
+    long_prefix = "model.layers.0.mlp." + "a" * 2000 + ".down_proj"
+
+    def rename(tensors):
+        for name in [n for n in tensors if n.startswith(f"{LAYER}.")]:
+            tensors[long_prefix + name[len(LAYER):]] = tensors.pop(name)
+
+    _rewrite_tensors(src, rename)
+    assert main(["inspect", str(src)]) == 0
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {"+:.*a.*a.*a!": {"bits": 8}}
+    (src / "config.json").write_text(json.dumps(config))
+    _bounded_fails(["inspect", str(src)], "has a name of 2029 characters, longer than 256", seconds=60)
+
+
 @pytest.mark.parametrize("regex", [
     # GPTQModel's documented dynamic rules, and llm-compressor's usual ignore / target entries
     r".*\.18\..*gate.*", r".*\.19\..*gate.*", r".*\.20\..*gate.*", r".*down.*", r".*\.(?:1[0-5])\..*",
