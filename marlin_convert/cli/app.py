@@ -87,6 +87,12 @@ def _refuse_empty(argv: list[str]) -> None:
                              hint="give the path (or value) itself; the current directory is '.'")
 
 
+def _options_of(command: str) -> set[str]:
+    """The option names (``-q``, ``--json``, ...) that ``command`` takes."""
+    click_command = typer.main.get_command(app).commands[command]
+    return {name for param in click_command.params for name in (*param.opts, *param.secondary_opts)}
+
+
 def _refuse_misspelt_command(word: str) -> None:
     """Raise :class:`InputError` when ``word`` (the first argument, read as convert's IN_DIR) names nothing on disk
     and is one letter or two from a command's name: ``marlin-convert verfy OUT`` would otherwise be a conversion of a
@@ -113,10 +119,11 @@ def with_default_command(argv: list[str]) -> list[str]:
         words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
         named = next((word for word in words if word in COMMANDS), None)
         if named is not None:
+            option = argv[0].split("=", 1)[0]
+            move = (f"write 'marlin-convert {named} ... {argv[0]}'" if option in _options_of(named) else
+                    f"'{named}' has no option {option} ('marlin-convert {named} -h' lists its options)")
             raise InputError(f"option {argv[0]} comes before the command name '{named}': a command's options go "
-                             "after its name",
-                             hint=f"write 'marlin-convert {named} ... {argv[0]}' (a directory called '{named}' is "
-                                  f"'./{named}')")
+                             "after its name", hint=f"{move}; a directory called '{named}' is './{named}'")
     return ["convert", *argv]
 
 
