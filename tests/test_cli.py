@@ -132,6 +132,11 @@ def test_a_missing_source_is_named_as_the_source(capsys, tmp_path, src):
         assert capsys.readouterr().err.startswith(f"Error: --source {source}: {what}\nHint: ")
 
 
+def test_a_mistyped_root_option_is_named(capsys):
+    assert main(["--verison"]) == 2
+    assert capsys.readouterr().err == "Error: no option --verison\nHint: did you mean 'marlin-convert --version'?\n"
+
+
 def test_a_missing_in_dir_is_named_before_out_dir_problems(capsys, tmp_path, src):
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q"]) == 0

@@ -115,6 +115,11 @@ def with_default_command(argv: list[str]) -> list[str]:
     if not argv or argv[0] in COMMANDS or argv[0] in ROOT_OPTIONS:
         return argv
     _refuse_misspelt_command(argv[0])
+    option = argv[0].split("=", 1)[0]
+    if option.startswith("--") and option not in _options_of("convert"):
+        close = difflib.get_close_matches(option, sorted(ROOT_OPTIONS), n=1, cutoff=0.7)
+        if close:  # (a root option mistyped: convert's usage and options would be no help)
+            raise InputError(f"no option {option}", hint=f"did you mean 'marlin-convert {close[0]}'?")
     if argv[0].startswith("-"):
         words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
         named = next((word for word in words if word in COMMANDS), None)
