@@ -135,6 +135,8 @@ def test_a_missing_source_is_named_as_the_source(capsys, tmp_path, src):
 def test_a_mistyped_root_option_is_named(capsys):
     assert main(["--verison"]) == 2
     assert capsys.readouterr().err == "Error: no option --verison\nHint: did you mean 'marlin-convert --version'?\n"
+    assert main(["--son", "IN", "OUT"]) == 2  # nearer to convert's --json: the parser's message, which names it
+    assert "(Possible options: --json)" in capsys.readouterr().err
 
 
 def test_a_missing_in_dir_is_named_before_out_dir_problems(capsys, tmp_path, src):
@@ -629,10 +631,14 @@ def test_a_closed_stdout_loses_no_json_report_and_no_failed_verification(tmp_pat
     out = tmp_path / "out"
     _closed_stdout(monkeypatch)  # a fresh one per call: the first EPIPE points the descriptor at /dev/null
     assert main([str(src), str(out), "-q", "--json", str(tmp_path / "c.json")]) == 141
-    assert json.loads((tmp_path / "c.json").read_text())["manifest_sha256"].startswith("sha256:")
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["manifest_sha256"].startswith("sha256:")
+    # the report's outcome is the process's exit code, the rest as written
+    assert list(report)[:2] == ["ok", "exit_code"] and (report["ok"], report["exit_code"]) == (False, 141)
     _closed_stdout(monkeypatch)
     assert main(["verify", str(out), "--skip-kernel", "--json", str(tmp_path / "v.json")]) == 141
-    assert json.loads((tmp_path / "v.json").read_text())["ok"] is True
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert (report["ok"], report["exit_code"], report["failures"], report["problems"]) == (False, 141, [], [])
     shard = next(out.glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01  # a flipped bit in the last tensor

@@ -135,7 +135,8 @@ def test_a_signal_while_the_finished_output_is_moved_in_says_so(tmp_path, src, s
     finished, which it is. (It used to say "Error: interrupted" beside a finished OUT_DIR.)"""
     out, markers = tmp_path / "out", tmp_path / "markers"
     assert main([str(src), str(out), "-q"]) == 0  # a previous output, replaced with --overwrite
-    process = _start("publish", [str(src), str(out), "--overwrite", "-q"], markers)
+    report_path = tmp_path / "report.json"
+    process = _start("publish", [str(src), str(out), "--overwrite", "-q", "--json", str(report_path)], markers)
     _wait_for(lambda: any(markers.iterdir()), "the output to be moved into place")
     process.send_signal(signum)
     time.sleep(0.3)
@@ -144,6 +145,9 @@ def test_a_signal_while_the_finished_output_is_moved_in_says_so(tmp_path, src, s
     assert rc == 128 + signum, err
     assert _error_line(err) == f"Error: {word} once the conversion was complete: {out} is finished and in place " \
                                "(its report is above)"
+    # the conversion's report, with the process's exit code
+    report = json.loads(report_path.read_text())
+    assert (report["ok"], report["exit_code"]) == (False, 128 + signum) and report["manifest_sha256"]
     assert _leftovers(tmp_path) == []
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
 

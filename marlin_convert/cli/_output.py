@@ -141,6 +141,7 @@ class Output:
             _write_report(path, json.dumps(self.data, indent=2, default=str) + "\n")
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
+        _written_report[:] = [path, self.data]
 
 
 def _write_report(path: str | Path, text: str) -> None:
@@ -200,9 +201,33 @@ def is_stdout(path: str | Path | None) -> bool:
 _report_target: list = [None]
 
 
+#: the report file this command wrote and its data (Output.write_json), for amend_written_outcome; empty when none
+_written_report: list = []
+
+
 def forget_report_target() -> None:
     """A new command: no --json target yet."""
     _report_target[0] = None
+
+
+def forget_written_report() -> None:
+    """A new command: no report file written yet."""
+    _written_report.clear()
+
+
+def amend_written_outcome(exit_code: int) -> None:
+    """Where this command wrote its report file and then ends with another exit code (a closed stdout while the table
+    was printed: 141; a signal once the output was in place: 130 / 143), rewrite the report's ``"ok"`` and
+    ``"exit_code"`` to that, the rest as written: a report's exit code is always the process's. Best effort, as
+    :func:`report_failure`."""
+    if not _written_report:
+        return
+    path, data = _written_report
+    text = json.dumps({**data, "ok": exit_code == 0, "exit_code": exit_code}, indent=2, default=str) + "\n"
+    try:
+        _write_report(path, text)
+    except BaseException:  # (the exit code stands; the Error line says what happened)
+        pass
 
 
 def report_failure(message: str, exit_code: int, hint: str | None = None) -> None:

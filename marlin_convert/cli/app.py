@@ -26,7 +26,8 @@ from typer.core import TyperCommand
 from .. import __version__
 from ..errors import InputError
 from ._errors import Interrupted, InterruptedAfterPublish, error_hint, error_message, report_error
-from ._output import OutputClosed, forget_report_target, print_stdout, report_failure
+from ._output import (OutputClosed, amend_written_outcome, forget_report_target, forget_written_report,
+                      print_stdout, report_failure)
 from ._signals import child_signal, first_signal, forget_signals, ignore_signals, in_forked_child, is_repeat, take_first
 from .convert import convert
 from .inspect import inspect
@@ -116,9 +117,10 @@ def with_default_command(argv: list[str]) -> list[str]:
         return argv
     _refuse_misspelt_command(argv[0])
     option = argv[0].split("=", 1)[0]
-    if option.startswith("--") and option not in _options_of("convert"):
-        close = difflib.get_close_matches(option, sorted(ROOT_OPTIONS), n=1, cutoff=0.7)
-        if close:  # (a root option mistyped: convert's usage and options would be no help)
+    convert_options = _options_of("convert")
+    if option.startswith("--") and option not in convert_options:
+        close = difflib.get_close_matches(option, sorted(ROOT_OPTIONS | convert_options), n=1, cutoff=0.7)
+        if close and close[0] in ROOT_OPTIONS:  # (a root option mistyped: convert's usage would be no help)
             raise InputError(f"no option {option}", hint=f"did you mean 'marlin-convert {close[0]}'?")
     if argv[0].startswith("-"):
         words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
@@ -166,7 +168,9 @@ EXIT_BROKEN_PIPE = 141
 def _failed(exc: BaseException) -> int:
     """Report ``exc`` (stderr), and in the command's --json target where it has one; the exit code."""
     code = report_error(exc)
-    if not isinstance(exc, InterruptedAfterPublish):  # (its report, written before, is right: the output is done)
+    if isinstance(exc, InterruptedAfterPublish):  # (its report, written before, is right but for the exit code)
+        amend_written_outcome(code)
+    else:
         report_failure(error_message(exc), code, error_hint(exc))
     return code
 
@@ -188,11 +192,13 @@ def _parser_error(exc: Exception) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     forget_report_target()
+    forget_written_report()
     try:
         args = with_default_command(list(sys.argv[1:] if argv is None else argv))
         with _interrupts_raise():
             returned = app(args=args, prog_name="marlin-convert", standalone_mode=False)
     except OutputClosed:  # stdout's reader went away (EPIPE, e.g. `inspect ... | head`): as shells report SIGPIPE
+        amend_written_outcome(EXIT_BROKEN_PIPE)
         return EXIT_BROKEN_PIPE
     except typer.Exit as exc:
         return exc.exit_code
@@ -208,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         return _failed(exc)
     signum = first_signal()
     if signum is not None:  # taken, but its exception dropped by Python (:mod:`._signals`), after the command's own
-        return report_error(Interrupted(signum))  # check (its report is written: no second one): interrupted
+        code = report_error(Interrupted(signum))  # check (its report is written: no second one): interrupted
+        amend_written_outcome(code)
+        return code
     # typer returns the exit code of a typer.Exit raised inside a command (--version: 0), else the command's None
     return returned if isinstance(returned, int) else 0
 
