@@ -460,8 +460,20 @@ def _marlin_weight(checkpoint: Checkpoint, layer: OutputLayer, qweight: np.ndarr
 
 
 def _marlin_scales(scales: np.ndarray, member: LayerPlan, index: int | None) -> np.ndarray:
-    """GPTQ scales [G, N] -> Marlin s [G, N_pad]: padded columns scale 0, then the Marlin scale order."""
+    """GPTQ scales [G, N] -> Marlin s [G, N_pad]: padded columns scale 0, then the Marlin scale order. Raises
+    :class:`InputError` for a NaN or infinite scale (every weight of its group would be one: a broken checkpoint,
+    which a lossless repack would carry on unnoticed)."""
     spec = member.spec
+    if spec.scale_dtype == "bfloat16":  # (held as its uint16 bits: exponent all ones is infinity or NaN)
+        bad = (scales.view(np.uint16) & 0x7F80) == 0x7F80
+    else:
+        bad = ~np.isfinite(scales)
+    if bad.any():
+        group, column = (int(i) for i in np.argwhere(bad)[0])
+        expert = f" (expert {index})" if index is not None else ""
+        raise InputError(f"layer '{member.prefix}'{expert}: {int(bad.sum())} scale(s) are NaN or infinite, the first "
+                         f"at group {group}, column {column}: the checkpoint is broken",
+                         hint="re-quantize or re-download it; a conversion would carry the broken scales on")
     return layout.permute_scales(layout.pad_matrix(scales, spec.num_groups, spec.padded_out_features, 0))
 
 

@@ -65,6 +65,22 @@ def _convert_fails(capsys, tmp_path, src, *fragments):
     return line
 
 
+@pytest.mark.parametrize("scale_dtype,bits,what", [("float16", 0x7E00, "NaN"), ("float16", 0xFC00, "-inf"),
+                                                   ("bfloat16", 0x7FC0, "NaN"), ("bfloat16", 0x7F80, "inf")])
+def test_a_nan_or_infinite_scale_stops_the_conversion(capsys, tmp_path, scale_dtype, bits, what):
+    """Every weight of that group would be NaN or infinite: a broken checkpoint, which a lossless repack would carry
+    on (and verify --skip-kernel pass). Named with layer, group and column; nothing written."""
+    src = write_checkpoint(tmp_path / "in", _spec(group_size=64, scale_dtype=scale_dtype))
+    path = src / "model.safetensors"
+    info = read_header(path).tensors[f"{LAYER}.scales"]
+    data = bytearray(path.read_bytes())
+    at = info.begin + 2 * (1 * info.shape[1] + 5)  # group 1, column 5
+    data[at:at + 2] = bits.to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    _convert_fails(capsys, tmp_path, src, f"layer '{LAYER}': 1 scale(s) are NaN or infinite, the first at group 1, "
+                                          "column 5: the checkpoint is broken")
+
+
 def test_missing_config(capsys, tmp_path, src):
     (src / "config.json").unlink()
     (src / "quantize_config.json").unlink()
