@@ -1570,7 +1570,8 @@ int launch_config(const Launch& L) {
     // tile's k, although the formula above sees no idle SM. The scales on B make this kernel wait on latency, which a
     // second block per SM hides; channelwise it gained nothing. H200 (seventeenth session, kernel/NOTES.md), fp16 x
     // 4-bit group 128 m = 32: 28672 x 8192 86.6 -> 71.7 us (split in two 74.4); 8192 x 8192 (k = 8192) 0.96 of the
-    // time with stream-K, 1.04 split in two, so not there; 4096 x 4096 and 11008 x 4096 (split already) 1.2-1.4x slower.
+    // time with stream-K, 1.04 split in two, so not there; 4096 x 4096 and 11008 x 4096 (split already) 1.2-1.5x
+    // slower.
     const bool fill_one_wave = GROUPED && MB == 2 && SWAP == 0 && STRIPS == 4 && m_chunks == 1 && per_sm >= 2 &&
                                2 * base_blocks > L.sms && base_blocks <= L.sms && L.k >= 16384;
     if (upb > 0 && (sk_env > 0 || gain > cost || fill_one_wave)) {

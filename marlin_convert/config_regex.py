@@ -42,7 +42,7 @@ MAX_RANGES = 3
 MAX_OPTIONALS = 8
 #: the longest module name matched against a config's regex: the refusals above bound a match's time by a power of the
 #: name's length (up to MAX_RANGES), and the name comes from the checkpoint too (``.*a.*a.*a!`` took 29 s on one name
-#: of 2,000 characters, 6 minutes on 4,000); at 256, under 0.2 s. Real module names are under 150 characters.
+#: of 2,000 characters, 6 minutes on 4,000; 0.04 s on 256). The committed producer fixtures' names are at most 52.
 MAX_MATCHED_NAME = 256
 
 _REPEATS = {sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT}

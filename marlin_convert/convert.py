@@ -285,12 +285,16 @@ def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
     return stacked, taken
 
 
+def _listed(refused: list[LayerPlan]) -> str:
+    """The first three refused layers with their reasons, and how many more."""
+    listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
+    return listed + (f" (and {len(refused) - 3} more)" if len(refused) > 3 else "")
+
+
 def refusal_error(refused: list[LayerPlan], total: int) -> UnsupportedLayerError:
     """The error that stops a conversion (without ``--skip-incompatible``) at layers with no Marlin form."""
-    listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in refused[:3])
-    more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
     return UnsupportedLayerError(
-        f"{len(refused)} of {total} quantized layers cannot be converted: {listed}{more}",
+        f"{len(refused)} of {total} quantized layers cannot be converted: {_listed(refused)}",
         hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
     )
 
@@ -305,10 +309,8 @@ def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> Unsupported
         return refusal_error(plan.refused, len(plan.layers))
     if len(plan.refused) < len(plan.layers):
         return None
-    listed = "; ".join(f"{layer.prefix}: {layer.reason}" for layer in plan.refused[:3])
-    more = f" (and {len(plan.refused) - 3} more)" if len(plan.refused) > 3 else ""
     return UnsupportedLayerError(
-        f"none of the {len(plan.layers)} quantized layers can be converted: {listed}{more}",
+        f"none of the {len(plan.layers)} quantized layers can be converted: {_listed(plan.refused)}",
         hint="--skip-incompatible keeps some layers in their source form; with none converted there is nothing to do",
     )
 

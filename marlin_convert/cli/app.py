@@ -116,17 +116,16 @@ def with_default_command(argv: list[str]) -> list[str]:
     if not argv or argv[0] in COMMANDS or argv[0] in ROOT_OPTIONS:
         return argv
     _refuse_misspelt_command(argv[0])
-    option = argv[0].split("=", 1)[0]
-    convert_options = _options_of("convert")
-    if option.startswith("--") and option not in convert_options:
-        close = difflib.get_close_matches(option, sorted(ROOT_OPTIONS | convert_options), n=1, cutoff=0.7)
-        if close and close[0] in ROOT_OPTIONS:  # (a root option mistyped: convert's usage would be no help)
-            raise InputError(f"no option {option}", hint=f"did you mean 'marlin-convert {close[0]}'?")
     if argv[0].startswith("-"):
+        option = argv[0].split("=", 1)[0]
+        convert_options = _options_of("convert")
+        if option.startswith("--") and option not in convert_options:
+            close = difflib.get_close_matches(option, sorted(ROOT_OPTIONS | convert_options), n=1, cutoff=0.7)
+            if close and close[0] in ROOT_OPTIONS:  # (a root option mistyped: convert's usage would be no help)
+                raise InputError(f"no option {option}", hint=f"did you mean 'marlin-convert {close[0]}'?")
         words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
         named = next((word for word in words if word in COMMANDS), None)
         if named is not None:
-            option = argv[0].split("=", 1)[0]
             move = (f"write 'marlin-convert {named} ... {argv[0]}'" if option in _options_of(named) else
                     f"'{named}' has no option {option} ('marlin-convert {named} -h' lists its options)")
             raise InputError(f"option {argv[0]} comes before the command name '{named}': a command's options go "
@@ -187,7 +186,7 @@ def _parser_error(exc: Exception) -> int:
     usage = usage[len("Usage:"):].strip() if usage.startswith("Usage:") else usage
     hint = f"usage: {' '.join(usage.split())}; '{ctx.command_path} -h' explains it" if ctx is not None else None
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-    return _failed(InputError(message.rstrip(".") if message.endswith(".") else message, hint=hint))
+    return _failed(InputError(message.removesuffix("."), hint=hint))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,10 +18,9 @@ from typing import Annotated, Optional
 import typer
 
 from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, plan_refusal
-from ..sources import check_in_dir
 from ..outdir import check_out_dir
+from ..sources import FORM_NAMES, check_in_dir
 from ..workers import MAX_WORKERS, check_workers
-from ..sources import FORM_NAMES
 from ._errors import Interrupted, InterruptedAfterPublish
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
