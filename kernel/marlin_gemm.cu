@@ -256,12 +256,23 @@ int dispatch_fp16_int4(const Launch& L) {
   //     replaces): m = 32 1.32x -> 1.47x / 1.45x -> 1.56x, m = 64 0.84x -> 0.94x / 0.94x -> 1.01x, faster on every
   //     shape at m = 32.
   // Wider tiles (256 columns: A read once per 256 columns) were slower at every m (0.47-0.65x at m = 128).
+  const int optin = smem_optin();
+  const int cfg = small_cfg();  // benchmark-only switch (launch_m32_cfg)
+  if (cfg >= 30) {
+    bool launched = false;
+    const int rc = launch_m32_cfg<K, GROUPED>(L, cfg, launched);
+    if (launched) return rc;
+  }
+  if (L.m <= 32 && cfg < 0) {  // m = 17..32: the direct-load kernel where it takes the layer (Hopper; try_direct)
+    bool launched = false;
+    const int rc = try_direct<K, GROUPED>(L, optin, launched);
+    if (launched) return rc;
+  }
   {
     bool launched = false;
     const int rc = try_wgmma<K, GROUPED>(L, launched);
     if (launched) return rc;
   }
-  const int optin = smem_optin();
   if (wants_64_row_chunks(L) && optin >= Tile<4, 2, 8, 2, GROUPED>::kSmemBytes)
     return launch_config<K, 4, 2, 8, 2, GROUPED>(L);
   // (the 208 KB of that kernel do not fit an A100's 163 KB: there m > 64 keeps the previous 64-row kernel, 2 strips x

@@ -564,7 +564,7 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
 // session, kernel/NOTES.md), time against the pipelined kernels at m = 12 / 16: 4096 x 4096 0.86-0.89, 11008 x 4096
 // 0.94-0.96; one block per tile, one wave (8192 x 8192, 28672 x 8192) 0.95-1.06, and 1.2-1.5 on the stream-K layers.
 inline bool direct_pays(const DirectPlan& plan, bool grouped, int mb8 = 1) {
-  if (mb8 == 2) return plan.units_per_block == 0 && plan.splits == 2;
+  if (mb8 >= 2) return plan.units_per_block == 0 && plan.splits == 2;
   if (plan.units_per_block == 0)
     return plan.splits == 2 || (plan.splits == 1 && plan.grid <= plan.resident && plan.chunks >= kWarps);
   return plan.units_per_block >= (grouped ? 4 : 12);
@@ -628,7 +628,7 @@ int try_direct(const Launch& L, int optin, bool& launched) {
   launched = false;
 #if defined(MARLIN_CONVERT_SM90A)  // (clusters: compute capability 9.0, built into the sm_90a code only)
   if constexpr (K::kBits == 4) {
-    if (L.m > 16) return MARLIN_OK;
+    if (L.m > 32) return MARLIN_OK;
     const int variant = direct_variant();
     if (variant == 0 || (variant == 1 && L.split_k > 0)) return MARLIN_OK;
     const int forced = variant == 2 && L.split_k > 0 ? L.split_k : 0;
@@ -652,10 +652,17 @@ int try_direct(const Launch& L, int optin, bool& launched) {
       return launch_direct<K, 1, GROUPED>(L, plan);
     }
     // m = 9..16, two batch blocks (about 190-255 registers: one block of 8 warps per SM): by default in clusters of two only
-    const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, forced_cap);
-    if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED, 2))) return MARLIN_OK;
+    if (L.m <= 16) {
+      const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, forced_cap);
+      if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED, 2))) return MARLIN_OK;
+      launched = true;
+      return launch_direct<K, 2, GROUPED>(L, plan);
+    }
+    // m = 17..32, four batch blocks (one block per SM, 208 KB of shared memory at m = 32): likewise
+    const DirectPlan plan = direct_plan<4>(L, optin, forced, stream_k, forced_cap);
+    if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED, 4))) return MARLIN_OK;
     launched = true;
-    return launch_direct<K, 2, GROUPED>(L, plan);
+    return launch_direct<K, 4, GROUPED>(L, plan);
   }
 #endif
   return MARLIN_OK;

@@ -622,7 +622,8 @@ struct Tile {
 // kernels (SWAP 3: 64 / 128 accumulators).
 template <int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, int BITS, bool ZP>
 __host__ __device__ constexpr int min_blocks() {
-  constexpr int by_strips = SWAP == 3 ? 1 : MB == 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
+  constexpr int by_strips = SWAP == 3 || (MB == 2 && STRIPS == 8) ? 1  // (32 rows x 8 strips: one block per SM)
+                         : MB == 2 && BITS == 4 && !(ZP && GROUPED) ? 2 : MB != 1 ? 1 : SWAP == 0 ? 3
                          : WN == 2 && STRIPS == 8 ? 2  // (128-column tiles, 8 x 2: 112 KB, two fit an SM)
                          : STRIPS * STAGES >= 16 ? 1 : STRIPS * STAGES >= 12 ? 2
                          : STRIPS == 4 ? 2 : 3;  // 4 strips x 2 stages: 4-bit spilled at 3
@@ -829,6 +830,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     }
   };
 
+  // The unswapped 32-row kernel with 8 strips per warp and stage (128 k: one group of 128; one block per SM): see
+  // kF32Scale.
+  constexpr bool kEightStrip32 = SWAP == 0 && MB == 2 && STRIPS == 8 && BITS == 4;
   // kF32Scale (grouped, swapped; two batch blocks only in the <= 2-blocks-per-SM kernels, whose limit leaves room for
   // the 32 partial sums, and with zero points only in the 1-block-per-SM ones: at 2 blocks per SM those spilled 4-36
   // bytes; at 1, m = 16, group 128 on the H200: fp16 x 4-bit zp 4096 x 4096 12.6 -> 11.3 us, 11008 x 4096 23.9 -> 20.9,
@@ -840,7 +844,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
   constexpr bool kF32Scale =
       GROUPED && !NO_F32_SCALE &&
       (SWAP == 1 || (SWAP == 2 && min_blocks<MB, WN, STRIPS, STAGES, GROUPED, SWAP, BITS, ZP>() <= (ZP ? 1 : 2) &&
-                     !(BITS == 8 && STAGES == 2)));  // (the 8-bit 2-stage one spilled 4 bytes with it)
+                     !(BITS == 8 && STAGES == 2)) ||  // (the 8-bit 2-stage one spilled 4 bytes with it)
+       (SWAP == 0 && kEightStrip32));
   // The other grouped kernels (scales on B in 16 bits): when all of a warp's strips of the stage lie in one group,
   // the scale row and the zero points are read, and the zeros derived, once per stage instead of once per strip
   // (kOneGroupB below). No extra accumulators, so it fits where kF32Scale spilled.
@@ -1143,8 +1148,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
               } else {
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) {
-                  Ops::mma(d[mb][2 * j], a[mb], f[0], f[1]);
-                  Ops::mma(d[mb][2 * j + 1], a[mb], f[2], f[3]);
+                  if (first) {
+                    Ops::mma_first(d[mb][2 * j], a[mb], f[0], f[1]);
+                    Ops::mma_first(d[mb][2 * j + 1], a[mb], f[2], f[3]);
+                  } else {
+                    Ops::mma(d[mb][2 * j], a[mb], f[0], f[1]);
+                    Ops::mma(d[mb][2 * j + 1], a[mb], f[2], f[3]);
+                  }
                 }
               }
             }
@@ -1178,6 +1188,35 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
             // 2 j + 1 (e = 2, 3: high scale), as in the 16-bit path above.
             const int4* sS = reinterpret_cast<const int4*>(smem + slot * T::kStageBytes + T::kABytes + T::kBBytes);
             const int srow = group_of(first * 16) - group_of(st * T::kStageK);
+            if constexpr (SWAP == 0) {
+              // Unswapped: acc[mb][nb][e] is column 8 nb + 2t + (e & 1) of the warp's 64 (t = lane % 4). The grouped
+              // table holds column c + 8 nb at position 8 c + nb of the run, so int4 2t of the run is the scales of
+              // columns 2t + 8 nb and int4 2t + 1 those of 2t + 1 + 8 nb (half nb of each).
+              const int4* run = sS + srow * WN * 8 + wn * 8 + 2 * (lane & 3);
+              const int4 even = run[0], odd = run[1];
+              const uint32_t se[4] = {(uint32_t)even.x, (uint32_t)even.y, (uint32_t)even.z, (uint32_t)even.w};
+              const uint32_t so[4] = {(uint32_t)odd.x, (uint32_t)odd.y, (uint32_t)odd.z, (uint32_t)odd.w};
+#pragma unroll
+              for (int w = 0; w < 4; ++w) {
+                const float2 s0 = Ops::to_float2(se[w]), s1 = Ops::to_float2(so[w]);  // n8-blocks 2w, 2w + 1
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) {
+                  float(&a0)[4] = acc[mb][2 * w];
+                  float(&a1)[4] = acc[mb][2 * w + 1];
+                  const float(&p0)[4] = part[mb][2 * w];
+                  const float(&p1)[4] = part[mb][2 * w + 1];
+                  a0[0] = fmaf(p0[0], s0.x, a0[0]);
+                  a0[1] = fmaf(p0[1], s1.x, a0[1]);
+                  a0[2] = fmaf(p0[2], s0.x, a0[2]);
+                  a0[3] = fmaf(p0[3], s1.x, a0[3]);
+                  a1[0] = fmaf(p1[0], s0.y, a1[0]);
+                  a1[1] = fmaf(p1[1], s1.y, a1[1]);
+                  a1[2] = fmaf(p1[2], s0.y, a1[2]);
+                  a1[3] = fmaf(p1[3], s1.y, a1[3]);
+                }
+              }
+              return;
+            }
             const int4 sc = sS[srow * WN * 8 + wn * 8 + (lane >> 2)];
             const uint32_t sw[4] = {(uint32_t)sc.x, (uint32_t)sc.y, (uint32_t)sc.z, (uint32_t)sc.w};
             uint32_t zw[kWords] = {};  // (kOffsetB with zero points) this lane's zero-point words of the stage's row
@@ -1737,6 +1776,29 @@ bool wide_eight_pays(const Launch& L, int optin, bool long_k_one_wave, bool grou
          (GROUPED && grouped_one_wave && L.n / 128 > L.sms);
 }
 
+// Benchmark only (MARLIN_CONVERT_SMALL_CFG at m > 16, `bench_kernel.py --cfgs`), 4-bit: the unswapped 32-row kernel
+// with 8 strips per warp and stage, one block per SM: 30 = 128-column tiles at 2 stages (144 KB; grouped: fp32
+// partial sums scaled once per group, kF32Scale), 31 = the same with the scales on B in 16 bits, 32 = 128-column tiles
+// at 3 stages (216 KB), 33 = 64-column tiles at 2 stages (208 KB). launched = false: no such configuration fits.
+template <class K, bool GROUPED>
+int launch_m32_cfg(const Launch& L, int cfg, bool& launched) {
+  launched = false;
+  if constexpr (K::kBits == 4) {
+    const int optin = smem_optin();
+    launched = true;
+    if (cfg == 30 && optin >= Tile<2, 2, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes && L.n % 128 == 0)
+      return launch_config<K, 2, 2, 8, 2, GROUPED>(L);
+    if (cfg == 31 && optin >= Tile<2, 2, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes && L.n % 128 == 0)
+      return launch_config<K, 2, 2, 8, 2, GROUPED, 0, true>(L);
+    if (cfg == 32 && optin >= Tile<2, 2, 8, 3, GROUPED, 4, K::kZp>::kSmemBytes && L.n % 128 == 0)
+      return launch_config<K, 2, 2, 8, 3, GROUPED>(L);
+    if (cfg == 33 && optin >= Tile<2, 1, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes)
+      return launch_config<K, 2, 1, 8, 2, GROUPED>(L);
+    launched = false;
+  }
+  return MARLIN_OK;
+}
+
 template <class K, bool GROUPED>
 int dispatch_kind(const Launch& L) {
   constexpr bool kZp = K::kZp;
@@ -1847,6 +1909,17 @@ int dispatch_kind(const Launch& L) {
     }
   }
   if (L.m > 16) {
+    const int cfg = small_cfg();  // benchmark-only switch (launch_m32_cfg)
+    if (cfg >= 30) {
+      bool launched = false;
+      const int rc = launch_m32_cfg<K, GROUPED>(L, cfg, launched);
+      if (launched) return rc;
+    }
+    if (L.m <= 32 && cfg < 0) {  // m = 17..32: the direct-load kernel where it takes the layer (Hopper, 4-bit; try_direct)
+      bool launched = false;
+      const int rc = try_direct<K, GROUPED>(L, optin, launched);
+      if (launched) return rc;
+    }
     {  // Hopper, 4-bit, m > 32: the wgmma kernel (try_wgmma)
       bool launched = false;
       const int rc = try_wgmma<K, GROUPED>(L, launched);

@@ -13,7 +13,7 @@ Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, 
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408, 34816 (and 4352 with k = 16448)
 for the m <= 16 kernels of larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel
-(MARLIN_CONVERT_WGMMA) and the Hopper direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 16, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, blocks
+(MARLIN_CONVERT_WGMMA) and the Hopper direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 32, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, blocks
 of two segments, a tile over 4 blocks; every wgmma and direct case kept by --few).
 """
 
@@ -83,22 +83,25 @@ def main(argv=None) -> int:
                   (kind, 100, 512, 512, 64, True, 0, None, "4"), (kind, 130, 1024, 256, 128, False, 3, None, "2"),
                   (kind, 64, 2048, 1024, -1, False, 0, None, "3"), (kind, 65, 1024, 768, 64, False, 0, None, "3"),
                   (kind, 40, 2048, 512, 128, False, 2, None, "2")]
-    # the Hopper direct-load kernel (4-bit kinds, m <= 16, k a multiple of 128, group size a multiple of 128 or
+    # the Hopper direct-load kernel (4-bit kinds, m <= 32, k a multiple of 128, group size a multiple of 128 or
     # channelwise; forced: MARLIN_CONVERT_DIRECT = 2): one chunk, clusters of 3, 5 and 8 blocks with uneven chunks
-    # (blocks whose warps have none), one block per tile (split 1: no cluster), two batch blocks, act-order
+    # (blocks whose warps have none), one block per tile (split 1: no cluster), two and four batch blocks, act-order
     direct_cases = [(kind, 1, 128, 64, -1, False, 0, None, None) for kind in KINDS if kind[1] == 4]
     for kind in [kd for kd in KINDS if kd[1] == 4]:
         direct_cases += [(kind, 9, 1024, 256, 128, False, 8, None, None),
                          (kind, 3, 4096, 512, 128, True, 3, None, None), (kind, 16, 640, 128, -1, False, 5, None, None),
-                         (kind, 5, 1024, 256, 128, False, 1, None, None)]
+                         (kind, 5, 1024, 256, 128, False, 1, None, None),
+                         (kind, 32, 1024, 256, 128, False, 3, None, None), (kind, 19, 640, 128, -1, True, 5, None, None)]
     # its stream-K form (MARLIN_CONVERT_DIRECT = 3), with 132 SMs: 3 tiles of 8 units over blocks of 3 (a block with
     # two segments: the next segment's A copied while one is reduced; a tile over 4 blocks: a chain of 4 through its
-    # lock), the same with two batch blocks and a last unit of one chunk (warps with none), act-order
+    # lock), the same with two batch blocks and a last unit of one chunk (warps with none), act-order, four batch
+    # blocks (m = 27: rows 27..31 of the last one empty)
     direct_sk_cases = []
     for kind in [kd for kd in KINDS if kd[1] == 4]:
         direct_sk_cases += [(kind, 1, 8192, 192, 128, False, 0, None, None),
                             (kind, 9, 7296, 192, -1, False, 0, None, None),
-                            (kind, 4, 1152, 128, 128, True, 0, None, None)]
+                            (kind, 4, 1152, 128, 128, True, 0, None, None),
+                            (kind, 27, 7296, 192, 128, False, 0, None, None)]
     cases += direct_cases + direct_sk_cases
     if args.few:
         cases = [c for i, c in enumerate(cases)
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
     failures = 0
     for case in cases:
         (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma = case
-        # (m = 9..16 takes the direct kernel only when forced)
+        # (m = 9..32 takes the direct kernel only when forced)
         direct = "3" if case in direct_sk_cases else "2" if case in direct_cases else None
         for var, value in (("MARLIN_CONVERT_STREAM_K", stream_k), ("MARLIN_CONVERT_WGMMA", wgmma),
                            ("MARLIN_CONVERT_DIRECT", direct)):

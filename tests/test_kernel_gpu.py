@@ -630,6 +630,29 @@ FOUR_BIT_KINDS = [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, 
 WGMMA_CASES = [(kind, v) for kind in FOUR_BIT_KINDS for v in ("1", "2", "3", "4")]
 
 
+# The m > 16 benchmark configurations (MARLIN_CONVERT_SMALL_CFG 30..33, launch_m32_cfg): the unswapped 32-row kernel with
+# 8 strips per warp and stage, its grouped fp32 partial sums scaled once per group (30, 32, 33) or the scales on B in
+# 16 bits (31). Every 4-bit kind; group 128 (one group per warp and stage), 64 and 32 (groups inside a warp's 128 k: the
+# per-strip path), 256 with act-order, channelwise; m = 17 (a second m-block of one row), 40 and 64 (two row chunks);
+# a partial last stage (k = 1040); split over k where the tiles leave SMs idle.
+M32_CFG_SHAPES = [(32, 4096, 1024, 128, False), (17, 2048, 512, 64, False), (64, 2048, 256, 256, True),
+                  (40, 1024, 384, -1, False), (24, 1040, 256, 16, False), (32, 8192, 512, 32, False)]
+
+
+@pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
+@pytest.mark.parametrize("cfg", ["30", "31", "32", "33"])
+@pytest.mark.parametrize("m,k,n,group,act_order", M32_CFG_SHAPES)
+def test_m32_eight_strip_configs(torch, monkeypatch, kind, cfg, m, k, n, group, act_order):
+    monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
+    dtype, bits, asym = kind
+    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((cfg, m, k, n, kind)).encode()), calls=2,
+              bits=bits, asym=asym, dtype=dtype)
+    if torch.cuda.get_device_capability() == (9, 0):  # (216 KB of cfg 32 fit there; elsewhere it may fall back)
+        launch = _last_launch(torch)
+        wn = "1" if cfg == "33" else "2"
+        assert launch.startswith(f"pipelined MB=2 WN={wn} STRIPS=8 STAGES={3 if cfg == '32' else 2} SWAP=0 "), launch
+
+
 @pytest.mark.parametrize("kind,variant", WGMMA_CASES, ids=lambda c: c if isinstance(c, str) else _kind_id(c))
 @pytest.mark.parametrize("m,k,n,group,act_order,split_k", WGMMA_SHAPES)
 def test_wgmma_kernel(torch, monkeypatch, kind, variant, m, k, n, group, act_order, split_k):
@@ -656,11 +679,11 @@ def test_wgmma_kernel_runs_on_hopper(torch, monkeypatch, variant, m, k, n, group
 
 # The Hopper direct-load kernel (kernel/marlin_gemm_direct.cuh: 4-bit kinds, m <= 16, k a multiple of 128, group size a
 # multiple of 128 or channelwise; on compute capability 9.0 MARLIN_CONVERT_DIRECT = 2 takes it wherever it fits, 0
-# never, and by default it runs at m <= 8). Each case runs with it and without; elsewhere both calls run the pipelined
+# never, and by default it runs at m <= 8, and at m = 9..32 in clusters of two). Each case runs with it and without; elsewhere both calls run the pipelined
 # kernels, so these pass there too. Shapes:
 # one chunk and one tile, k == group size (one scale row), uneven chunks over the blocks of a cluster (forced splits 3
 # of 32 chunks, 5 of 5, 8 of 8: blocks whose warps have no chunk), one block per tile (no cluster: forced split 1), one
-# and two batch blocks (m 1..8, 9..16), group 256 with act-order, long k, and shapes it refuses (group 64, k not a
+# two and four batch blocks (m 1..8, 9..16, 17..32), group 256 with act-order, long k, and shapes it refuses (group 64, k not a
 # multiple of 128: the pipelined kernels).
 DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (1, 128, 64, -1, False, 0),
@@ -682,6 +705,12 @@ DIRECT_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (1, 1024, 128, 128, False, 7),  # m = 1 in clusters of 7 (the push reduction: pairs per block ceil(32 / 7))
     (3, 768, 64, -1, False, 6),     # clusters of 6
     (14, 1024, 192, -1, True, 1),
+    (17, 4096, 4096, 128, False, 0),  # four batch blocks (m = 17..32), the last with one row
+    (32, 11008, 4096, -1, False, 0),
+    (32, 2048, 320, 256, True, 0),
+    (24, 1024, 256, -1, False, 3),
+    (29, 640, 128, 128, False, 5),
+    (32, 1024, 192, 128, False, 1),
 ]
 
 
@@ -699,6 +728,8 @@ DIRECT_STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
     (3, 1152, 192, -1, False),
     (2, 128, 64, 128, False),
     (12, 28672, 256, 128, False),
+    (32, 8192, 1024, 128, False),
+    (20, 11008, 4096, -1, True),
 ]
 
 
@@ -719,10 +750,12 @@ def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_ord
 
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
 @pytest.mark.parametrize("m,k,n,group", [(1, 4096, 4096, 128), (8, 8192, 8192, -1), (5, 11008, 4096, 128),
-                                         (2, 8192, 10240, 128), (12, 4096, 4096, -1), (16, 11008, 4096, 128)])
+                                         (2, 8192, 10240, 128), (12, 4096, 4096, -1), (16, 11008, 4096, 128),
+                                         (24, 4096, 4096, 128), (32, 11008, 4096, -1)])
 def test_direct_kernel_runs_on_hopper(torch, monkeypatch, kind, m, k, n, group):
     """On compute capability 9.0 the direct kernel really runs by default at m <= 8 (cluster mode; 8192 x 10240: one
-    block per tile on 132-159 SMs) and at m = 9..16 on n / 64 <= SMs / 2 (two batch blocks, clusters of two): its sums come in another order than the pipelined kernels', so over 4-65 K outputs
+    block per tile on 132-159 SMs) and at m = 9..32 on n / 64 <= SMs / 2 (two or four batch blocks, clusters of two):
+    its sums come in another order than the pipelined kernels', so over 4-131 K outputs
     some roundings differ; identical outputs would mean the same kernel ran. Both are checked against the reference."""
     _skip_unless_hopper_132(torch, "the direct kernel runs on compute capability 9.0 only (this check needs 132 SMs: "
                                    "its default rules, cluster mode or stream-K, are set for that count)")
@@ -759,13 +792,14 @@ def test_direct_plan_picks_its_layers(torch, dtype, asym, layer, group):
     assert launch.startswith(expected), f"k = {k}, n = {n} ({sms} SMs): {launch}"
 
 
-# The default at m = 9..16 (direct_pays with two batch blocks), read back from the launch for every 4-bit kind: the
-# direct kernel in clusters of two where 2 x n / 64 <= SMs (one block per SM); the pipelined kernels with one tile
-# more (one block per tile: slower on 8192 x 8192), where k is not a multiple of 128, and where the group is 64.
+# The default at m = 9..32 (direct_pays with two or four batch blocks), read back from the launch for every 4-bit
+# kind: the direct kernel in clusters of two where 2 x n / 64 <= SMs (one block per SM); the pipelined kernels with one
+# tile more (one block per tile: slower on 8192 x 8192), where k is not a multiple of 128, and where the group is 64.
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
 @pytest.mark.parametrize("layer", ["pairs", "one_tile_more", "k_1040", "group_64"])
 @pytest.mark.parametrize("group", [128, -1])
-def test_direct_plan_at_two_batch_blocks(torch, kind, layer, group):
+@pytest.mark.parametrize("m", [12, 24])
+def test_direct_plan_at_several_batch_blocks(torch, kind, layer, group, m):
     _skip_unless_hopper_132(torch, "the direct kernel's plans are sized for a Hopper GPU of >= 132 SMs")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     dtype, bits, asym = kind
@@ -775,10 +809,11 @@ def test_direct_plan_at_two_batch_blocks(torch, kind, layer, group):
         "k_1040": (1040, 64 * (sms // 2), -1, False),
         "group_64": (2048, 64 * (sms // 2), 64, False),
     }[layer]
-    _run_case(torch, 12, k, n, grp, False, seed=zlib.crc32(repr((kind, layer, group)).encode()), bits=bits, asym=asym,
-              dtype=dtype)
+    key = (kind, layer, group) + ((m,) if m != 12 else ())  # (the seeds the m = 12 cases have always had)
+    _run_case(torch, m, k, n, grp, False, seed=zlib.crc32(repr(key).encode()), bits=bits, asym=asym, dtype=dtype)
     launch = _last_launch(torch)
-    assert launch.startswith("direct MB8=2 cluster=2 units_per_block=0 ") == direct, f"k = {k}, n = {n}: {launch}"
+    expected = f"direct MB8={2 if m <= 16 else 4} cluster=2 units_per_block=0 "
+    assert launch.startswith(expected) == direct, f"m = {m}, k = {k}, n = {n}: {launch}"
 
 
 # [PDL] On compute capability 9.0 a launch may start while the kernel before it in the stream still runs (programmatic
@@ -790,8 +825,8 @@ def test_direct_plan_at_two_batch_blocks(torch, kind, layer, group):
 # of A before the wait would read NaN or a half-written output, a write of C before it would overwrite the call before's
 # input. `switches`: the environment of each call in turn (cycled): the pipelined kernels split over k, in stream-K,
 # 8-bit, 64-row, wgmma, at most one block per SM of a kernel that could run two (asking for kOneBlockSmem: 4096 x 4096
-# at m = 32), the direct kernel in cluster mode (256 blocks on 8192 x 8192; 128 on 4096 x 4096, one per SM) and in
-# stream-K, and the direct kernel alternating with the pipelined one. The library counts the launches that took PDL:
+# at m = 32, pipelined), the direct kernel in cluster mode (256 blocks on 8192 x 8192; 128 on 4096 x 4096, one per SM;
+# four batch blocks by default at m = 32) and in stream-K, and the direct kernel alternating with the pipelined one. The library counts the launches that took PDL:
 # on compute capability 9.0 every call of the chain must have, elsewhere none (both chains are then serialized).
 PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
     ("pipelined-m1", [{"MARLIN_CONVERT_DIRECT": "0"}], 1, 2048, 128, 4, "float16", False),
@@ -800,7 +835,8 @@ PDL_CASES = [  # (label, switches, m, k, group, bits, dtype, asym)
      "float16", True),
     ("pipelined-8bit", [{}], 3, 1024, 64, 8, "bfloat16", False),
     ("pipelined-m64", [{"MARLIN_CONVERT_WGMMA": "0"}], 64, 1024, -1, 4, "float16", False),
-    ("pipelined-m32-one-per-sm", [{}], 32, 4096, 128, 4, "float16", False),
+    ("pipelined-m32-one-per-sm", [{"MARLIN_CONVERT_DIRECT": "0"}], 32, 4096, 128, 4, "float16", False),
+    ("direct-m32", [{}], 32, 4096, -1, 4, "bfloat16", True),
     ("wgmma", [{"MARLIN_CONVERT_WGMMA": "2"}], 128, 2048, 128, 4, "float16", False),
     ("direct-cluster", [{"MARLIN_CONVERT_DIRECT": "2"}], 1, 8192, 128, 4, "float16", False),
     ("direct-cluster-one-per-sm", [{"MARLIN_CONVERT_DIRECT": "2"}], 2, 4096, 128, 4, "float16", False),
