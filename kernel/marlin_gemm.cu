@@ -14,14 +14,18 @@ namespace detail {
 // The instantiated configurations (see kernel/README.md for why these).
 // fp16 x 4-bit symmetric (the converter's main kind; dispatch_fp16_int4 below):
 //   m <= 8 on Hopper, where each 64-column tile takes a cluster of two blocks or, in one wave, one block, or in
-//             stream-K where every block gets enough of the work (direct_pays), and m = 9..16 where each tile takes a
-//             cluster of two blocks at one block per SM: the direct-load kernel (marlin_gemm_direct.cuh; try_direct),
-//             for every 4-bit kind; otherwise:
+//             stream-K where every block gets enough of the work (direct_pays), and m = 9..32 where each tile takes a
+//             cluster of two blocks at one block per SM (two / four batch blocks of 8 rows): the direct-load kernel
+//             (marlin_gemm_direct.cuh; try_direct), for every 4-bit kind; otherwise:
 //   m <= 16 : grouped with n / 64 > SMs, or channelwise m <= 8 with n / 256 >= SMs: 4 strips at 2 stages, swapped;
 //             otherwise MB=1, WN=1 (64-column tiles: the most blocks for small n), 4 stages, swapped (C^T = W^T A^T) with
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
 //             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
 //             m <= 8 only (see dispatch below)
+//   m = 17..32, every 4-bit kind, n / 64 > SMs / 2: the unswapped 32-row kernel with 8 strips per warp and stage at
+//             one block per SM (grouped: fp32 partial sums scaled once per group), 64-column tiles at 2 stages (208 KB)
+//             on one wave of them with k < 16384, else 128-column tiles at 2 stages (144 KB) unless SMs < n / 128 <
+//             2 SMs (eight_strip_32_pick in marlin_gemm_impl.cuh)
 //   m > 32 on Hopper (sm_90a build), n % 256 == 0, k per block >= 2560 after the split that fills the GPU: the wgmma
 //             kernel (SWAP 3; try_wgmma in marlin_gemm_impl.cuh), 64- / 128-row chunks, 256-column tiles
 //   m > 64, and 33..64 with k >= 16384 or n >= 32768, n % 128 == 0: MB=4 (64-row chunks), WN=2 (128-column tiles,
@@ -30,7 +34,8 @@ namespace detail {
 //             scales, one wave of tiles at one block per SM and k >= 16384 in stream-K at two blocks per SM
 //             (fill_one_wave in launch_config)
 //   m > 16 where the shared memory per block is below those (sm_86 / sm_89): MB=2, 1 strip
-// each once with grouped and once with channelwise scales, plus the benchmark-only m <= 16 variants.
+// each once with grouped and once with channelwise scales, plus the benchmark-only variants (m <= 16, and m > 16:
+// launch_m32_cfg).
 // The other kinds: dispatch_kind in marlin_gemm_impl.cuh.
 
 // A benchmark / test switch read per call: its value when it starts with a digit, else `unset`.
@@ -263,9 +268,10 @@ int dispatch_fp16_int4(const Launch& L) {
     const int rc = launch_m32_cfg<K, GROUPED>(L, cfg, launched);
     if (launched) return rc;
   }
-  if (L.m <= 32 && cfg < 0) {  // m = 17..32: the direct-load kernel where it takes the layer (Hopper; try_direct)
-    bool launched = false;
-    const int rc = try_direct<K, GROUPED>(L, optin, launched);
+  if (L.m <= 32 && cfg < 0) {  // m = 17..32: the direct-load kernel where it takes the layer (Hopper; try_direct),
+    bool launched = false;    // else the 8-strip 32-row kernels where they pay (try_eight_strip_32)
+    int rc = try_direct<K, GROUPED>(L, optin, launched);
+    if (!launched) rc = try_eight_strip_32<K, GROUPED>(L, optin, launched);
     if (launched) return rc;
   }
   {

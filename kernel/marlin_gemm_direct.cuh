@@ -1,9 +1,9 @@
-// marlin-convert: the direct-load kernel for small batches (m <= 16, 4-bit kinds, Hopper), written for this project.
+// marlin-convert: the direct-load kernel for small batches (m <= 32, 4-bit kinds, Hopper), written for this project.
 // Included by marlin_gemm_impl.cuh after the mma.sync kernel; it reuses that file's Kind, Act, Dequant and Launch.
 //
 //   C[m, n] = A[m, k] @ W[k, n],   W = (q - z) * s,   the same sums as marlin_gemm_kernel (fp32 accumulation)
 //
-// Why a second kernel: at m <= 16 the work is reading B once, and the pipelined kernel moves it global -> shared ->
+// Why a second kernel: at small m the work is reading B once, and the pipelined kernel moves it global -> shared ->
 // registers, with a barrier per stage and the split-K chain through C between blocks. Here every lane loads its B words
 // straight into registers, and the blocks that share an output tile reduce through distributed shared memory (cluster
 // mode: two blocks per tile where all fit at once, one block per tile where only the tiles do) or, where the tiles
@@ -37,7 +37,8 @@
 //          68 g: bank 4 g + t).
 //   [DEQ]  Dequant<ActT, 4>: q - z exactly, as in the pipelined kernel.
 //   [MMA]  swapped, C^T = W^T A^T: the tile's four fragments are the A operand {f0, f2, f1, f3} of mma.m16n8k16, the
-//          activations' fragment (8 batch rows) the B operand; MB8 batch blocks of 8 rows (m <= 8: 1, m <= 16: 2).
+//          activations' fragment (8 batch rows) the B operand; MB8 batch blocks of 8 rows (m <= 8: 1, m <= 16: 2,
+//          m <= 32: 4).
 //          With group scales the chunk lies inside one group (the host requires group_size % 128 == 0): its sums are
 //          formed unscaled and added to the accumulators times the group's scales in fp32 (16 FFMA per batch block).
 //   [RED]  the 8 warps' accumulators through shared memory (red); then
@@ -52,7 +53,7 @@
 //          channelwise scales applied in fp32, C written.
 //
 // Only on compute capability 9.0 (clusters; the host's direct_variant decides), built into the sm_90a code. Elsewhere
-// the kernel body traps and is never launched. Where it is the default: direct_pays (m <= 8; m = 9..16 in clusters of
+// the kernel body traps and is never launched. Where it is the default: direct_pays (m <= 8; m = 9..32 in clusters of
 // two only).
 
 #pragma once
@@ -563,6 +564,11 @@ DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool strea
 // Two batch blocks (MB8 = 2, m = 9..16, one block per SM): in clusters of two only (2 x n / 64 <= SMs). H100 (sixteenth
 // session, kernel/NOTES.md), time against the pipelined kernels at m = 12 / 16: 4096 x 4096 0.86-0.89, 11008 x 4096
 // 0.94-0.96; one block per tile, one wave (8192 x 8192, 28672 x 8192) 0.95-1.06, and 1.2-1.5 on the stream-K layers.
+// Four batch blocks (MB8 = 4, m = 17..32, 208 KB of shared memory at m = 32, one block per SM): likewise. H200
+// (eighteenth session, kernel/NOTES.md), fp16 x 4-bit time against the pipelined kernels at m = 17 / 24 / 32, group 128:
+// 4096 x 4096 0.88 / 0.89 / 0.96, 11008 x 4096 0.86 / 0.88 / 0.93 (channelwise 0.91-1.00; bf16 and zero points at
+// m = 24 / 32 0.83-0.96); forced elsewhere (one block per tile, or stream-K) 1.0-2.4x, but for 28672 x 8192 with group
+// scales (0.96-1.00 against its stream-K kernel; since then the 8-strip kernel takes it).
 inline bool direct_pays(const DirectPlan& plan, bool grouped, int mb8 = 1) {
   if (mb8 >= 2) return plan.units_per_block == 0 && plan.splits == 2;
   if (plan.units_per_block == 0)
@@ -620,7 +626,7 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
   return MARLIN_OK;
 }
 
-// m <= 16, 4-bit kinds: the direct kernel where direct_variant allows it (1: the default, where direct_pays; 2: m <= 16
+// m <= 32, 4-bit kinds: the direct kernel where direct_variant allows it (1: the default, where direct_pays; 2: m <= 32
 // wherever it fits in cluster mode, with split_k > 0 as the cluster size; 3: stream-K wherever it fits; tests and
 // benchmark). optin: smem_optin() of the caller. launched = false: the caller takes the pipelined kernels.
 template <class K, bool GROUPED>

@@ -64,7 +64,10 @@ def main(argv=None) -> int:
                   (kind, 36, 16448, 128, 64, False, 0),  # and m = 33..64 with long k; partial last stages
                   (kind, 12, 512, 34816, 64, False, 0),  # m = 9..16, n / 128 >= 2 SMs (4-bit kinds: 128-column
                                                          # tiles, 8 strips x 2 stages)
-                  (kind, 15, 256, 17408, 128, False, 0)]  # and SMs < n / 128 with group scales
+                  (kind, 15, 256, 17408, 128, False, 0),  # and SMs < n / 128 with group scales
+                  (kind, 24, 1152, 8192, 128, False, 0),  # m = 17..32 (4-bit), one wave of 64-column tiles: 8 strips
+                                                          # x 2 stages, a partial last stage
+                  (kind, 32, 640, 12672, 64, False, 0)]  # and n / 128 <= SMs < n / 64: 128-column tiles, 8 strips
     # fp16 4-bit, m = 9..16, SMs / 2 < n / 64 <= SMs with k >= 16384: the same kernel split in two, a partial stage
     cases.append((("float16", 4, False), 16, 16448, 4352, 64, False, 0))
     cases = [c + (None, None) for c in cases]  # MARLIN_CONVERT_STREAM_K and _WGMMA unset: split-K, default kernels

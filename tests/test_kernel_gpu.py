@@ -556,10 +556,11 @@ def test_stream_k_schedule(torch, monkeypatch, kind, m, k, n, group, act_order, 
 
 
 # m = 17..32 with group scales where the 32-row kernel's tiles are one wave at one block per SM and leave almost no SM
-# idle (n / 64 = SMs - 4: the stream-K formula sees nothing to gain) and k >= 16384: stream-K at two blocks per SM by
-# default (fill_one_wave in launch_config), read back from the launch; with k = 8192 or channelwise the grid stays
-# split-K (one block per tile). Every 4-bit kind whose 32-row kernel fits two blocks per SM (not grouped zero points);
-# 8-bit grouped runs at one block per SM, so never there. Hopper with >= 132 SMs, where it was measured.
+# idle (n / 64 = SMs - 4 or - 5, odd, so that the 8-strip 128-column rule, try_eight_strip_32, cannot take it; the
+# stream-K formula sees nothing to gain) and k >= 16384: stream-K at two blocks per SM by default (fill_one_wave in
+# launch_config), read back from the launch; with k = 8192 (there the 8-strip 64-column kernel) or channelwise the grid
+# stays split-K (one block per tile). Every 4-bit kind whose 32-row kernel fits two blocks per SM (not grouped zero
+# points); 8-bit grouped runs at one block per SM, so never there. Hopper with >= 132 SMs, where it was measured.
 @pytest.mark.parametrize("kind", [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True),
                                   ("float16", 8, False)], ids=_kind_id)
 @pytest.mark.parametrize("layer", ["long_k", "long_k_g64_act", "short_k", "channelwise"])
@@ -574,7 +575,7 @@ def test_stream_k_fills_one_wave_at_m32(torch, monkeypatch, kind, layer):
         "short_k": (32, 8192, 128, False),
         "channelwise": (32, 16384, -1, False),
     }[layer]
-    n = 64 * (sms - 4)
+    n = 64 * (sms - 4 - (sms % 2 == 0))  # an odd number of 64-column tiles
     _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((kind, layer)).encode()), bits=bits, asym=asym,
               dtype=dtype)
     launch = _last_launch(torch)
@@ -651,6 +652,38 @@ def test_m32_eight_strip_configs(torch, monkeypatch, kind, cfg, m, k, n, group, 
         launch = _last_launch(torch)
         wn = "1" if cfg == "33" else "2"
         assert launch.startswith(f"pipelined MB=2 WN={wn} STRIPS=8 STAGES={3 if cfg == '32' else 2} SWAP=0 "), launch
+
+
+# m = 17..32, the layers the direct kernel leaves (try_eight_strip_32), read back from the launch for every 4-bit kind
+# (8-bit: never) and both scale kinds: one wave of 64-column tiles with k < 16384 -> the 8-strip 64-column kernel; one
+# wave with k >= 16384, fewer 128-column tiles than SMs (n / 64 > SMs), or >= 2 SMs of them -> the 8-strip 128-column
+# kernel; SMs < n / 128 < 2 SMs -> the 4-strip kernel; m = 48 -> not these. Hopper with >= 132 SMs, where it was
+# measured.
+@pytest.mark.parametrize("kind", FOUR_BIT_KINDS + [("float16", 8, False)], ids=_kind_id)
+@pytest.mark.parametrize("layer", ["one_wave_short_k", "one_wave_long_k", "under_a_wave_of_128", "wide", "band",
+                                   "m48"])
+@pytest.mark.parametrize("group", [128, -1])
+def test_eight_strip_32_rule_picks_its_layers(torch, kind, layer, group):
+    _skip_unless_hopper_132(torch, "the rule's layers are sized for a Hopper GPU of >= 132 SMs")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dtype, bits, asym = kind
+    sixty_four = "pipelined MB=2 WN=1 STRIPS=8 STAGES=2 SWAP=0 "
+    one_twenty_eight = "pipelined MB=2 WN=2 STRIPS=8 STAGES=2 SWAP=0 "
+    m, k, n, expected = {
+        "one_wave_short_k": (24, 2048, 128 * ((sms - 4) // 2), sixty_four),
+        "one_wave_long_k": (32, 16384, 128 * ((sms - 4) // 2), one_twenty_eight),
+        "under_a_wave_of_128": (17, 2048, 128 * (3 * sms // 4), one_twenty_eight),
+        "wide": (32, 1024, 128 * (2 * sms + 8), one_twenty_eight),
+        "band": (32, 1024, 128 * (sms + sms // 4), "pipelined MB=2 WN=1 STRIPS=4 "),
+        "m48": (48, 1024, 128 * (2 * sms + 8), None),
+    }[layer]
+    _run_case(torch, m, k, n, group, False, seed=zlib.crc32(repr((kind, layer, group)).encode()), bits=bits,
+              asym=asym, dtype=dtype)
+    launch = _last_launch(torch)
+    if bits == 8 or expected is None:
+        assert not launch.startswith((sixty_four, one_twenty_eight)), f"{layer}: m = {m}, n = {n}: {launch}"
+    else:
+        assert launch.startswith(expected), f"{layer}: m = {m}, k = {k}, n = {n} ({sms} SMs): {launch}"
 
 
 @pytest.mark.parametrize("kind,variant", WGMMA_CASES, ids=lambda c: c if isinstance(c, str) else _kind_id(c))
