@@ -1754,8 +1754,9 @@ namespace detail {
 //   4-bit symmetric, larger n: 2 strips, 3 blocks per SM (72 KB), swapped for m <= 8 only;
 //   8-bit, larger n: 4 strips at 2 stages, 2 blocks per SM (104-108 KB; 2 strips at 4 stages where that does not
 //          fit);
-//   m = 17..32, 4-bit: the direct-load kernel in clusters of two (four batch blocks; Hopper, 2 x n / 64 <= SMs), else
-//          the 8-strip 32-row kernels where eight_strip_32_pick takes the layer;
+//   m = 17..32, 4-bit: the direct-load kernel in clusters of two (four batch blocks; Hopper, 2 x n / 64 <= SMs); m =
+//          17..64, 4-bit, else (and where the wgmma kernel does not take it): the 8-strip 32-row kernels where
+//          eight_strip_32_pick takes the layer;
 //   m > 16: 4-bit, 64-row chunks at 8 strips x 2 stages (m > 64, or 33..64 with k >= 16384 or n >= 32768), else
 //          32-row chunks at 4 strips x 2 stages (104 KB); 8-bit grouped the latter (136 KB);
 //   8-bit channelwise m > 16, and every kind where the shared memory is too small for the above (sm_86 / sm_89:
@@ -1780,11 +1781,11 @@ bool wide_eight_pays(const Launch& L, int optin, bool long_k_one_wave, bool grou
 
 // Benchmark only (MARLIN_CONVERT_SMALL_CFG at m > 16, `bench_kernel.py --cfgs`), 4-bit: the unswapped 32-row kernel
 // with 8 strips per warp and stage, one block per SM, whatever the layer: 30 = 128-column tiles at 2 stages (144 KB;
-// grouped: fp32 partial sums scaled once per group, kF32Scale), 31 = the same with the scales on B in 16 bits, 32 =
-// 128-column tiles at 3 stages (216 KB), 33 = 64-column tiles at 2 stages (208 KB). 30 and 33 are the default's on the
-// layers of eight_strip_32_pick. launched = false: no such configuration fits. H200, fp16 x 4-bit m = 32, geomean over
-// the 8 shapes against the default before (kernel/NOTES.md), group 128 / channelwise: 30 1.46 / 1.55x, 31 1.33 /
-// 1.48x, 32 1.37 / 1.47x, 33 1.50 / 1.63x, default 1.49 / 1.65x (each wins on some layers only).
+// grouped: fp32 partial sums scaled once per group, kF32Scale), 33 = 64-column tiles at 2 stages (208 KB); the
+// default's on the layers of eight_strip_32_pick. launched = false: no such configuration fits. H200, fp16 x 4-bit
+// m = 32, geomean over the 8 shapes (kernel/NOTES.md), group 128 / channelwise: 30 1.46 / 1.55x, 33 1.50 / 1.63x, the
+// default before 1.49 / 1.65x (each wins on some layers only); two more measured and removed: 128-column tiles with
+// the scales on B in 16 bits 1.33 / 1.48x, at 3 stages (216 KB) 1.37 / 1.47x.
 template <class K, bool GROUPED>
 int launch_m32_cfg(const Launch& L, int cfg, bool& launched) {
   launched = false;
@@ -1793,10 +1794,6 @@ int launch_m32_cfg(const Launch& L, int cfg, bool& launched) {
     launched = true;
     if (cfg == 30 && optin >= Tile<2, 2, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes && L.n % 128 == 0)
       return launch_config<K, 2, 2, 8, 2, GROUPED>(L);
-    if (cfg == 31 && optin >= Tile<2, 2, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes && L.n % 128 == 0)
-      return launch_config<K, 2, 2, 8, 2, GROUPED, 0, true>(L);
-    if (cfg == 32 && optin >= Tile<2, 2, 8, 3, GROUPED, 4, K::kZp>::kSmemBytes && L.n % 128 == 0)
-      return launch_config<K, 2, 2, 8, 3, GROUPED>(L);
     if (cfg == 33 && optin >= Tile<2, 1, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes)
       return launch_config<K, 2, 1, 8, 2, GROUPED>(L);
     launched = false;
@@ -1804,28 +1801,34 @@ int launch_m32_cfg(const Launch& L, int cfg, bool& launched) {
   return MARLIN_OK;
 }
 
-// m = 17..32, 4-bit kinds, the layers the direct kernel leaves: the unswapped 32-row kernel with 8 strips per warp and
-// stage at one block per SM (a warp's stage is 128 k, one group of 128: the grouped fp32 partial sums are scaled once
-// per group, 64 FFMA per 8 strips, where the 4-strip kernel puts the scales on B, 4 hmul2 per tile and strip):
-//   one wave of 64-column tiles (SMs / 2 < n / 64 <= SMs) with k < 16384: 64-column tiles at 2 stages (208 KB, no
-//     split), as the m <= 16 one-wave rule;
-//   else, where n / 64 > SMs / 2 and the 128-column tiles are not 1..2 waves (SMs < n / 128 < 2 SMs: 4096 x 22016 lost
-//     5-10 % channelwise): 128-column tiles at 2 stages (144 KB; split or stream-K as launch_config picks).
-// Against the default before (the 4-strip, 2-stage 32-row kernel at two blocks per SM; stream-K on 28672 x 8192), H200,
-// fp16 x 4-bit m = 32 (`--cfgs=-,30,33`, kernel/NOTES.md), group 128 / channelwise: 8192 x 57344 153.4 -> 134.7 /
+// m = 17..64, 4-bit kinds, the layers the direct and wgmma kernels leave: the unswapped 32-row kernel with 8 strips per
+// warp and stage at one block per SM (a warp's stage is 128 k, one group of 128: the grouped fp32 partial sums are
+// scaled once per group, 64 FFMA per 8 strips, where the 4-strip kernel puts the scales on B, 4 hmul2 per tile and
+// strip). With c = ceil(m / 32) row chunks:
+//   one wave of 64-column blocks (SMs / 2 < c x n / 64 <= SMs) with k < 16384: 64-column tiles at 2 stages (208 KB,
+//     no split), as the m <= 16 one-wave rule;
+//   else m <= 32, n / 64 > SMs / 2 and the 128-column tiles not 1..2 waves (SMs < n / 128 < 2 SMs: 4096 x 22016 lost
+//     5-10 % channelwise), or m = 33..64 with one wave of 128-column blocks (SMs / 2 < c x n / 128 <= SMs) and
+//     k < 16384: 128-column tiles at 2 stages (144 KB; split or stream-K as launch_config picks).
+// H200, fp16 x 4-bit (`--cfgs=-,30,33`, kernel/NOTES.md), group 128 / channelwise, against the default before: m = 32
+// (the 4-strip, 2-stage 32-row kernel at two blocks per SM; stream-K on 28672 x 8192) 8192 x 57344 153.4 -> 134.7 /
 // 127.2 -> 120.0 us, 28672 x 8192 77.1 -> 64.5 / 65.0 -> 59.1, 8192 x 10240 31.2 -> 29.1 / 27.7 -> 26.8, 4096 x 12288
-// 20.8 -> 19.5 / 19.6 -> 18.5, 8192 x 8192 (64-column) 23.7 -> 21.7 / 20.8 -> 19.2; bf16 and zero points alike. At
-// m = 64 the 64-row and wgmma kernels stay ahead (1.09x against 1.02x geomean, group 128).
+// 20.8 -> 19.5 / 19.6 -> 18.5, 8192 x 8192 (64-column) 23.7 -> 21.7 / 20.8 -> 19.2, bf16 and zero points alike; m = 64
+// (the same 4-strip kernel) 4096 x 4096 (64-column) 13.0 -> 12.0 / 11.5 -> 10.8, 11008 x 4096 (64-column) 29.8 -> 27.5 /
+// 25.3 -> 23.4, 8192 x 8192 (128-column) 38.1 -> 34.5 / 33.3 -> 31.2; the wgmma and 64-row kernels stay ahead on the
+// other m = 64 layers.
 // Returns 0 (not these layers), 1 (64-column tiles) or 2 (128-column tiles).
 template <class K, bool GROUPED>
 int eight_strip_32_pick(const Launch& L, int optin) {
-  if (K::kBits != 4 || L.m <= 16 || L.m > 32) return 0;
-  const int tiles64 = L.n / 64, tiles128 = L.n / 128;
-  if (2 * tiles64 <= L.sms) return 0;
-  if (tiles64 <= L.sms && L.k < 16384)
-    return optin >= Tile<2, 1, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes ? 1 : 0;
-  if (L.n % 128 != 0 || (tiles128 > L.sms && tiles128 < 2 * L.sms)) return 0;
-  return optin >= Tile<2, 2, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes ? 2 : 0;
+  if (K::kBits != 4 || L.m <= 16 || L.m > 64) return 0;
+  const long chunks = (L.m + 31) / 32;
+  const long blocks64 = chunks * (L.n / 64), blocks128 = chunks * (L.n / 128);
+  const bool fits64 = optin >= Tile<2, 1, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes;
+  const bool fits128 = L.n % 128 == 0 && optin >= Tile<2, 2, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes;
+  if (2 * blocks64 > L.sms && blocks64 <= L.sms && L.k < 16384) return fits64 ? 1 : 0;
+  if (chunks == 1)
+    return fits128 && 2 * blocks64 > L.sms && !(blocks128 > L.sms && blocks128 < 2L * L.sms) ? 2 : 0;
+  return fits128 && 2 * blocks128 > L.sms && blocks128 <= L.sms && L.k < 16384 ? 2 : 0;
 }
 
 // launch_m32_cfg's kernels where eight_strip_32_pick takes the layer; launched = false otherwise.
@@ -1959,13 +1962,17 @@ int dispatch_kind(const Launch& L) {
     }
     if (L.m <= 32 && cfg < 0) {  // m = 17..32: the direct-load kernel where it takes the layer (Hopper, 4-bit; try_direct)
       bool launched = false;
-      int rc = try_direct<K, GROUPED>(L, optin, launched);
-      if (!launched) rc = try_eight_strip_32<K, GROUPED>(L, optin, launched);  // else the 8-strip kernels
+      const int rc = try_direct<K, GROUPED>(L, optin, launched);
       if (launched) return rc;
     }
     {  // Hopper, 4-bit, m > 32: the wgmma kernel (try_wgmma)
       bool launched = false;
       const int rc = try_wgmma<K, GROUPED>(L, launched);
+      if (launched) return rc;
+    }
+    if (cfg < 0) {  // m = 17..64, 4-bit: the 8-strip 32-row kernels where they pay
+      bool launched = false;
+      const int rc = try_eight_strip_32<K, GROUPED>(L, optin, launched);
       if (launched) return rc;
     }
     // The m > 16 kernels of fp16 x 4-bit symmetric (dispatch_fp16_int4): 4-bit, 64-row chunks at 8 strips x 2 stages

@@ -631,9 +631,9 @@ FOUR_BIT_KINDS = [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, 
 WGMMA_CASES = [(kind, v) for kind in FOUR_BIT_KINDS for v in ("1", "2", "3", "4")]
 
 
-# The m > 16 benchmark configurations (MARLIN_CONVERT_SMALL_CFG 30..33, launch_m32_cfg): the unswapped 32-row kernel with
-# 8 strips per warp and stage, its grouped fp32 partial sums scaled once per group (30, 32, 33) or the scales on B in
-# 16 bits (31). Every 4-bit kind; group 128 (one group per warp and stage), 64 and 32 (groups inside a warp's 128 k: the
+# The m > 16 benchmark configurations (MARLIN_CONVERT_SMALL_CFG 30 and 33, launch_m32_cfg): the unswapped 32-row kernel
+# with 8 strips per warp and stage, its grouped fp32 partial sums scaled once per group, on 128- / 64-column tiles,
+# whatever the layer. Every 4-bit kind; group 128 (one group per warp and stage), 64 and 32 (groups inside a warp's 128 k: the
 # per-strip path), 256 with act-order, channelwise; m = 17 (a second m-block of one row), 40 and 64 (two row chunks);
 # a partial last stage (k = 1040); split over k where the tiles leave SMs idle.
 M32_CFG_SHAPES = [(32, 4096, 1024, 128, False), (17, 2048, 512, 64, False), (64, 2048, 256, 256, True),
@@ -641,27 +641,27 @@ M32_CFG_SHAPES = [(32, 4096, 1024, 128, False), (17, 2048, 512, 64, False), (64,
 
 
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
-@pytest.mark.parametrize("cfg", ["30", "31", "32", "33"])
+@pytest.mark.parametrize("cfg", ["30", "33"])
 @pytest.mark.parametrize("m,k,n,group,act_order", M32_CFG_SHAPES)
 def test_m32_eight_strip_configs(torch, monkeypatch, kind, cfg, m, k, n, group, act_order):
     monkeypatch.setenv("MARLIN_CONVERT_SMALL_CFG", cfg)
     dtype, bits, asym = kind
     _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr((cfg, m, k, n, kind)).encode()), calls=2,
               bits=bits, asym=asym, dtype=dtype)
-    if torch.cuda.get_device_capability() == (9, 0):  # (216 KB of cfg 32 fit there; elsewhere it may fall back)
+    if torch.cuda.get_device_capability() == (9, 0):  # (the 208 KB of cfg 33 fit there; elsewhere it may fall back)
         launch = _last_launch(torch)
-        wn = "1" if cfg == "33" else "2"
-        assert launch.startswith(f"pipelined MB=2 WN={wn} STRIPS=8 STAGES={3 if cfg == '32' else 2} SWAP=0 "), launch
+        assert launch.startswith(f"pipelined MB=2 WN={1 if cfg == '33' else 2} STRIPS=8 STAGES=2 SWAP=0 "), launch
 
 
-# m = 17..32, the layers the direct kernel leaves (try_eight_strip_32), read back from the launch for every 4-bit kind
-# (8-bit: never) and both scale kinds: one wave of 64-column tiles with k < 16384 -> the 8-strip 64-column kernel; one
-# wave with k >= 16384, fewer 128-column tiles than SMs (n / 64 > SMs), or >= 2 SMs of them -> the 8-strip 128-column
-# kernel; SMs < n / 128 < 2 SMs -> the 4-strip kernel; m = 48 -> not these. Hopper with >= 132 SMs, where it was
-# measured.
+# m = 17..64, the layers the direct and wgmma kernels leave (try_eight_strip_32), read back from the launch for every
+# 4-bit kind (8-bit: never) and both scale kinds. m <= 32: one wave of 64-column tiles with k < 16384 -> the 8-strip
+# 64-column kernel; one wave with k >= 16384, fewer 128-column tiles than SMs (n / 64 > SMs), or >= 2 SMs of them ->
+# the 8-strip 128-column kernel; SMs < n / 128 < 2 SMs -> the 4-strip kernel. m = 33..64 (two row chunks): one wave of
+# 64-column blocks -> 64 columns, of 128-column blocks -> 128 columns, with k < 16384; long k or wide layers -> not
+# these. Hopper with >= 132 SMs, where it was measured.
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS + [("float16", 8, False)], ids=_kind_id)
 @pytest.mark.parametrize("layer", ["one_wave_short_k", "one_wave_long_k", "under_a_wave_of_128", "wide", "band",
-                                   "m48"])
+                                   "two_chunks_64", "two_chunks_128", "two_chunks_long_k", "two_chunks_wide"])
 @pytest.mark.parametrize("group", [128, -1])
 def test_eight_strip_32_rule_picks_its_layers(torch, kind, layer, group):
     _skip_unless_hopper_132(torch, "the rule's layers are sized for a Hopper GPU of >= 132 SMs")
@@ -675,7 +675,10 @@ def test_eight_strip_32_rule_picks_its_layers(torch, kind, layer, group):
         "under_a_wave_of_128": (17, 2048, 128 * (3 * sms // 4), one_twenty_eight),
         "wide": (32, 1024, 128 * (2 * sms + 8), one_twenty_eight),
         "band": (32, 1024, 128 * (sms + sms // 4), "pipelined MB=2 WN=1 STRIPS=4 "),
-        "m48": (48, 1024, 128 * (2 * sms + 8), None),
+        "two_chunks_64": (64, 2048, 64 * ((sms - 4) // 2), sixty_four),
+        "two_chunks_128": (40, 2048, 128 * ((sms - 4) // 2), one_twenty_eight),
+        "two_chunks_long_k": (48, 16384, 128 * ((sms - 4) // 2), None),
+        "two_chunks_wide": (48, 1024, 128 * (2 * sms + 8), None),
     }[layer]
     _run_case(torch, m, k, n, group, False, seed=zlib.crc32(repr((kind, layer, group)).encode()), bits=bits,
               asym=asym, dtype=dtype)
