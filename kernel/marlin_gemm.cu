@@ -112,8 +112,7 @@ long trace_host_blocks = 0;
 #endif
 
 // The direct-load kernel (marlin_gemm_direct.cuh; thread-block clusters or stream-K), MARLIN_CONVERT_DIRECT: 1 = where
-// direct_pays, 2 = wherever it fits in cluster mode, 3 = in stream-K; 11 / 12 / 13 the same with two chunks of B in
-// flight per warp at m = 9..16 (try_direct; benchmark and tests).
+// direct_pays, 2 = wherever it fits in cluster mode, 3 = in stream-K (try_direct).
 int direct_variant() { return hopper_switch("MARLIN_CONVERT_DIRECT"); }
 
 using KindFp16Int4 = Kind<half, 4, false>;
@@ -316,8 +315,7 @@ int marlin_last_launch(char* buf, int len) {
   const detail::LastLaunch& l = detail::last_launch;
   if (l.family == nullptr) return snprintf(buf, len, "%s", "");
   if (l.family[0] == 'd')
-    return snprintf(buf, len, "direct MB8=%d cluster=%d units_per_block=%d grid=%ld%s", l.mb, l.wn, l.schedule, l.grid,
-                    l.stages == 2 ? " depth=2" : "");
+    return snprintf(buf, len, "direct MB8=%d cluster=%d units_per_block=%d grid=%ld", l.mb, l.wn, l.schedule, l.grid);
   return snprintf(buf, len, "%s MB=%d WN=%d STRIPS=%d STAGES=%d SWAP=%d stream_k=%d grid=%ld", l.family, l.mb, l.wn,
                   l.strips, l.stages, l.swap, l.schedule, l.grid);
 }

@@ -113,18 +113,18 @@ __device__ __forceinline__ void st_cluster_f2(uint32_t addr, uint32_t rank, floa
 
 constexpr int kARowBytes = kDirectChunkK * 2 + 16;  // one A row of a chunk (128 16-bit values) + 16 bytes of pad
 
-// Shared memory of one block: each warp's SLOTS A slots (DEPTH + 1: m rows of kARowBytes each); behind them the warps' accumulators
+// Shared memory of one block: each warp's two A slots (m rows of kARowBytes each); behind them the warps' accumulators
 // for the reduction (8 warps x 64 columns x 8 MB8 rows, fp32), apart from the slots so that the next segment's first A
 // rows can be copied while a segment is reduced; last the block's sums P (8 MB8 rows x 64 columns, fp32), or in a
 // cluster the sums its peers push for the output pairs it writes (splits x ceil(m x 32 / splits) float2: at most
 // kDirectMaxSplits - 1 more than P's).
-template <int MB8, int SLOTS = 2>
+template <int MB8>
 struct DirectSmem {
   static constexpr int kRows = 8 * MB8;
   static constexpr int kRedBytes = kWarps * 64 * kRows * 4;
   static constexpr int kSumBytes = (kRows * 32 + kDirectMaxSplits) * 8;
   static __host__ __device__ int slot_bytes(int m) { return m * kARowBytes; }
-  static __host__ __device__ int red_offset(int m) { return kWarps * SLOTS * slot_bytes(m); }
+  static __host__ __device__ int red_offset(int m) { return kWarps * 2 * slot_bytes(m); }
   static __host__ __device__ int sum_offset(int m) { return red_offset(m) + kRedBytes; }
   static int bytes(int m) { return sum_offset(m) + kSumBytes; }
 };
@@ -150,21 +150,17 @@ struct DirectSegment {
 //   chunks_per_group  group_size / 128 (GROUPED)
 //   splits            cluster mode: blocks per tile = the cluster size (1 .. 8); stream-K: 1
 //   units_per_block   0: cluster mode; > 0: stream-K, each block takes that many units of kDirectUnitChunks chunks
-// DEPTH: chunks of B in flight per warp (1, or 2 with two batch blocks: 32 more registers, which only the one-block-
-// per-SM kernels have room for), and DEPTH + 1 A slots per warp, each chunk's A copied DEPTH chunks ahead.
-template <class K, int MB8, bool GROUPED, int DEPTH = 1>
+template <class K, int MB8, bool GROUPED>
 __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
     marlin_direct_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
                          const uint32_t* __restrict__ Z, typename K::ActT* __restrict__ C, int* __restrict__ locks,
                          int m, int n, int k, int chunks_per_group, int splits, int units_per_block) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(K::kBits == 4, "the direct kernel takes 4-bit weights");
-  static_assert(DEPTH == 1 || (DEPTH == 2 && MB8 == 2), "two chunks in flight: the two-batch-block kernel only");
-  constexpr int kSlots = DEPTH + 1;
   using ActT = typename K::ActT;
   using Ops = Act<ActT>;
   using DQ = Dequant<ActT, 4>;
-  using SM = DirectSmem<MB8, kSlots>;
+  using SM = DirectSmem<MB8>;
   constexpr bool ZP = K::kZp;
   constexpr int kRows = SM::kRows;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -214,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   const int s_row = n / 8;  // int4 per scale row; also 32-bit words per zero-point row
   const uint32_t a_row = (uint32_t)k / 8;  // int4 per A row
   const int slot_bytes = SM::slot_bytes(m);
-  unsigned char* const a_slots = smem + warp * kSlots * slot_bytes;
+  unsigned char* const a_slots = smem + warp * 2 * slot_bytes;
   // the lane's word of strip 0 of chunk c, from its word of the tile's first strip (b_tile); strip i is i B rows
   // further on (b_row int4 each)
   auto b_chunk = [&](const int4* b_tile, int c) { return b_tile + (uint32_t)(c * kDirectStrips) * b_row; };
@@ -234,30 +230,22 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
   // the group of chunk c (group 128: the chunk itself, no division)
   auto group_of_chunk = [&](int c) { return chunks_per_group == 1 ? c : c / chunks_per_group; };
 
-  // The B words in flight: bq[r][i] holds strip i of chunk c (r = (c - first chunk) % DEPTH) until it is dequantized,
-  // then strip i of chunk c + DEPTH (a ring DEPTH chunks = DEPTH x 8 x 512 bytes per warp deep). The refill is issued
-  // after the strip's dequant, so that it lands in the same registers (no copies at the chunk's end). A segment's
-  // first DEPTH chunks are loaded before the previous segment is reduced (start below).
-  uint4 bq[DEPTH][kDirectStrips];
+  // The B words in flight: bq[i] holds strip i of the current chunk until it is dequantized, then strip i of the next
+  // one (a ring one chunk = 8 x 512 bytes per warp deep, in half the registers of two whole chunks). The refill is
+  // issued after the strip's dequant, so that it lands in the same registers (no copies at the chunk's end). A
+  // segment's first chunk is loaded before the previous segment is reduced (start below).
+  uint4 bq[kDirectStrips];
   uint32_t z_next = 0u;  // (grouped zero points) the next chunk's word, one chunk ahead: strip 0 needs it at once
   auto start = [&](const DirectSegment& sg) {
     const int lo = warp_lo(sg), hi = warp_hi(sg);
     if (lo < hi) {
       const int4* bp = b_chunk(B + sg.tile * 32 + lane, lo);
 #pragma unroll
-      for (int i = 0; i < kDirectStrips; ++i, bp += b_row) bq[0][i] = ldg_stream16(bp);
-      if constexpr (DEPTH == 2) {
-        if (lo + 1 < hi) {
-#pragma unroll
-          for (int i = 0; i < kDirectStrips; ++i, bp += b_row) bq[1][i] = ldg_stream16(bp);  // (chunk lo + 1)
-        }
-      }
+      for (int i = 0; i < kDirectStrips; ++i, bp += b_row) bq[i] = ldg_stream16(bp);
       if constexpr (ZP && GROUPED) z_next = __ldg(Z + group_of_chunk(lo) * s_row + sg.tile * 8 + g);
     }
     copy_a(lo, hi, 0);
-    if constexpr (DEPTH == 2) copy_a(lo + 1, hi, 1);
   };
-
 
   // a_lane: this lane's activation word (row g, k 2t, 2t + 1) of slot 0; row 8 bb + g, strip i, k + 8 are immediate
   // offsets from it (8 bb x kARowBytes, 32 i, 16)
@@ -305,17 +293,11 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[bb][j][e] = 0.0f;
 
-    // ---- main loop: chunk c computed strip by strip from ring entry R, each strip's B registers refilled with chunk
-    // c + DEPTH's (R a constant, so that bq stays in registers: the loop below takes DEPTH chunks per turn)
-    for (int c0 = w_lo; c0 < w_hi; c0 += DEPTH) {
-#pragma unroll
-     for (int R = 0; R < DEPTH; ++R) {
-      const int c = c0 + R;
-      if (R > 0 && c >= w_hi) break;
-      const int slot = DEPTH == 1 ? (c - w_lo) & 1 : (c - w_lo) % kSlots;
-      [[maybe_unused]] const bool next = c + 1 < w_hi;
-      const bool refill = c + DEPTH < w_hi;
-      copy_a(c + DEPTH, w_hi, DEPTH == 1 ? slot ^ 1 : (c - w_lo + DEPTH) % kSlots);
+    // ---- main loop: chunk c computed strip by strip, each strip's B registers refilled with the next chunk's
+    for (int c = w_lo; c < w_hi; ++c) {
+      const int slot = (c - w_lo) & 1;
+      const bool next = c + 1 < w_hi;
+      copy_a(c + 1, w_hi, slot ^ 1);
       // (grouped) this chunk's scale word, read now and used at the chunk's end (the strips cover its latency)
       uint4 s_cur = make_uint4(0u, 0u, 0u, 0u);
       if constexpr (GROUPED) s_cur = ldg_u4(s_lane + group_of_chunk(c) * s_row);
@@ -323,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
       if constexpr (ZP && GROUPED) {
         if (next) z_next = __ldg(z_lane + group_of_chunk(c + 1) * s_row);
       }
-      cp_async_wait<DEPTH>();  // this chunk's A (the newest DEPTH groups are the next chunks')
+      cp_async_wait<1>();  // this chunk's A (the newest group is the next chunk's)
       __syncwarp();
       const uint32_t a_slot = a_lane + (uint32_t)(slot * slot_bytes);
       // the four tiles' Zero values, from this chunk's zero-point word (channelwise: the one row's): once per chunk,
@@ -339,8 +321,8 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
           zero[j] = DQ::zero(zw, j);
         }
       }
-      const int4* bp = b_chunk(b_tile, refill ? c + DEPTH : c);  // (past the last chunk the refill is predicated off)
-      [[maybe_unused]] float part[MB8][4][4];  // (grouped) the chunk's unscaled sums
+      const int4* bp = b_chunk(b_tile, next ? c + 1 : c);  // (after the last chunk the refill is predicated off)
+      float part[MB8][4][4];  // (grouped) the chunk's unscaled sums
 #pragma unroll
       for (int i = 0; i < kDirectStrips; ++i, bp += b_row) {
         uint32_t bf[MB8][2];
@@ -355,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t w[1] = {j == 0 ? bq[R][i].x : j == 1 ? bq[R][i].y : j == 2 ? bq[R][i].z : bq[R][i].w};
+          const uint32_t w[1] = {j == 0 ? bq[i].x : j == 1 ? bq[i].y : j == 2 ? bq[i].z : bq[i].w};
           uint32_t f[4];
           if constexpr (kZeroPerStrip) {
             const uint32_t zw[1] = {z_word};
@@ -374,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
             }
           }
         }
-        if (refill) bq[R][i] = ldg_stream16(bp);  // (after the strip's last dequant: bq[R][i] is free)
+        if (next) bq[i] = ldg_stream16(bp);  // (after the strip's last dequant: bq[i] is free)
       }
       if constexpr (GROUPED) {
         const uint32_t sw[4] = {s_cur.x, s_cur.y, s_cur.z, s_cur.w};
@@ -391,7 +373,6 @@ __global__ void __launch_bounds__(kThreads, MB8 == 1 ? 2 : 1)
         }
       }
       if (c == w_lo) trace.stamp(2, acc[0][0][0]);
-     }
     }
     trace.stamp(3, acc[0][0][0]);
 
@@ -531,14 +512,13 @@ struct DirectPlan {
 // never waits for one that cannot start). per_sm_cap > 0 (MARLIN_CONVERT_STREAM_K, benchmark only) caps stream-K's
 // grid at that many blocks per SM; one (H200, fourteenth session, kernel/NOTES.md) took 14-29 % more time on
 // 4096 x 22016 and 8192 x 57344 at group 128, 0-5 % on 8192 x 10240.
-template <int MB8, int DEPTH = 1>
+template <int MB8>
 DirectPlan direct_plan(const Launch& L, int optin, int forced_splits, bool stream_k, int per_sm_cap = 0) {
-  using SM = DirectSmem<MB8, DEPTH + 1>;
   DirectPlan plan;
   if (L.m > 8 * MB8 || L.k % kDirectChunkK != 0) return plan;
   if (L.scale_rows > 1 && (L.k / L.scale_rows) % kDirectChunkK != 0) return plan;
-  const int smem = SM::bytes(L.m);
-  if (SM::bytes(8 * MB8) > optin) return plan;  // (launch_direct's attribute)
+  const int smem = DirectSmem<MB8>::bytes(L.m);
+  if (DirectSmem<MB8>::bytes(8 * MB8) > optin) return plan;  // (launch_direct's attribute)
   const int chunks = L.k / kDirectChunkK;
   const int tiles = L.n / 64;
   const int by_regs = MB8 == 1 ? 2 : 1;  // __launch_bounds__
@@ -596,17 +576,16 @@ inline bool direct_pays(const DirectPlan& plan, bool grouped, int mb8 = 1) {
   return plan.units_per_block >= (grouped ? 4 : 12);
 }
 
-template <class K, int MB8, bool GROUPED, int DEPTH = 1>
+template <class K, int MB8, bool GROUPED>
 int launch_direct(const Launch& L, const DirectPlan& plan) {
   using ActT = typename K::ActT;
-  using SM = DirectSmem<MB8, DEPTH + 1>;
-  auto kernel = marlin_direct_kernel<K, MB8, GROUPED, DEPTH>;
-  const int smem = SM::bytes(L.m);
+  auto kernel = marlin_direct_kernel<K, MB8, GROUPED>;
+  const int smem = DirectSmem<MB8>::bytes(L.m);
   // the attribute is set to the largest m's size, or kOneBlockSmem ([PDL]) where larger and allowed (a constant per
   // instantiation and device, so that calls from several host threads never lower it under another's launch); each
   // launch asks for its own m's
   const int optin = smem_optin();
-  const int smem_max = smem_attribute(SM::bytes(8 * MB8), optin);
+  const int smem_max = smem_attribute(DirectSmem<MB8>::bytes(8 * MB8), optin);
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
   if (e != cudaSuccess) {
     set_error(L.err, L.errlen, "direct kernel: cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem_max,
@@ -643,22 +622,20 @@ int launch_direct(const Launch& L, const DirectPlan& plan) {
               plan.grid, plan.splits, plan.units_per_block, pl.smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
-  note_launch("direct", MB8, cluster, 0, DEPTH, 0, plan.units_per_block, plan.grid);
+  note_launch("direct", MB8, cluster, 0, 0, 0, plan.units_per_block, plan.grid);
   return MARLIN_OK;
 }
 
 // m <= 32, 4-bit kinds: the direct kernel where direct_variant allows it (1: the default, where direct_pays; 2: m <= 32
-// wherever it fits in cluster mode, with split_k > 0 as the cluster size; 3: stream-K wherever it fits; 11 / 12 / 13:
-// the same with two chunks of B in flight per warp at m = 9..16; tests and benchmark). optin: smem_optin() of the
-// caller. launched = false: the caller takes the pipelined kernels.
+// wherever it fits in cluster mode, with split_k > 0 as the cluster size; 3: stream-K wherever it fits; tests and
+// benchmark). optin: smem_optin() of the caller. launched = false: the caller takes the pipelined kernels.
 template <class K, bool GROUPED>
 int try_direct(const Launch& L, int optin, bool& launched) {
   launched = false;
 #if defined(MARLIN_CONVERT_SM90A)  // (clusters: compute capability 9.0, built into the sm_90a code only)
   if constexpr (K::kBits == 4) {
     if (L.m > 32) return MARLIN_OK;
-    const int switch_value = direct_variant();
-    const int variant = switch_value % 10, depth = switch_value >= 10 ? 2 : 1;
+    const int variant = direct_variant();
     if (variant == 0 || (variant == 1 && L.split_k > 0)) return MARLIN_OK;
     const int forced = variant == 2 && L.split_k > 0 ? L.split_k : 0;
     const bool stream_k = variant == 3;
@@ -682,12 +659,6 @@ int try_direct(const Launch& L, int optin, bool& launched) {
     }
     // m = 9..16, two batch blocks (about 190-255 registers: one block of 8 warps per SM): by default in clusters of two only
     if (L.m <= 16) {
-      if (depth == 2) {
-        const DirectPlan plan = direct_plan<2, 2>(L, optin, forced, stream_k, forced_cap);
-        if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED, 2))) return MARLIN_OK;
-        launched = true;
-        return launch_direct<K, 2, GROUPED, 2>(L, plan);
-      }
       const DirectPlan plan = direct_plan<2>(L, optin, forced, stream_k, forced_cap);
       if (plan.splits == 0 || (variant == 1 && !direct_pays(plan, GROUPED, 2))) return MARLIN_OK;
       launched = true;

@@ -1455,7 +1455,7 @@ void count_pdl_launch();
 // Notes the configuration of a kernel this host thread launched (marlin_gemm.cu; marlin_last_launch reads it back, so
 // tests can check which kernel a dispatch rule chose): `family` "pipelined" (MB, WN, STRIPS, STAGES, SWAP as the
 // template parameters, `schedule` 1 for stream-K) or "direct" (MB = batch blocks of 8 rows, WN = blocks per tile's
-// cluster, `schedule` = units per block, 0 in cluster mode, `stages` = chunks of B in flight per warp; the rest 0).
+// cluster, `schedule` = units per block, 0 in cluster mode; the rest 0).
 void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid);
 
 // Largest dynamic shared memory a block may opt in to on the current device (0 when the query fails).

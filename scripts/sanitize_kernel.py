@@ -13,9 +13,8 @@ Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, 
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408, 34816 (and 4352 with k = 16448)
 for the m <= 16 kernels of larger n, stream-K grids (MARLIN_CONVERT_STREAM_K), the Hopper wgmma kernel
-(MARLIN_CONVERT_WGMMA) and the Hopper direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 32, clusters of 3, 5 and 8
-blocks; = 3: its stream-K form, blocks of two segments, a tile over 4 blocks; = 12 / 13: two chunks of B in flight per
-warp at m = 9..16; every wgmma and direct case kept by --few).
+(MARLIN_CONVERT_WGMMA) and the Hopper direct-load kernel (MARLIN_CONVERT_DIRECT = 2: m <= 32, clusters of 3, 5 and 8 blocks; = 3: its stream-K form, blocks
+of two segments, a tile over 4 blocks; every wgmma and direct case kept by --few).
 """
 
 from __future__ import annotations
@@ -106,18 +105,11 @@ def main(argv=None) -> int:
                             (kind, 9, 7296, 192, -1, False, 0, None, None),
                             (kind, 4, 1152, 128, 128, True, 0, None, None),
                             (kind, 27, 7296, 192, 128, False, 0, None, None)]
-    # two chunks of B in flight per warp (MARLIN_CONVERT_DIRECT = 12 / 13, m = 9..16): warps of 2-3 chunks (23 chunks,
-    # one block per tile), a cluster of 5 with act-order; stream-K with a last unit of one chunk
-    direct_d2_cases, direct_d2_sk_cases = [], []
-    for kind in [kd for kd in KINDS if kd[1] == 4]:
-        direct_d2_cases += [(kind, 15, 2944, 320, 128, False, 1, None, None),
-                            (kind, 12, 640, 128, -1, True, 5, None, None)]
-        direct_d2_sk_cases += [(kind, 16, 7296, 192, 128, False, 0, None, None)]
-    cases += direct_cases + direct_sk_cases + direct_d2_cases + direct_d2_sk_cases
+    cases += direct_cases + direct_sk_cases
     if args.few:
         cases = [c for i, c in enumerate(cases)
                  if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None or c in direct_cases
-                 or c in direct_sk_cases or c in direct_d2_cases or c in direct_d2_sk_cases]
+                 or c in direct_sk_cases]
     # a case whose k the group size does not divide is not a layer the converter emits (the reference below fails)
     bad = [c for c in cases if c[4] != -1 and c[2] % c[4] != 0]
     if bad:
@@ -126,8 +118,7 @@ def main(argv=None) -> int:
     for case in cases:
         (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma = case
         # (m = 9..32 takes the direct kernel only when forced)
-        direct = ("3" if case in direct_sk_cases else "2" if case in direct_cases else "13" if case in direct_d2_sk_cases
-                  else "12" if case in direct_d2_cases else None)
+        direct = "3" if case in direct_sk_cases else "2" if case in direct_cases else None
         for var, value in (("MARLIN_CONVERT_STREAM_K", stream_k), ("MARLIN_CONVERT_WGMMA", wgmma),
                            ("MARLIN_CONVERT_DIRECT", direct)):
             if value is None:

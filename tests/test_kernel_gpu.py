@@ -769,18 +769,9 @@ DIRECT_STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
 ]
 
 
-# Two chunks of B in flight per warp (MARLIN_CONVERT_DIRECT = 12 / 13: cluster mode / stream-K, m = 9..16): the
-# two-batch-block shapes above, and warps of 2-3 chunks (23 chunks, one block per tile: a turn of two chunks with its
-# second past the warp's last), whose first and last turns are odd.
-DIRECT_DEPTH2_SHAPES = [shape for shape in DIRECT_SHAPES if 9 <= shape[0] <= 16] + [(15, 2944, 320, 128, False, 1),
-                                                                                    (10, 2944, 192, -1, True, 1)]
-
-# MARLIN_CONVERT_DIRECT value, then the shape: cluster-mode shapes forced ("2") and off ("0"), stream-K shapes forced,
-# and both with two chunks in flight
+# MARLIN_CONVERT_DIRECT value, then the shape: cluster-mode shapes forced ("2") and off ("0"), stream-K shapes forced
 DIRECT_CASES = ([(direct, *shape) for shape in DIRECT_SHAPES for direct in ("0", "2")]
-                + [("3", *shape, 0) for shape in DIRECT_STREAM_K_SHAPES]
-                + [("12", *shape) for shape in DIRECT_DEPTH2_SHAPES]
-                + [("13", *shape, 0) for shape in DIRECT_STREAM_K_SHAPES if 9 <= shape[0] <= 16])
+                + [("3", *shape, 0) for shape in DIRECT_STREAM_K_SHAPES])
 
 
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
@@ -788,8 +779,7 @@ DIRECT_CASES = ([(direct, *shape) for shape in DIRECT_SHAPES for direct in ("0",
 def test_direct_kernel(torch, monkeypatch, kind, direct, m, k, n, group, act_order, split_k):
     monkeypatch.setenv("MARLIN_CONVERT_DIRECT", direct)
     dtype, bits, asym = kind
-    # (the seeds the cases have always had; two chunks in flight: the seeds of the same shapes with one)
-    key = (m, k, n, group, kind) + (("sk",) if direct in ("3", "13") else ())
+    key = (m, k, n, group, kind) + (("sk",) if direct == "3" else ())  # (the seeds the cases have always had)
     _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr(key).encode()), split_k=split_k, calls=2,
               bits=bits, asym=asym, dtype=dtype)
 
@@ -860,18 +850,6 @@ def test_direct_plan_at_several_batch_blocks(torch, kind, layer, group, m):
     launch = _last_launch(torch)
     expected = f"direct MB8={2 if m <= 16 else 4} cluster=2 units_per_block=0 "
     assert launch.startswith(expected) == direct, f"m = {m}, k = {k}, n = {n}: {launch}"
-
-
-# MARLIN_CONVERT_DIRECT = 12 / 13 really run the kernel with two chunks of B in flight per warp at m = 9..16 (the
-# launch says depth=2), in cluster mode and in stream-K; at m <= 8 and m = 17..32 they run the one-chunk kernels.
-@pytest.mark.parametrize("direct,m,expected", [("12", 16, "direct MB8=2 cluster=1 "), ("13", 9, "direct MB8=2 cluster=1 "),
-                                               ("12", 8, "direct MB8=1 "), ("12", 24, "direct MB8=4 ")])
-def test_direct_two_chunks_in_flight_runs(torch, monkeypatch, direct, m, expected):
-    _skip_unless_hopper_132(torch, "the direct kernel runs on compute capability 9.0 only")
-    monkeypatch.setenv("MARLIN_CONVERT_DIRECT", direct)
-    _run_case(torch, m, 2048, 512, 128, False, seed=zlib.crc32(repr(("depth2", direct, m)).encode()), split_k=1)
-    launch = _last_launch(torch)
-    assert launch.startswith(expected) and launch.endswith(" depth=2") == (9 <= m <= 16), launch
 
 
 # [PDL] On compute capability 9.0 a launch may start while the kernel before it in the stream still runs (programmatic
