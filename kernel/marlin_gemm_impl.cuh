@@ -1580,10 +1580,11 @@ int launch_config(const Launch& L) {
   // on the H200 (kernel/NOTES.md): 8192 x 10240 (160 tiles on 132 SMs) is faster at every m, 4096 x 22016 at m <= 16
   // (344 tiles, 8 stages each) slower. MARLIN_CONVERT_STREAM_K (benchmark only) forces it off (0) or on (N: at most N
   // blocks per SM).
-  // Only the 2-stage kernels of >= 4 strips (a stage long enough to hide a segment's start) have the stream-K variant;
-  // not bf16 x 4-bit symmetric's grouped 128-column 8-strip kernel, whose stream-K form spilled 4-12 bytes at two
-  // blocks per SM (its split-K form does not).
-  constexpr bool kStreamKAble = STAGES == 2 && STRIPS >= 4 && !NO_F32_SCALE &&
+  // Only the 2-stage kernels of >= 4 strips (a stage long enough to hide a segment's start) and the 64-row wgmma
+  // kernels (m = 33..64) have the stream-K variant; not bf16 x 4-bit symmetric's grouped 128-column 8-strip kernel, whose
+  // stream-K form spilled 4-12 bytes at two blocks per SM (its split-K form does not), nor the 128-row wgmma kernels,
+  // whose stream-K forms spilled 500-640 bytes (the 64-row ones: 206-255 registers, no spill).
+  constexpr bool kStreamKAble = (STAGES == 2 || (SWAP == 3 && MB == 4)) && STRIPS >= 4 && !NO_F32_SCALE &&
                                 !(std::is_same<ActT, __nv_bfloat16>::value && !K::kZp && GROUPED && WN == 2 &&
                                   STRIPS == 8 && SWAP == 2);
   auto sk_kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE, kStreamKAble>;
