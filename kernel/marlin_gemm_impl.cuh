@@ -1580,10 +1580,13 @@ int launch_config(const Launch& L) {
   // on the H200 (kernel/NOTES.md): 8192 x 10240 (160 tiles on 132 SMs) is faster at every m, 4096 x 22016 at m <= 16
   // (344 tiles, 8 stages each) slower. MARLIN_CONVERT_STREAM_K (benchmark only) forces it off (0) or on (N: at most N
   // blocks per SM).
-  // Only the 2-stage kernels of >= 4 strips (a stage long enough to hide a segment's start) and the wgmma kernels have
-  // the stream-K variant; not bf16 x 4-bit symmetric's grouped 128-column 8-strip kernel, whose stream-K form spilled
-  // 4-12 bytes at two blocks per SM (its split-K form does not).
-  constexpr bool kStreamKAble = (STAGES == 2 || SWAP == 3) && STRIPS >= 4 && !NO_F32_SCALE &&
+  // Only the 2-stage kernels of >= 4 strips (a stage long enough to hide a segment's start) and the 64-row wgmma kernels
+  // (m = 33..64; 206-255 registers, no spill) have the stream-K variant; not bf16 x 4-bit symmetric's grouped
+  // 128-column 8-strip kernel, whose stream-K form spilled 4-12 bytes at two blocks per SM (its split-K form does not),
+  // nor the 128-row wgmma kernels, whose stream-K forms spilled 530-640 bytes and were slower where the rule below
+  // would take them (H200, nineteenth session: fp16 x 4-bit m = 128 4096 x 22016 61.1 -> 69.8 us, 8192 x 57344 248.5
+  // -> 251.3).
+  constexpr bool kStreamKAble = (STAGES == 2 || (SWAP == 3 && MB == 4)) && STRIPS >= 4 && !NO_F32_SCALE &&
                                 !(std::is_same<ActT, __nv_bfloat16>::value && !K::kZp && GROUPED && WN == 2 &&
                                   STRIPS == 8 && SWAP == 2);
   auto sk_kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE, kStreamKAble>;
@@ -1613,10 +1616,11 @@ int launch_config(const Launch& L) {
     // slower.
     const bool fill_one_wave = GROUPED && MB == 2 && SWAP == 0 && STRIPS == 4 && m_chunks == 1 && per_sm >= 2 &&
                                2 * base_blocks > L.sms && base_blocks <= L.sms && L.k >= 16384;
-    // The wgmma kernels (three stages, one block per SM) only where split-K leaves k whole (splits == 1: fewer tiles
-    // than SMs with k too short to split, or more tiles than SMs): H200 (nineteenth session, kernel/NOTES.md), fp16 x
-    // 4-bit m = 64, stream-K against split-K: 4096 x 22016 (86 tiles) 0.89-0.94 of the time, 8192 x 57344 (224) 0.85-0.93;
-    // but where split-K splits, 1.07-1.13x (4096 x 12288 in two, 8192 x 10240 in three, 28672 x 8192 in four).
+    // The wgmma kernel (three stages, one block per SM) only where split-K leaves k whole (splits == 1: fewer tiles than
+    // SMs with k too short to split, or more tiles than SMs): H200 (nineteenth session, kernel/NOTES.md), fp16 x 4-bit
+    // m = 64, stream-K against split-K, two calls: 4096 x 22016 (86 tiles) 0.89-0.95 of the time, 8192 x 57344 (224
+    // tiles, 1.7 waves) 0.85-0.94, the other 4-bit kinds alike; but where split-K splits, 1.04-1.13x (4096 x 12288 in
+    // two, 8192 x 10240 in three, 28672 x 8192 in four).
     const bool wgmma_whole_k = SWAP != 3 || splits == 1;
     if (upb > 0 && (sk_env > 0 || (gain > cost && wgmma_whole_k) || fill_one_wave)) {
       int sk_per_sm = 0;

@@ -698,12 +698,12 @@ def test_wgmma_kernel(torch, monkeypatch, kind, variant, m, k, n, group, act_ord
               split_k=split_k, calls=2, bits=bits, asym=asym, dtype=dtype)
 
 
-# The wgmma kernels in stream-K (MARLIN_CONVERT_STREAM_K = 1: one block per SM, every block the same number of stages
-# across tile boundaries, a tile's contributors adding into C under its lock): with 132 SMs, 10 tiles of 32 stages over
-# blocks of 3 (blocks with two segments), 3 tiles of 24 stages of 4 x 6 with group 64 and act-order (stages of 64 k), 86
-# tiles of 8 stages (blocks of 6: 1-2 contributors per tile), a lone tile of 9 stages (contributors of one stage),
-# channelwise, 4 x 4; 64-row chunks (m <= 64) and 128-row ones (m = 100, 128: the last chunk partial). Elsewhere the same
-# calls run the kernels that fit there.
+# The 64-row wgmma kernel (m = 33..64) in stream-K (MARLIN_CONVERT_STREAM_K = 1: one block per SM, every block the
+# same number of stages across tile boundaries, a tile's contributors adding into C under its lock): with 132 SMs, 10
+# tiles of 32 stages over blocks of 3 (blocks with two segments), 3 tiles of 24 stages of 4 x 6 with group 64 and
+# act-order (stages of 64 k), 86 tiles of 8 stages (blocks of 6: 1-2 contributors per tile), a lone tile of 9 stages
+# (contributors of one stage), channelwise, 4 x 4. The 128-row kernel (m > 64) has no stream-K form: the same switch
+# leaves it split-K. Elsewhere the same calls run the kernels that fit there.
 WGMMA_STREAM_K_SHAPES = [  # (m, k, n, group, act_order, wgmma variant)
     (64, 4096, 2560, 128, False, "2"),
     (40, 1536, 768, 64, True, "3"),
@@ -726,14 +726,15 @@ def test_wgmma_kernel_stream_k(torch, monkeypatch, kind, m, k, n, group, act_ord
               bits=bits, asym=asym, dtype=dtype)
     if torch.cuda.get_device_capability() == (9, 0):
         launch = _last_launch(torch)
-        assert launch.startswith(f"pipelined MB={4 if m <= 64 else 8} WN=4 ") and "SWAP=3 stream_k=1 " in launch, launch
+        assert launch.startswith(f"pipelined MB={4 if m <= 64 else 8} WN=4 "), launch
+        assert ("SWAP=3 stream_k=1 " in launch) == (m <= 64), launch
 
 
-# By default the wgmma kernels run in stream-K where launch_config's formula says the split-K grid leaves SMs idle and
-# split-K does not split k (4096 x 22016: 86 tiles of 256 columns on 132 SMs, k = 4096 too short to split), and
+# By default the 64-row wgmma kernel runs in stream-K where launch_config's formula says the split-K grid leaves SMs
+# idle and split-K does not split k (4096 x 22016: 86 tiles of 256 columns on 132 SMs, k = 4096 too short to split), and
 # split-K where the tiles fill the SMs (4096 x 33792: 132 tiles) or where split-K splits (4096 x 12288: 48 tiles, split
-# in two). Hopper with 132 SMs, where the rule was measured.
-@pytest.mark.parametrize("m,n,stream_k", [(64, 22016, True), (64, 33792, False), (128, 22016, True),
+# in two); the 128-row kernel (m = 128) has no stream-K form. Hopper with 132 SMs, where the rule was measured.
+@pytest.mark.parametrize("m,n,stream_k", [(64, 22016, True), (64, 33792, False), (128, 22016, False),
                                           (64, 12288, False)])
 def test_wgmma_stream_k_default(torch, monkeypatch, m, n, stream_k):
     _skip_unless_hopper_132(torch, "the wgmma kernels run on compute capability 9.0 only (this check needs 132 SMs)")
