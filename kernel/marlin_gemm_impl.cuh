@@ -1683,7 +1683,9 @@ int launch_small_kind(const Launch& L) {
 // m > 32 on Hopper: the wgmma kernel, 256-column tiles (a warpgroup = 4 warps x 64 columns; the two warpgroups take
 // two tiles of every warp's 64 columns each), 64-row chunks (N = 64) for m <= 64, else 128-row ones (N = 128). Sets
 // launched = false when it does not apply (n not a multiple of 256, a group size that is not a multiple of the
-// stage's 16 * STRIPS k, or too little shared memory): the caller then takes the mma.sync kernels.
+// stage's 16 * STRIPS k, or too little shared memory): the caller then takes the mma.sync kernels. The 64-row kernel
+// runs in stream-K where launch_config's rule takes it (the tiles leave SMs idle, or make a partial last wave, and
+// split-K would not split k: 4096 x 22016 and 8192 x 57344 at m = 33..64).
 // Whether the wgmma kernel is taken by default: when each block keeps a long run of k after the split that fills the
 // GPU (>= 2560, or >= 2048 where that split is at most 2). Its blocks run one per SM and pay for each split in the
 // serial reduction through C; measured on the H200 at m = 64 / 128 (kernel/NOTES.md): faster on 4096 x 22016,
