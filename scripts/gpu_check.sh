@@ -4,7 +4,8 @@
 # `marlin-convert verify --gpu 0` on each; a short table comes last.
 # Exact command (repo root, on a machine with an NVIDIA GPU of compute capability >= 8.0, nvcc and ninja):
 #     bash scripts/gpu_check.sh            # OUT=/some/dir to keep the logs there (default: ./bench_out)
-# Settings (environment): OUT (logs and reports), PYTHON (default python3), SKIP_BENCH=1 (no benchmark), E2E_JOBS
+# Settings (environment): OUT (logs and reports), PYTHON (default python3), SKIP_BENCH=1 (no benchmark),
+# GPU_TEST_SHARDS (pytest processes the GPU tests are split over, run at once on the one GPU, default 3), E2E_JOBS
 # (end-to-end checkpoints converted and verified at once, default 4), E2E_TIMEOUT (seconds each conversion and each
 # verify may take before its row says FAILED, default 300). Exit status 0 only when the GPU tests, the sanitizer and
 # every end-to-end row pass.
@@ -38,10 +39,36 @@ else
 fi
 
 # ---- 2. GPU tests (the kernel against its reference; verify on converted checkpoints)
-if $PY -m pytest -m gpu -v tests/ 2>&1 | tee "$OUT/pytest_gpu.log"; then
-  RESULT[gpu_tests]="ok: $(grep -Eo '[0-9]+ passed' "$OUT/pytest_gpu.log" | tail -1)"
+# the GPU tests as GPU_TEST_SHARDS pytest processes at once on the one GPU (MARLIN_TEST_SHARD=i/n, tests/conftest.py:
+# every n-th test each; most of a test's time is its CPU reference), each with its own log and temporary directory
+shards=${GPU_TEST_SHARDS:-3}
+[[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "GPU_TEST_SHARDS=$shards: expected a positive integer" >&2; exit 2; }
+start=$(date +%s)
+shard_pids=()
+for ((i = 0; i < shards; i++)); do
+  MARLIN_TEST_SHARD=$i/$shards $PY -m pytest -m gpu -v -p no:cacheprovider --basetemp "$OUT/pytest_tmp_$i" tests/ \
+    > "$OUT/pytest_gpu_$i.log" 2>&1 &
+  shard_pids+=($!)
+done
+tests_ok=1
+for pid in "${shard_pids[@]}"; do wait "$pid" || tests_ok=0; done
+count() {  # the sum over the shards' pytest summaries of "<N> $1"
+  local f total=0 n
+  for f in "$OUT"/pytest_gpu_[0-9]*.log; do
+    n=$(grep -E '^=+ .* in [0-9.]+s' "$f" | tail -1 | grep -Eo "[0-9]+ $1" | grep -Eo '^[0-9]+' || true)
+    total=$((total + ${n:-0}))
+  done
+  echo "$total"
+}
+cat "$OUT"/pytest_gpu_[0-9]*.log > "$OUT/pytest_gpu.log"
+grep -E '^(FAILED|ERROR) ' "$OUT/pytest_gpu.log" || true
+tests_summary="$(count passed) passed, $(count failed) failed, $(count error) errors, $(count skipped) skipped in $shards \
+processes, $(( $(date +%s) - start )) s"
+echo "GPU tests: $tests_summary"
+if [ $tests_ok = 1 ]; then
+  RESULT[gpu_tests]="ok: $tests_summary"
 else
-  RESULT[gpu_tests]="FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest_gpu.log" | tail -1)"
+  RESULT[gpu_tests]="FAILED: $tests_summary"
 fi
 
 # ---- 2b. compute-sanitizer over small calls of every kind (scripts/sanitize_kernel.py; the kernel is built already,
