@@ -817,3 +817,54 @@ def test_a_failed_command_leaves_a_failure_report_not_an_earlier_one(tmp_path, s
             assert json.loads(capsys.readouterr().out)["ok"] is False
     finally:
         (src / "config.json").write_text(config)
+
+
+def _hub_snapshot(tmp_path, src):
+    """src's files moved into a Hugging Face cache layout: <repo>/blobs/<hash> and <repo>/snapshots/abc/<name> links."""
+    repo = tmp_path / "cache" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    for i, path in enumerate(sorted(src.iterdir())):
+        blob = repo / "blobs" / (f"{i + 1:x}" * 40)[:40]
+        path.rename(blob)
+        (snapshot / path.name).symlink_to(f"../../blobs/{blob.name}")
+    return repo, snapshot
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_json_onto_a_file_a_checkpoint_links_to_is_refused(tmp_path, src, capsys, command):
+    """A Hugging Face snapshot's files are links to its repository's blobs: --json naming such a blob (or the link to
+    it) would overwrite a shard or a config of the checkpoint, so it is refused before any work and the blob is
+    unchanged; a report outside the cache is written."""
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+        capsys.readouterr()
+        repo, snapshot = _hub_snapshot(tmp_path, out)
+        argv = ["verify", str(snapshot), "--skip-kernel", "-q"]
+    else:
+        repo, snapshot = _hub_snapshot(tmp_path, src)
+        argv = [str(snapshot), str(out), "-q"]
+    for name in ("config.json", sorted(p.name for p in snapshot.iterdir())[-1]):
+        blob = Path(os.path.realpath(snapshot / name))
+        before = blob.read_bytes()
+        for target in (blob, snapshot / name):
+            assert main([*argv, "--json", str(target)]) == 2, target
+            err = capsys.readouterr().err
+            assert f"Error: --json {target}:" in err and "Traceback" not in err, err
+            assert blob.read_bytes() == before
+    assert not out.exists() or command == "verify"
+    assert main([*argv, "--json", str(tmp_path / "report.json")]) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["ok"] is True
+
+
+def test_json_onto_a_file_a_plain_checkpoint_links_to_is_refused(tmp_path, src, capsys):
+    """The same for any link in the input: IN_DIR/notes.txt -> ../elsewhere/notes.txt, --json ../elsewhere/notes.txt."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "README.md").write_text("precious")
+    (src / "README.md").symlink_to(elsewhere / "README.md")
+    assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(elsewhere / "README.md")]) == 2
+    assert "is a link to it" in capsys.readouterr().err
+    assert (elsewhere / "README.md").read_text() == "precious"

@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import OutputError
+from ..fileio import is_hub_blob
 from ._errors import one_line
 
 
@@ -249,6 +250,21 @@ def report_failure(message: str, exit_code: int, hint: str | None = None) -> Non
         pass
 
 
+def _link_into(directory: str | Path, target: Path, limit: int = 100_000) -> Path | None:
+    """A symbolic link under ``directory`` (walked without following directory links; at most ``limit`` entries)
+    whose resolved target is ``target``, else None."""
+    seen = 0
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            seen += 1
+            if seen > limit:
+                return None
+            entry = Path(root) / name
+            if os.path.islink(entry) and Path(os.path.realpath(entry)) == target:
+                return entry
+    return None
+
+
 def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) -> None:
     """Refuse a ``--json`` file that cannot be written, or that lies inside one of the ``checkpoints`` directories
     the command reads or writes (it would overwrite a shard, a config or the manifest, or land in a converted
@@ -262,7 +278,8 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
     path = Path(path)
     resolved = Path(os.path.realpath(path))
     for directory in checkpoints:
-        if directory is not None and resolved.is_relative_to(os.path.realpath(directory)):
+        if directory is not None and (resolved.is_relative_to(os.path.realpath(directory))
+                                      or Path(os.path.abspath(path)).is_relative_to(os.path.abspath(directory))):
             raise OutputError(f"--json {path}: inside {directory}, which this command reads or writes",
                               hint="write the report outside the checkpoint directories")
         if directory is not None and Path(os.path.realpath(directory)).is_relative_to(resolved):
@@ -270,6 +287,16 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
                               hint="write the report to a file of its own")
     if path.is_dir():
         raise OutputError(f"--json {path}: is a directory")
+    # a checkpoint's files may be links to files elsewhere (a Hugging Face cache snapshot's to its repository's blobs):
+    # the report must not land on the file such a link reads
+    if is_hub_blob(resolved):
+        raise OutputError(f"--json {path}: a file of a Hugging Face cache's blob store (it may be a checkpoint's "
+                          "shard or config)", hint="write the report outside the cache")
+    for directory in checkpoints:
+        linked = _link_into(directory, resolved) if directory is not None else None
+        if linked is not None:
+            raise OutputError(f"--json {path}: {linked} in {directory}, which this command reads or writes, is a link "
+                              "to it", hint="write the report outside the checkpoint directories")
     if _written_through(path):  # (write_json)
         if not os.access(path, os.W_OK):
             raise OutputError(f"--json {path}: not writable")
