@@ -52,11 +52,24 @@ def _refuse_links_into(in_dir: Path, out_dir: Path, dst: Path) -> None:
                               "would destroy the source", hint="choose an OUT_DIR that holds none of IN_DIR's files")
 
 
+def _unwritable(directory: Path) -> str | None:
+    """Why no new directory can be made in existing directory ``directory`` (what follows "it is"), or None."""
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return "on a read-only file system"
+    except OSError:
+        pass
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "not writable by this user"
+    return None
+
+
 def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
     """Refuse an OUT_DIR that would overlap IN_DIR (also through a link of IN_DIR's into it), is a symbolic link, is
-    not a directory, is or holds the current directory, or is not empty (without ``overwrite``; with it, not empty
-    and not a previous output: :func:`replace_refusal`). ``out_dir`` is absolute. Raises :class:`OutputError`; reads
-    only."""
+    not a directory, is or holds the current directory, is not empty (without ``overwrite``; with it, not empty and
+    not a previous output: :func:`replace_refusal`), is a mount point, or whose output could not be built: the
+    conversion writes into a new directory beside OUT_DIR (:class:`OutputDir`), so the nearest existing directory
+    above OUT_DIR must take one. ``out_dir`` is absolute. Raises :class:`OutputError`; reads only."""
     if not out_dir.name:
         raise OutputError(f"OUT_DIR {out_dir} is a file system root", hint="choose a directory to create")
     if out_dir.is_symlink():
@@ -80,11 +93,21 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
         if not overwrite and any(dst.iterdir()):
             raise OutputError(f"OUT_DIR {out_dir} is not empty (a previous output)",
                               hint="pass --overwrite to replace it")
+        if os.path.ismount(dst):
+            raise OutputError(f"OUT_DIR {out_dir} is a mount point: the output is built in a new directory beside it "
+                              "and renamed into place, which cannot replace a mount point",
+                              hint=f"give a directory inside it, e.g. {out_dir / 'model-marlin'}")
     else:
         existing = next(p for p in dst.parents if p.exists())  # (the root exists)
         if not existing.is_dir():
             raise OutputError(f"OUT_DIR {out_dir} cannot be created: {existing} is a file, not a directory",
                               hint="choose another OUT_DIR")
+    above = next(p for p in dst.parents if p.exists())  # where the working directory (or its parents) is made
+    reason = _unwritable(above) if above.is_dir() else None
+    if reason is not None:
+        raise OutputError(f"OUT_DIR {out_dir} cannot be written: the output is built in a new directory "
+                          f"{dst.parent / ('.' + dst.name + '.partial-PID')} and renamed into place, and {above} "
+                          f"is {reason}", hint="choose an OUT_DIR in a directory you can write")
     try:
         cwd = Path(os.path.realpath(os.getcwd()))
     except OSError:  # the current directory was removed: it cannot be OUT_DIR
@@ -197,7 +220,8 @@ class PartialDir:
             self.path.mkdir()
             self._fd = _lock(self.path)
         except OSError as exc:
-            raise OutputError(f"{out_dir.parent}: cannot create the output directory: {exc.strerror or exc}") from exc
+            raise OutputError(f"{out_dir.parent}: cannot create the output's working directory {self.path.name} there "
+                              f"(renamed to {out_dir.name} when complete): {exc.strerror or exc}") from exc
 
     def _unlock(self) -> None:
         if self._fd is not None:

@@ -1203,3 +1203,43 @@ def test_an_error_quoting_a_huge_config_value_is_shortened(capsys, tmp_path, src
     assert rc == 2 and len(errors) == 1 and len(errors[0]) <= MAX_LINE + 60, (rc, len(err))
     assert "characters left out" in errors[0] and all(len(line) <= MAX_LINE + 60 for line in err.splitlines())
     assert len(json.loads(report.read_text())["error"]) > 100000
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_out_dir_on_a_mount_point_is_refused_before_any_work(capsys, tmp_path, src, monkeypatch, dry_run):
+    """The output is built beside OUT_DIR and renamed into place: an (empty) mount point cannot be replaced so, and the
+    run failed after writing everything into its parent. Refused before any work, by the dry run too."""
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.path.realpath(p) == str(out) or real_ismount(p))
+    _run_failing(capsys, tmp_path, [str(src), str(out), *(["--dry-run"] if dry_run else [])],
+                 f"OUT_DIR {out} is a mount point")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize("exists", [False, True])
+def test_out_dir_on_a_read_only_file_system_is_refused_before_any_work(capsys, tmp_path, src, monkeypatch, dry_run,
+                                                                        exists):
+    """Where the working directory beside OUT_DIR cannot be made (a read-only file system here), the run and its dry
+    run stop before any work, naming the directory that cannot be written."""
+    place = tmp_path / "ro"
+    place.mkdir()
+    out = place / "out"
+    if exists:
+        out.mkdir()
+    real_statvfs = os.statvfs
+
+    class _ReadOnly:
+        def __init__(self, real):
+            self._real = real
+
+        def __getattr__(self, name):
+            return os.ST_RDONLY | self._real.f_flag if name == "f_flag" else getattr(self._real, name)
+
+    monkeypatch.setattr(os, "statvfs", lambda p: _ReadOnly(real_statvfs(p)) if os.path.realpath(p) == str(place)
+                        else real_statvfs(p))
+    _run_failing(capsys, tmp_path, [str(src), str(out), *(["--dry-run"] if dry_run else [])],
+                 f"OUT_DIR {out} cannot be written", f"{place} is on a read-only file system")
+    assert sorted(p.name for p in place.iterdir()) == (["out"] if exists else [])

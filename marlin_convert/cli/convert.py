@@ -46,7 +46,8 @@ StackOpt = Annotated[bool, typer.Option(
     "perm/g_idx [E, K_pad]; README, Output format).")]
 DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run", help="Show the plan (like 'inspect') and write nothing; exits 2 where the same command without "
-    "--dry-run would stop before writing (OUT_DIR not usable, layers with no Marlin form).")]
+    "--dry-run would stop before writing (OUT_DIR not usable: not empty, inside IN_DIR, a mount point, or in a directory "
+    "that cannot be written; layers with no Marlin form).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", metavar="N", help=f"Worker processes that repack, hash and copy tensors, 1 to {MAX_WORKERS} (default: one "
