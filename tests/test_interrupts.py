@@ -501,3 +501,56 @@ def test_a_sigterm_during_the_imports_whose_exception_was_dropped_still_terminat
                           preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr.strip() == "Error: terminated" and not out.exists()
+
+
+# argv: marlin-convert's arguments; the command line's main() runs to its end (exit code 0), then this process gets
+# the signal named by MARLIN_TEST_LATE_SIGNAL right after the function named by MARLIN_TEST_LATE_AFTER returns: main
+# (before the console script notes signals for the exit) or finish_at_exit (as a Ctrl-C in the interpreter's shutdown)
+LATE_SIGNAL = """
+import os, signal, sys
+from marlin_convert.cli import app, launch
+name = os.environ["MARLIN_TEST_LATE_AFTER"]
+real = getattr(app, name)
+def then_signal(*args, **kwargs):
+    result = real(*args, **kwargs)
+    os.kill(os.getpid(), getattr(signal, os.environ["MARLIN_TEST_LATE_SIGNAL"]))
+    return result
+setattr(app, name, then_signal)
+sys.argv = ["marlin-convert", *sys.argv[1:]]
+launch.run()
+"""
+
+
+@pytest.mark.parametrize("after", ["main", "finish_at_exit"])
+@pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_a_signal_as_the_process_ends_never_leaves_exit_code_0(tmp_path, src, signame, code, word, after):
+    """A Ctrl-C after the command completed, while the process was ending (about 55 ms of interpreter shutdown), ended
+    it with exit code 0; one just before that ended it with 130 but left its report file saying 0. Now the run says it
+    was interrupted, its report file says the same exit code, and the output stays complete."""
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", "MARLIN_TEST_LATE_SIGNAL": signame,
+           "MARLIN_TEST_LATE_AFTER": after}
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL, str(src), str(out), "-q", "--json", str(report)],
+                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
+                          preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                              signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith(f"Error: {word}") and "Traceback" not in proc.stderr, proc.stderr
+    if after == "finish_at_exit":
+        assert f"Error: {word} as the process was ending: the command had completed" in proc.stderr
+    data = json.loads(report.read_text())
+    assert data["ok"] is False and data["exit_code"] == code
+    assert (out / "marlin_manifest.json").is_file()
+
+
+def test_a_command_that_ends_without_a_signal_keeps_its_exit_code(tmp_path, src):
+    """The console script ends in its last exit handler with main()'s exit code: 0 for a good run, 2 for a refused
+    one, its output flushed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    run = [sys.executable, "-m", "marlin_convert.cli.launch"]
+    ok = subprocess.run([*run, str(src), str(tmp_path / "out")], capture_output=True, text=True, env=env,
+                        timeout=WAIT_SECONDS)
+    assert ok.returncode == 0 and "Converted" in ok.stdout, (ok.returncode, ok.stderr)
+    refused = subprocess.run([*run, str(src), str(tmp_path / "out")], capture_output=True, text=True, env=env,
+                             timeout=WAIT_SECONDS)
+    assert refused.returncode == 2 and refused.stderr.startswith("Error: OUT_DIR"), refused.stderr

@@ -34,6 +34,11 @@ class InterruptedAfterPublish(Interrupted):
         self.out_dir = out_dir
 
 
+class InterruptedAtExit(Interrupted):
+    """A signal that arrived after the command had completed, while the process was ending (with exit code 0 so far):
+    the run says it was interrupted, and that the command had completed."""
+
+
 #: control characters (C0, DEL, C1): a name from a hostile checkpoint holding a newline or a terminal escape must not
 #: turn one ``Error:`` line into two, or reach the terminal raw
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
@@ -71,6 +76,9 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, InterruptedAfterPublish):
         what = "terminated" if exc.signum == signal.SIGTERM else "interrupted"
         return f"{what} once the conversion was complete: {exc.out_dir} is finished and in place (its report is above)"
+    if isinstance(exc, InterruptedAtExit):
+        what = "terminated" if exc.signum == signal.SIGTERM else "interrupted"
+        return f"{what} as the process was ending: the command had completed (its output and report are above)"
     if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:
         return "terminated"
     if isinstance(exc, (Interrupted, KeyboardInterrupt)):

@@ -25,10 +25,11 @@ from typer.core import TyperCommand
 
 from .. import __version__
 from ..errors import InputError
-from ._errors import Interrupted, InterruptedAfterPublish, error_hint, error_message, report_error
+from ._errors import Interrupted, InterruptedAfterPublish, InterruptedAtExit, error_hint, error_message, report_error
 from ._output import (OutputClosed, amend_written_outcome, forget_report_target, forget_written_report,
                       print_stdout, report_failure)
-from ._signals import child_signal, first_signal, forget_signals, ignore_signals, in_forked_child, is_repeat, take_first
+from ._signals import (child_signal, finish_at_exit, first_signal, forget_signals, in_forked_child, is_repeat,
+                       take_first)
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -220,11 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     return returned if isinstance(returned, int) else 0
 
 
+def _interrupted_at_exit(signum: int) -> int:
+    """A signal after the command had ended with exit code 0 (:func:`._signals.finish_at_exit`): say so, amend the
+    report file it wrote, and return the exit code (130 / 143)."""
+    code = report_error(InterruptedAtExit(signum))
+    amend_written_outcome(code)
+    return code
+
+
 def run() -> None:
-    """The console script's command (after :func:`marlin_convert.cli.launch.run`): :func:`main`, then exit (signals
-    from then on are ignored: :func:`._signals.ignore_signals`)."""
+    """The console script's command (after :func:`marlin_convert.cli.launch.run`): :func:`main`, then exit; a signal
+    from then on is noted, and turns an exit code of 0 into 130 / 143 (:func:`._signals.finish_at_exit`; the process
+    ends in the console script's last exit handler, :func:`._signals.exit_now`)."""
     code = main()
-    ignore_signals()
+    finish_at_exit(code, _interrupted_at_exit)
     sys.exit(code)
 
 

@@ -9,10 +9,14 @@ else is :func:`marlin_convert.cli.app.run`.
 
 from __future__ import annotations
 
+import atexit
 import signal
 import sys
 
-from ._signals import child_signal, first_signal, in_forked_child, is_repeat, take_first
+from ._signals import child_signal, exit_now, first_signal, in_forked_child, is_repeat, take_first
+
+# first of all exit handlers, so it runs last: the process ends there with the command's exit code (:func:`exit_now`)
+atexit.register(exit_now)
 
 #: arguments after which verify runs no kernel (or nothing at all), so no GPU process is started early
 _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
@@ -27,6 +31,13 @@ def _terminated(signum: int, _frame) -> None:
         child_signal(signum)
     elif not is_repeat(signum):  # (the same SIGTERM twice: GNU timeout; :mod:`._signals`)
         take_first(signum, _Terminated())
+
+
+def _amend_report(code: int) -> None:
+    """A signal right after the command's main() returned: the report file it wrote (if any) gets this exit code."""
+    output = sys.modules.get("marlin_convert.cli._output")
+    if output is not None:
+        output.amend_written_outcome(code)
 
 
 def run() -> None:
@@ -44,11 +55,13 @@ def run() -> None:
         if first_signal() is not None:  # taken during the imports, its exception dropped by Python (:mod:`._signals`)
             raise _Terminated()
         run_app()
-    except KeyboardInterrupt:  # Ctrl-C during the imports (later, main() turns it into the same line and exit code)
-        print("Error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C during the imports, or right after main() (main() turns one during the command
+        print("Error: interrupted", file=sys.stderr)  # into the same line and exit code)
+        _amend_report(130)
         sys.exit(130)
-    except _Terminated:  # SIGTERM during the imports (after main() returns, app.run ignores signals)
+    except _Terminated:  # SIGTERM likewise (once app.run has the exit code, signals are only noted)
         print("Error: terminated", file=sys.stderr)
+        _amend_report(143)
         sys.exit(143)
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
         if early:
