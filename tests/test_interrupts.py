@@ -521,6 +521,30 @@ launch.run()
 """
 
 
+@pytest.mark.parametrize("before", ["report", "other file", "none"])
+def test_a_sigterm_before_the_command_line_is_ready_replaces_an_earlier_report(tmp_path, src, before):
+    """A report of an earlier run at --json's path must not be read as this interrupted run's: it is replaced by the
+    failure report; a file there that is not a report is left alone (the path has not been checked yet), and no file
+    is made where there was none."""
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    if before == "report":
+        report.write_text('{"ok": true, "exit_code": 0, "layers": []}')
+    elif before == "other file":
+        report.write_text('{"model_type": "llama"}')
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    proc = subprocess.run([sys.executable, "-c", EARLY_TERM, str(src), str(out), "--json", str(report)],
+                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
+                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    assert proc.returncode == 143 and proc.stderr.strip() == "Error: terminated", (proc.returncode, proc.stderr)
+    if before == "report":
+        assert json.loads(report.read_text()) == {"ok": False, "exit_code": 143, "error": "terminated", "hint": None}
+    elif before == "other file":
+        assert report.read_text() == '{"model_type": "llama"}'
+    else:
+        assert not report.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if before == "none" else ["report.json"])
+
+
 @pytest.mark.parametrize("after", ["main", "finish_at_exit"])
 @pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
 def test_a_signal_as_the_process_ends_never_leaves_exit_code_0(tmp_path, src, signame, code, word, after):

@@ -10,8 +10,11 @@ else is :func:`marlin_convert.cli.app.run`.
 from __future__ import annotations
 
 import atexit
+import json
+import os
 import signal
 import sys
+import tempfile
 
 from ._signals import child_signal, exit_now, first_signal, in_forked_child, is_repeat, take_first
 
@@ -33,11 +36,53 @@ def _terminated(signum: int, _frame) -> None:
         take_first(signum, _Terminated())
 
 
-def _amend_report(code: int) -> None:
-    """A signal right after the command's main() returned: the report file it wrote (if any) gets this exit code."""
+def _amend_report(code: int, message: str) -> None:
+    """A signal outside main(): right after it returned, the report file it wrote (if any) gets this exit code; before
+    the command line was ready, a report of an earlier run at --json's path is replaced (:func:`_replace_stale_report`)."""
     output = sys.modules.get("marlin_convert.cli._output")
-    if output is not None:
+    if output is not None and output._written_report:
         output.amend_written_outcome(code)
+    else:
+        _replace_stale_report(code, message)
+
+
+def _json_target(args: list[str]) -> str | None:
+    """--json's value among the command-line arguments (the last one given), or None."""
+    target = None
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == "--json" and i + 1 < len(args):
+            target = args[i + 1]
+        elif arg.startswith("--json="):
+            target = arg[len("--json="):]
+    return target
+
+
+def _replace_stale_report(code: int, message: str) -> None:
+    """Ctrl-C or SIGTERM before the command line was ready (its path checks not yet made): where --json names a file
+    that is a report of an earlier run (a JSON object that starts with "ok" and "exit_code"), replace it with this
+    run's failure report, so that it is not read as this run's; anything else there is left alone. Best effort."""
+    target = _json_target(sys.argv[1:])
+    if not target or target == "-":
+        return
+    try:
+        path = os.path.realpath(target)
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+        if not (isinstance(data, dict) and list(data)[:2] == ["ok", "exit_code"]):
+            return
+        text = json.dumps({"ok": False, "exit_code": code, "error": message, "hint": None}, indent=2) + "\n"
+        fd, name = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".marlin-report-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(name, path)
+        except BaseException:
+            os.unlink(name)
+            raise
+    except (OSError, ValueError):
+        pass
 
 
 def run() -> None:
@@ -57,11 +102,11 @@ def run() -> None:
         run_app()
     except KeyboardInterrupt:  # Ctrl-C during the imports, or right after main() (main() turns one during the command
         print("Error: interrupted", file=sys.stderr)  # into the same line and exit code)
-        _amend_report(130)
+        _amend_report(130, "interrupted")
         sys.exit(130)
     except _Terminated:  # SIGTERM likewise (once app.run has the exit code, signals are only noted)
         print("Error: terminated", file=sys.stderr)
-        _amend_report(143)
+        _amend_report(143, "terminated")
         sys.exit(143)
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
         if early:
