@@ -5,7 +5,8 @@
 # Exact command (repo root, on a machine with an NVIDIA GPU of compute capability >= 8.0, nvcc and ninja):
 #     bash scripts/gpu_check.sh            # OUT=/some/dir to keep the logs there (default: ./bench_out)
 # Settings (environment): OUT (logs and reports), PYTHON (default python3), SKIP_BENCH=1 (no benchmark),
-# GPU_TEST_SHARDS (pytest processes the GPU tests are split over, run at once on the one GPU, default 3), E2E_JOBS
+# GPU_TEST_SHARDS (pytest processes the GPU tests are split over, run at once on the one GPU, default 3),
+# GPU_TEST_TIMEOUT (seconds each of them may take, default 480), E2E_JOBS
 # (end-to-end checkpoints converted and verified at once, default 4), E2E_TIMEOUT (seconds each conversion and each
 # verify may take before its row says FAILED, default 300). Exit status 0 only when the GPU tests, the sanitizer and
 # every end-to-end row pass.
@@ -41,17 +42,25 @@ fi
 # ---- 2. GPU tests (the kernel against its reference; verify on converted checkpoints)
 # the GPU tests as GPU_TEST_SHARDS pytest processes at once on the one GPU (MARLIN_TEST_SHARD=i/n, tests/conftest.py:
 # every n-th test each; most of a test's time is its CPU reference), each with its own log and temporary directory
-shards=${GPU_TEST_SHARDS:-3}
+# (GPU_TEST_TIMEOUT seconds each at most: a hung shard, say a lock chain that never ends, is stopped and named)
+shards=${GPU_TEST_SHARDS:-3} shard_timeout=${GPU_TEST_TIMEOUT:-480}
 [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "GPU_TEST_SHARDS=$shards: expected a positive integer" >&2; exit 2; }
+[[ $shard_timeout =~ ^[1-9][0-9]*$ ]] || { echo "GPU_TEST_TIMEOUT=$shard_timeout: expected a positive integer" >&2; exit 2; }
+rm -f "$OUT"/pytest_gpu_*.log  # (an earlier run's shard logs must not add to this run's counts)
 start=$(date +%s)
 shard_pids=()
 for ((i = 0; i < shards; i++)); do
-  MARLIN_TEST_SHARD=$i/$shards $PY -m pytest -m gpu -v -p no:cacheprovider --basetemp "$OUT/pytest_tmp_$i" tests/ \
-    > "$OUT/pytest_gpu_$i.log" 2>&1 &
+  MARLIN_TEST_SHARD=$i/$shards timeout "$shard_timeout" $PY -m pytest -m gpu -v -p no:cacheprovider \
+    --basetemp "$OUT/pytest_tmp_$i" tests/ > "$OUT/pytest_gpu_$i.log" 2>&1 &
   shard_pids+=($!)
 done
-tests_ok=1
-for pid in "${shard_pids[@]}"; do wait "$pid" || tests_ok=0; done
+tests_ok=1 shard_codes=""
+for ((i = 0; i < shards; i++)); do
+  code=0
+  wait "${shard_pids[$i]}" || code=$?
+  [ "$code" = 0 ] || tests_ok=0
+  shard_codes+="${shard_codes:+ }$code"
+done
 count() {  # the sum over the shards' pytest summaries of "<N> $1"
   local f total=0 n
   for f in "$OUT"/pytest_gpu_[0-9]*.log; do
@@ -63,7 +72,7 @@ count() {  # the sum over the shards' pytest summaries of "<N> $1"
 cat "$OUT"/pytest_gpu_[0-9]*.log > "$OUT/pytest_gpu.log"
 grep -E '^(FAILED|ERROR) ' "$OUT/pytest_gpu.log" || true
 tests_summary="$(count passed) passed, $(count failed) failed, $(count error) errors, $(count skipped) skipped in $shards \
-processes, $(( $(date +%s) - start )) s"
+processes (exit codes: $shard_codes; 124: stopped after ${shard_timeout} s), $(( $(date +%s) - start )) s"
 echo "GPU tests: $tests_summary"
 if [ $tests_ok = 1 ]; then
   RESULT[gpu_tests]="ok: $tests_summary"

@@ -86,8 +86,11 @@ def main(argv=None) -> int:
                   (kind, 100, 512, 512, 64, True, 0, None, "4"), (kind, 130, 1024, 256, 128, False, 3, None, "2"),
                   (kind, 64, 2048, 1024, -1, False, 0, None, "3"), (kind, 65, 1024, 768, 64, False, 0, None, "3"),
                   (kind, 40, 2048, 512, 128, False, 2, None, "2"),
-                  # the 64-row wgmma kernel in stream-K: blocks of two segments, 4 x 6 with act-order
-                  (kind, 64, 4096, 1280, 128, False, 0, "1", "2"), (kind, 40, 1536, 768, 64, True, 0, "1", "3")]
+                  # the 64-row wgmma kernel in stream-K, blocks of two segments (132 SMs): 5 tiles of 32 stages over
+                  # blocks of 3 (fp16) / 5 (bf16: at most 8 contributors); 4 x 6 with act-order, 3 tiles of 25 stages
+                  # over blocks of 2 / 4; channelwise, 10 tiles of 34 stages over blocks of 3 / 5
+                  (kind, 64, 4096, 1280, 128, False, 0, "1", "2"), (kind, 40, 1600, 768, 64, True, 0, "1", "3"),
+                  (kind, 64, 4352, 2560, -1, False, 0, "1", "2")]
     # the Hopper direct-load kernel (4-bit kinds, m <= 32, k a multiple of 128, group size a multiple of 128 or
     # channelwise; forced: MARLIN_CONVERT_DIRECT = 2): one chunk, clusters of 3, 5 and 8 blocks with uneven chunks
     # (blocks whose warps have none), one block per tile (split 1: no cluster), two and four batch blocks, act-order

@@ -700,15 +700,18 @@ def test_wgmma_kernel(torch, monkeypatch, kind, variant, m, k, n, group, act_ord
 
 # The 64-row wgmma kernel (m = 33..64) in stream-K (MARLIN_CONVERT_STREAM_K = 1: one block per SM, every block the
 # same number of stages across tile boundaries, a tile's contributors adding into C under its lock): with 132 SMs, 10
-# tiles of 32 stages over blocks of 3 (blocks with two segments), 3 tiles of 24 stages of 4 x 6 with group 64 and
-# act-order (stages of 64 k), 86 tiles of 8 stages (blocks of 6: 1-2 contributors per tile), a lone tile of 9 stages
-# (contributors of one stage), channelwise, 4 x 4. The 128-row kernel (m > 64) has no stream-K form: the same switch
+# tiles of 32 stages over blocks of 3 (blocks with two segments), 3 tiles of 25 stages of 4 x 6 with group 64 and
+# act-order (stages of 64 k; blocks of 2 or 4 stages, so some with two segments), 86 tiles of 8 stages (blocks of 6: 1-2
+# contributors per tile), a lone tile of 9 stages (contributors of one stage), channelwise with one tile and with 10
+# tiles of 34 stages (blocks of 3 or 5: two segments; 8 x 3's channelwise stage is exactly the reduction area, the
+# bound at which the next segment's copies overlap the reduction), 4 x 4. The 128-row kernel (m > 64) has no stream-K form: the same switch
 # leaves it split-K. Elsewhere the same calls run the kernels that fit there.
 WGMMA_STREAM_K_SHAPES = [  # (m, k, n, group, act_order, wgmma variant)
     (64, 4096, 2560, 128, False, "2"),
-    (40, 1536, 768, 64, True, "3"),
+    (40, 1600, 768, 64, True, "3"),
     (33, 1024, 22016, 128, False, "2"),
     (64, 1152, 256, -1, False, "2"),
+    (64, 4352, 2560, -1, False, "2"),
     (48, 2048, 1024, 128, False, "4"),
     (128, 4096, 2560, 128, False, "2"),
     (100, 1536, 768, 64, True, "3"),
@@ -731,7 +734,7 @@ def test_wgmma_kernel_stream_k(torch, monkeypatch, kind, m, k, n, group, act_ord
 
 
 # By default the 64-row wgmma kernel runs in stream-K where launch_config's formula says the split-K grid leaves SMs
-# idle and split-K does not split k (4096 x 22016: 86 tiles of 256 columns on 132 SMs, k = 4096 too short to split), and
+# idle and split-K does not split k (4096 x 22016: 86 tiles of 256 columns on 132 SMs, 132 / 86 rounds down to one), and
 # split-K where the tiles fill the SMs (4096 x 33792: 132 tiles) or where split-K splits (4096 x 12288: 48 tiles, split
 # in two); the 128-row kernel (m = 128) has no stream-K form. Hopper with 132 SMs, where the rule was measured.
 @pytest.mark.parametrize("m,n,stream_k", [(64, 22016, True), (64, 33792, False), (128, 22016, False),
