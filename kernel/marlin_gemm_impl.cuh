@@ -1617,10 +1617,10 @@ int launch_config(const Launch& L) {
     const bool fill_one_wave = GROUPED && MB == 2 && SWAP == 0 && STRIPS == 4 && m_chunks == 1 && per_sm >= 2 &&
                                2 * base_blocks > L.sms && base_blocks <= L.sms && L.k >= 16384;
     // The wgmma kernel (three stages, one block per SM) only where split-K leaves k whole (splits == 1: more than half as
-    // many tiles as SMs, so that SMs / tiles rounds down to one split, or more tiles than SMs): H200 (nineteenth session, kernel/NOTES.md), fp16 x 4-bit
-    // m = 64, stream-K against split-K, two calls: 4096 x 22016 (86 tiles) 0.89-0.95 of the time, 8192 x 57344 (224
-    // tiles, 1.7 waves) 0.85-0.94, the other 4-bit kinds alike; but where split-K splits, 1.04-1.13x (4096 x 12288 in
-    // two, 8192 x 10240 in three, 28672 x 8192 in four).
+    // many tiles as SMs, so that SMs / tiles rounds down to one split, or more tiles than SMs): H200 (nineteenth
+    // session, kernel/NOTES.md), fp16 x 4-bit m = 64, stream-K against split-K, three calls: 4096 x 22016 (86 tiles)
+    // 0.88-0.95 of the time, 8192 x 57344 (224 tiles, 1.7 waves) 0.85-0.99, the other 4-bit kinds alike; but where
+    // split-K splits, 1.04-1.13x (4096 x 12288 in two, 8192 x 10240 in three, 28672 x 8192 in four).
     const bool wgmma_whole_k = SWAP != 3 || splits == 1;
     if (upb > 0 && (sk_env > 0 || (gain > cost && wgmma_whole_k) || fill_one_wave)) {
       int sk_per_sm = 0;
