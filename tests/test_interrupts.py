@@ -578,3 +578,14 @@ def test_a_command_that_ends_without_a_signal_keeps_its_exit_code(tmp_path, src)
     refused = subprocess.run([*run, str(src), str(tmp_path / "out")], capture_output=True, text=True, env=env,
                              timeout=WAIT_SECONDS)
     assert refused.returncode == 2 and refused.stderr.startswith("Error: OUT_DIR"), refused.stderr
+
+
+def test_a_sigterm_before_the_command_line_is_ready_never_opens_a_fifo_at_json(tmp_path, src):
+    """--json naming a FIFO with no reader behind it: the start-up interrupt's report check must not block on it."""
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    proc = subprocess.run([sys.executable, "-c", EARLY_TERM, str(src), str(tmp_path / "out"), "--json", str(fifo)],
+                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
+                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    assert proc.returncode == 143 and proc.stderr.strip() == "Error: terminated", (proc.returncode, proc.stderr)

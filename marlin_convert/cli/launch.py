@@ -13,6 +13,7 @@ import atexit
 import json
 import os
 import signal
+import stat
 import sys
 import tempfile
 
@@ -68,7 +69,12 @@ def _replace_stale_report(code: int, message: str) -> None:
         return
     try:
         path = os.path.realpath(target)
-        with open(path, "rb") as f:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO or a device: nothing stale to replace, and an open could
+            return  # block)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return
             data = json.loads(f.read(1 << 20))
         if not (isinstance(data, dict) and list(data)[:2] == ["ok", "exit_code"]):
             return
