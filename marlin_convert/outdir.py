@@ -52,6 +52,21 @@ def _refuse_links_into(in_dir: Path, out_dir: Path, dst: Path) -> None:
                               "would destroy the source", hint="choose an OUT_DIR that holds none of IN_DIR's files")
 
 
+def _mount_points() -> set[str]:
+    """The mount points of this process's mount namespace (Linux: /proc/self/mountinfo, field 5, octal escapes
+    decoded; a bind mount on the same file system is one, which os.path.ismount cannot tell); empty elsewhere."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            fields = [line.split(" ") for line in f]
+    except OSError:
+        return set()
+    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4]) for parts in fields if len(parts) > 4}
+
+
+def _is_mount_point(path: Path) -> bool:
+    return os.path.ismount(path) or str(path) in _mount_points()
+
+
 def _unwritable(directory: Path) -> str | None:
     """Why no new directory can be made in existing directory ``directory`` (what follows "it is"), or None."""
     try:
@@ -93,7 +108,7 @@ def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
         if not overwrite and any(dst.iterdir()):
             raise OutputError(f"OUT_DIR {out_dir} is not empty (a previous output)",
                               hint="pass --overwrite to replace it")
-        if os.path.ismount(dst):
+        if _is_mount_point(dst):
             raise OutputError(f"OUT_DIR {out_dir} is a mount point: the output is built in a new directory beside it "
                               "and renamed into place, which cannot replace a mount point",
                               hint=f"give a directory inside it, e.g. {out_dir / 'model-marlin'}")

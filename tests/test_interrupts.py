@@ -527,8 +527,9 @@ def test_a_sigterm_before_the_command_line_is_ready_replaces_an_earlier_report(t
     failure report; a file there that is not a report is left alone (the path has not been checked yet), and no file
     is made where there was none."""
     out, report = tmp_path / "out", tmp_path / "report.json"
-    if before == "report":
-        report.write_text('{"ok": true, "exit_code": 0, "layers": []}')
+    if before == "report":  # (a large one: a big MoE's report is megabytes; its permissions kept)
+        report.write_text('{\n  "ok": true,\n  "exit_code": 0,\n  "layers": [' + ", ".join(["{}"] * 800_000) + "]}")
+        report.chmod(0o644)
     elif before == "other file":
         report.write_text('{"model_type": "llama"}')
     env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
@@ -538,6 +539,7 @@ def test_a_sigterm_before_the_command_line_is_ready_replaces_an_earlier_report(t
     assert proc.returncode == 143 and proc.stderr.strip() == "Error: terminated", (proc.returncode, proc.stderr)
     if before == "report":
         assert json.loads(report.read_text()) == {"ok": False, "exit_code": 143, "error": "terminated", "hint": None}
+        assert report.stat().st_mode & 0o777 == 0o644
     elif before == "other file":
         assert report.read_text() == '{"model_type": "llama"}'
     else:
@@ -589,3 +591,28 @@ def test_a_sigterm_before_the_command_line_is_ready_never_opens_a_fifo_at_json(t
                           capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
                           preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     assert proc.returncode == 143 and proc.stderr.strip() == "Error: terminated", (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_closed_stdout_or_stderr_at_start_keeps_exit_code_0(tmp_path, src, closed):
+    """Started with descriptor 1 or 2 closed (`>&-`, `2>&-`), Python has no sys.stdout / sys.stderr: the console
+    script's last exit handler must not take that for a failed flush (it exited 120)."""
+    fd = 1 if closed == "stdout" else 2
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "marlin_convert.cli.launch", str(src), str(tmp_path / "out"), "-q",
+                           "--json", str(tmp_path / "r.json")], env=env, timeout=WAIT_SECONDS,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.close(fd))
+    assert proc.returncode == 0
+    assert json.loads((tmp_path / "r.json").read_text())["exit_code"] == 0
+
+
+def test_an_interrupt_after_the_report_was_written_amends_it(tmp_path, monkeypatch):
+    """A Ctrl-C while the table is printed, after the report file was written: the report says 130 as the process."""
+    from marlin_convert.cli import _output, app
+    from marlin_convert.cli._errors import Interrupted
+
+    report = tmp_path / "r.json"
+    report.write_text('{"ok": true, "exit_code": 0}')
+    monkeypatch.setattr(_output, "_written_report", [str(report), {"ok": True, "exit_code": 0, "layers": []}])
+    assert app._failed(Interrupted(signal.SIGINT)) == 130
+    assert json.loads(report.read_text()) == {"ok": False, "exit_code": 130, "layers": []}

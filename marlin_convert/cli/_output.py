@@ -216,6 +216,11 @@ def forget_written_report() -> None:
     _written_report.clear()
 
 
+def report_written() -> bool:
+    """Whether this command wrote its report file (Output.write_json)."""
+    return bool(_written_report)
+
+
 def amend_written_outcome(exit_code: int) -> None:
     """Where this command wrote its report file and then ends with another exit code (a closed stdout while the table
     was printed: 141; a signal once the output was in place: 130 / 143), rewrite the report's ``"ok"`` and

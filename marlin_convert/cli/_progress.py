@@ -17,7 +17,7 @@ tqdm.monitor_interval = 0
 
 
 def progress_disabled() -> bool:
-    return bool(os.environ.get(DISABLE_VARIABLE)) or not sys.stderr.isatty()
+    return bool(os.environ.get(DISABLE_VARIABLE)) or sys.stderr is None or not sys.stderr.isatty()
 
 
 @contextmanager

@@ -121,15 +121,34 @@ def final_exit_code() -> int | None:
     return code
 
 
+#: whether exit handlers were registered before :func:`register_exit_now` (a sitecustomize or .pth start-up hook, a
+#: coverage tool): then :func:`exit_now` does not end the process, so that those still run
+_handlers_before: list = [True]
+
+
+def register_exit_now() -> None:
+    """Register :func:`exit_now` as an exit handler (the console script does, before anything else is imported), and
+    note whether any handler came before it."""
+    import atexit
+
+    count = getattr(atexit, "_ncallbacks", None)
+    _handlers_before[0] = count is None or count() > 0
+    atexit.register(exit_now)
+
+
 def exit_now() -> None:
     """An exit handler, registered by the console script before anything else (so it runs after every other one:
     worker processes stopped, temporary files removed): end the process with :func:`final_exit_code`, its output
     flushed, at once. The interpreter's own shutdown after the handlers took about 55 ms, in which a Ctrl-C could no
-    longer change the exit code; now there is none. Does nothing before :func:`finish_at_exit`."""
+    longer change the exit code; now there is none. Does nothing before :func:`finish_at_exit`; where handlers were
+    registered before this one (which would run after it), it ends the process only to change a 0 into 130 / 143, and
+    otherwise leaves the interpreter to end it (the 55 ms then remain)."""
     code = final_exit_code()
-    if code is None:
+    if code is None or (_handlers_before[0] and code == _finished[0]):
         return
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # (started with the descriptor closed: nothing to flush)
+            continue
         try:
             stream.flush()
         except BrokenPipeError:  # (stdout's reader went away: as the command line reports it, 128 + SIGPIPE)

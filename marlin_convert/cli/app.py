@@ -26,7 +26,7 @@ from typer.core import TyperCommand
 from .. import __version__
 from ..errors import InputError
 from ._errors import Interrupted, InterruptedAfterPublish, InterruptedAtExit, error_hint, error_message, report_error
-from ._output import (OutputClosed, amend_written_outcome, forget_report_target, forget_written_report,
+from ._output import (OutputClosed, amend_written_outcome, forget_report_target, forget_written_report, report_written,
                       print_stdout, report_failure)
 from ._signals import (child_signal, finish_at_exit, first_signal, forget_signals, in_forked_child, is_repeat,
                        take_first)
@@ -168,8 +168,8 @@ EXIT_BROKEN_PIPE = 141
 def _failed(exc: BaseException) -> int:
     """Report ``exc`` (stderr), and in the command's --json target where it has one; the exit code."""
     code = report_error(exc)
-    if isinstance(exc, InterruptedAfterPublish):  # (its report, written before, is right but for the exit code)
-        amend_written_outcome(code)
+    if isinstance(exc, InterruptedAfterPublish) or report_written():  # (a report written before: right but for the
+        amend_written_outcome(code)  # exit code, e.g. a Ctrl-C while the table was printed after it)
     else:
         report_failure(error_message(exc), code, error_hint(exc))
     return code

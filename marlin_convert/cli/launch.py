@@ -9,18 +9,18 @@ else is :func:`marlin_convert.cli.app.run`.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
+import re
 import signal
 import stat
 import sys
 import tempfile
 
-from ._signals import child_signal, exit_now, first_signal, in_forked_child, is_repeat, take_first
+from ._signals import child_signal, first_signal, in_forked_child, is_repeat, register_exit_now, take_first
 
 # first of all exit handlers, so it runs last: the process ends there with the command's exit code (:func:`exit_now`)
-atexit.register(exit_now)
+register_exit_now()
 
 #: arguments after which verify runs no kernel (or nothing at all), so no GPU process is started early
 _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
@@ -41,10 +41,10 @@ def _amend_report(code: int, message: str) -> None:
     """A signal outside main(): right after it returned, the report file it wrote (if any) gets this exit code; before
     the command line was ready, a report of an earlier run at --json's path is replaced (:func:`_replace_stale_report`)."""
     output = sys.modules.get("marlin_convert.cli._output")
-    if output is not None and output._written_report:
-        output.amend_written_outcome(code)
-    else:
+    if output is None:  # (the command line never started: nothing checked or wrote --json)
         _replace_stale_report(code, message)
+    elif output._written_report:
+        output.amend_written_outcome(code)
 
 
 def _json_target(args: list[str]) -> str | None:
@@ -60,6 +60,10 @@ def _json_target(args: list[str]) -> str | None:
     return target
 
 
+#: the start of a report this tool wrote: a JSON object whose first keys are "ok" and "exit_code"
+_REPORT_START = re.compile(rb'\s*\{\s*"ok"\s*:\s*(true|false)\s*,\s*"exit_code"\s*:\s*-?[0-9]+\s*[,}]')
+
+
 def _replace_stale_report(code: int, message: str) -> None:
     """Ctrl-C or SIGTERM before the command line was ready (its path checks not yet made): where --json names a file
     that is a report of an earlier run (a JSON object that starts with "ok" and "exit_code"), replace it with this
@@ -73,14 +77,16 @@ def _replace_stale_report(code: int, message: str) -> None:
             return  # block)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            before = os.fstat(f.fileno())
+            if not stat.S_ISREG(before.st_mode):
                 return
-            data = json.loads(f.read(1 << 20))
-        if not (isinstance(data, dict) and list(data)[:2] == ["ok", "exit_code"]):
+            head = f.read(256)  # (a report may be megabytes: its first two keys say what it is)
+        if _REPORT_START.match(head) is None:
             return
         text = json.dumps({"ok": False, "exit_code": code, "error": message, "hint": None}, indent=2) + "\n"
         fd, name = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".marlin-report-")
         try:
+            os.fchmod(fd, stat.S_IMODE(before.st_mode))  # (the report keeps its permissions)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(name, path)
