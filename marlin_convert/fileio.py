@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import stat
+import tempfile
 from pathlib import Path
 
 #: bytes moved per read/write: large enough that system calls cost nothing, small beside a worker's memory
@@ -196,3 +197,27 @@ def hash_file(path: Path) -> tuple[int, str]:
             digest.update(buffer[:got])
             size += got
     return size, digest_text(digest)
+
+
+def replace_file(target: Path, content: bytes, mode: int | None = None) -> None:
+    """Put ``content`` at ``target`` as a new file (a hidden temporary beside it, renamed over it), with permissions
+    ``mode`` (default: those a new file gets here); the temporary never outlives the call. Raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".marlin-report-", suffix=".tmp")
+    renamed = False
+    try:
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
+        with open(fd, "wb", closefd=False) as stream:
+            stream.write(content)
+        os.replace(tmp, target)
+        renamed = True
+    finally:
+        os.close(fd)
+        if not renamed:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

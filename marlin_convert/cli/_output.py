@@ -6,7 +6,6 @@ import json
 import os
 import stat
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import OutputError
-from ..fileio import is_hub_blob
+from ..fileio import is_hub_blob, replace_file
 from ._errors import one_line
 
 
@@ -147,12 +146,12 @@ class Output:
 
 def _write_report(path: str | Path, text: str) -> None:
     """``text`` to the --json file ``path``: through a stream (:func:`_written_through`), else as a new file renamed
-    over the name (:func:`_replace_file`). Raises OSError."""
+    over the name (:func:`~marlin_convert.fileio.replace_file`). Raises OSError."""
     if _written_through(Path(path)):
         with open(path, "w", encoding="utf-8") as stream:
             stream.write(text)
     else:
-        _replace_file(Path(os.path.realpath(path)), text.encode("utf-8"))
+        replace_file(Path(os.path.realpath(path)), text.encode("utf-8"))
 
 
 def _written_through(path: Path) -> bool:
@@ -168,28 +167,6 @@ def _written_through(path: Path) -> bool:
         return not stat.S_ISREG(os.stat(path).st_mode)
     except OSError:  # absent (or a broken link): a new file
         return False
-
-
-def _replace_file(target: Path, content: bytes) -> None:
-    """Put ``content`` at ``target`` as a new file (a hidden temporary beside it, renamed over it), with the mode a
-    new file gets here; the temporary never outlives the call. Raises OSError."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".marlin-report-", suffix=".tmp")
-    renamed = False
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with open(fd, "wb", closefd=False) as stream:
-            stream.write(content)
-        os.replace(tmp, target)
-        renamed = True
-    finally:
-        os.close(fd)
-        if not renamed:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def is_stdout(path: str | Path | None) -> bool:

@@ -15,8 +15,9 @@ import re
 import signal
 import stat
 import sys
-import tempfile
+from pathlib import Path
 
+from ..fileio import replace_file
 from ._signals import child_signal, first_signal, in_forked_child, is_repeat, register_exit_now, take_first
 
 # first of all exit handlers, so it runs last: the process ends there with the command's exit code (:func:`exit_now`)
@@ -43,7 +44,7 @@ def _amend_report(code: int, message: str) -> None:
     output = sys.modules.get("marlin_convert.cli._output")
     if output is None:  # (the command line never started: nothing checked or wrote --json)
         _replace_stale_report(code, message)
-    elif output._written_report:
+    elif output.report_written():
         output.amend_written_outcome(code)
 
 
@@ -84,15 +85,7 @@ def _replace_stale_report(code: int, message: str) -> None:
         if _REPORT_START.match(head) is None:
             return
         text = json.dumps({"ok": False, "exit_code": code, "error": message, "hint": None}, indent=2) + "\n"
-        fd, name = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".marlin-report-")
-        try:
-            os.fchmod(fd, stat.S_IMODE(before.st_mode))  # (the report keeps its permissions)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(name, path)
-        except BaseException:
-            os.unlink(name)
-            raise
+        replace_file(Path(path), text.encode("utf-8"), mode=stat.S_IMODE(before.st_mode))  # (its permissions kept)
     except (OSError, ValueError):
         pass
 
