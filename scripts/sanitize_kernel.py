@@ -60,7 +60,9 @@ def main(argv=None) -> int:
                   (kind, 13, 256, 8192, 128, False, 0),  # m = 9..16, SMs / 2 < n / 64 <= SMs: 4 strips x 2
                                                          # stages split in two over k (fp16 4-bit: 8 strips x 2)
                   (kind, 5, 1040, 8192, 16, False, 0),   # fp16 4-bit, the same with a partial stage: 8 strips x 2
-                  (kind, 70, 528, 256, 16, False, 0),    # m > 64 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
+                  (kind, 70, 528, 256, 16, False, 0),    # m = 65..96 (4-bit: three 32-row chunks, 8 strips x 2
+                                                         # stages, 128 columns; 8-bit: 64-row chunks),
+                  (kind, 100, 528, 256, 16, False, 0),   # m > 96 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
                   (kind, 36, 16448, 128, 64, False, 0),  # and m = 33..64 with long k; partial last stages
                   (kind, 12, 512, 34816, 64, False, 0),  # m = 9..16, n / 128 >= 2 SMs (4-bit kinds: 128-column
                                                          # tiles, 8 strips x 2 stages)
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
         cases += [(kind, 1, 1040, 10240, 16, False, 0, "2", None), (kind, 12, 528, 10240, -1, False, 0, "2", None),
                   (kind, 12, 1536, 17408, 128, False, 0, "2", None),  # the 128-column 8-strip kernel (bf16
                                                                       # x 4-bit symmetric: no stream-K form, split-K)
-                  (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None)]
+                  (kind, 40, 512, 4096, 64, True, 0, "1", None), (kind, 40, 16384, 256, 128, False, 0, "1", None),
+                  (kind, 72, 2048, 1280, 128, False, 0, "1", None)]  # 4-bit: three 32-row chunks, 8 strips
     # the Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
     # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages (channelwise)
     # and chunks, group 64 and 128 (grouped, the wgmma kernel takes groups of a multiple of its stage's k), act-order,

@@ -173,9 +173,10 @@ CASES = [
     (100, 4096, 1024, 128, True),
     (8, 1040, 128, -1, False),  # k = 65 strips: a partial last stage
     (3, 1040, 128, 16, False),
-    # m > 16: 32-row chunks at 4 strips x 2 stages; 64-row chunks at 8 strips x 2 stages (m > 64, or 33..64 with
-    # k >= 16384 or n >= 32768): partial last stages, group 16 (strips of one warp cross groups), group 48 (not a
-    # power of two: a division), act-order, n % 128 != 0
+    # m > 16: 32-row chunks at 4 strips x 2 stages; 64-row chunks at 8 strips x 2 stages (m > 96, or 33..64 with
+    # k >= 16384 or n >= 32768); 4-bit m = 65..96 (72, 96): three 32-row chunks at 8 strips x 2 stages: partial last
+    # stages, group 16 (strips of one warp cross groups), group 48 (not a power of two: a division), act-order,
+    # n % 128 != 0
     (20, 1040, 192, 16, False),
     (40, 16400, 256, 16, False),
     (48, 2048, 32768, -1, False),
@@ -527,7 +528,7 @@ def test_kinds_random_shapes(torch, seed):
 # Stream-K (MARLIN_CONVERT_STREAM_K = blocks per SM; only the 2-stage kernels of >= 4 strips have it, and a forced
 # split_k turns it off). Shapes that reach those kernels on a 132-SM GPU: the m <= 16 4 x 2 kernel with more tiles
 # than SMs (blocks that end one tile and start the next; group 16 / 48, act-order, a partial last stage, channelwise),
-# the m > 16 32-row 4 x 2 kernel, the 64-row 8 x 2 kernel with several row chunks, and one tile row over many blocks
+# the m > 16 32-row 4 x 2 kernel and 8 x 2 kernel (m = 65..96), the 64-row 8 x 2 kernel with several row chunks, and one tile row over many blocks
 # where the cap of 16 / 8 contributors per tile binds (40 x 16384 x 256: 32 stages, 2 tiles of 128 columns); every
 # kind (8-bit channelwise m > 16 keeps its 1-strip kernel: split-K there).
 STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
@@ -540,6 +541,7 @@ STREAM_K_SHAPES = [  # (m, k, n, group, act_order)
     (40, 16384, 256, 128, False),
     (100, 1040, 2048, -1, True),
     (130, 4096, 1024, 32, False),
+    (80, 2048, 1280, 64, False),  # 4-bit: three 32-row chunks, 8 strips x 2 stages, 128 columns
 ]
 
 
@@ -634,10 +636,12 @@ WGMMA_CASES = [(kind, v) for kind in FOUR_BIT_KINDS for v in ("1", "2", "3", "4"
 # The m > 16 benchmark configurations (MARLIN_CONVERT_SMALL_CFG 30 and 33, launch_m32_cfg): the unswapped 32-row kernel
 # with 8 strips per warp and stage, its grouped fp32 partial sums scaled once per group, on 128- / 64-column tiles,
 # whatever the layer. Every 4-bit kind; group 128 (one group per warp and stage), 64 and 32 (groups inside a warp's 128 k: the
-# per-strip path), 256 with act-order, channelwise; m = 17 (a second m-block of one row), 40 and 64 (two row chunks);
+# per-strip path), 256 with act-order, channelwise; m = 17 (a second m-block of one row), 40 and 64 (two row chunks),
+# 72, 81 and 96 (three: cfg 30 is the default kernel there on the layers the wgmma kernel leaves);
 # a partial last stage (k = 1040); split over k where the tiles leave SMs idle.
 M32_CFG_SHAPES = [(32, 4096, 1024, 128, False), (17, 2048, 512, 64, False), (64, 2048, 256, 256, True),
-                  (40, 1024, 384, -1, False), (24, 1040, 256, 16, False), (32, 8192, 512, 32, False)]
+                  (40, 1024, 384, -1, False), (24, 1040, 256, 16, False), (32, 8192, 512, 32, False),
+                  (96, 2048, 512, 128, False), (72, 1040, 384, -1, False), (81, 1024, 256, 64, True)]
 
 
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
@@ -658,10 +662,12 @@ def test_m32_eight_strip_configs(torch, monkeypatch, kind, cfg, m, k, n, group, 
 # 64-column kernel; one wave with k >= 16384, fewer 128-column tiles than SMs (n / 64 > SMs), or >= 2 SMs of them ->
 # the 8-strip 128-column kernel; SMs < n / 128 < 2 SMs -> the 4-strip kernel. m = 33..64 (two row chunks): one wave of
 # 64-column blocks -> 64 columns, of 128-column blocks -> 128 columns, with k < 16384; long k or wide layers -> not
-# these. Hopper with >= 132 SMs, where it was measured.
+# these. m = 65..96 (three row chunks): 128 columns on every layer the wgmma kernel leaves (these layers have k / split
+# below wgmma_pays' 2048-2560); m = 97..128 (four): not these. Hopper with >= 132 SMs, where it was measured.
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS + [("float16", 8, False)], ids=_kind_id)
 @pytest.mark.parametrize("layer", ["one_wave_short_k", "one_wave_long_k", "under_a_wave_of_128", "wide", "band",
-                                   "two_chunks_64", "two_chunks_128", "two_chunks_long_k", "two_chunks_wide"])
+                                   "two_chunks_64", "two_chunks_128", "two_chunks_long_k", "two_chunks_wide",
+                                   "three_chunks", "three_chunks_wide", "three_chunks_long_k", "four_chunks"])
 @pytest.mark.parametrize("group", [128, -1])
 def test_eight_strip_32_rule_picks_its_layers(torch, kind, layer, group):
     _skip_unless_hopper_132(torch, "the rule's layers are sized for a Hopper GPU of >= 132 SMs")
@@ -679,6 +685,10 @@ def test_eight_strip_32_rule_picks_its_layers(torch, kind, layer, group):
         "two_chunks_128": (40, 2048, 128 * ((sms - 4) // 2), one_twenty_eight),
         "two_chunks_long_k": (48, 16384, 128 * ((sms - 4) // 2), None),
         "two_chunks_wide": (48, 1024, 128 * (2 * sms + 8), None),
+        "three_chunks": (96, 4096, 4096, one_twenty_eight),
+        "three_chunks_wide": (72, 1024, 128 * (2 * sms + 8), one_twenty_eight),
+        "three_chunks_long_k": (80, 16384, 128 * 65, one_twenty_eight),  # (n / 256 not whole: no wgmma)
+        "four_chunks": (128, 4096, 4096, None),
     }[layer]
     _run_case(torch, m, k, n, group, False, seed=zlib.crc32(repr((kind, layer, group)).encode()), bits=bits,
               asym=asym, dtype=dtype)
