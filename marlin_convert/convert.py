@@ -21,7 +21,6 @@ import json
 import os
 import re
 import resource
-import shutil
 import time
 from collections import Counter
 from contextlib import closing
@@ -38,7 +37,7 @@ from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, Lay
 from .experts import ExpertGroup, expert_group_summary, group_experts
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
                        write_manifest)
-from .outdir import PartialDir, check_out_dir, clear_stale_partials
+from .outdir import PartialDir, check_free_space, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo, changed_since_read
 from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, check_in_dir, open_checkpoint,
@@ -812,17 +811,9 @@ def convert(
     if out_dir.parent.is_dir():
         notes += clear_stale_partials(out_dir)
 
+    check_free_space(out_dir, plan.tensor_bytes_out)
     partial = PartialDir(out_dir)
     tmp = partial.path
-    needed = plan.tensor_bytes_out
-    try:
-        free = shutil.disk_usage(tmp).free
-    except OSError:
-        free = needed
-    if free < needed:
-        partial.discard()
-        raise OutputError(f"{out_dir.parent}: not enough disk space: the conversion writes {needed} bytes, "
-                          f"{free} are free", hint="free disk space or choose another OUT_DIR")
 
     writers: list[ShardWriter] = []
     try:

@@ -79,6 +79,23 @@ def _unwritable(directory: Path) -> str | None:
     return None
 
 
+def check_free_space(out_dir: Path, needed: int) -> None:
+    """Refuse the conversion when the file system that takes ``out_dir`` (absolute; it and its parent need not
+    exist: the nearest existing directory above it is asked) has fewer than ``needed`` bytes free. The real run and
+    ``--dry-run`` ask the same. Where the free space cannot be read, nothing is refused. Raises
+    :class:`OutputError`; reads only."""
+    probe = out_dir.parent
+    while not os.path.isdir(probe) and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if free < needed:
+        raise OutputError(f"{out_dir.parent}: not enough disk space: the conversion writes {needed} bytes, "
+                          f"{free} are free", hint="free disk space or choose another OUT_DIR")
+
+
 def check_out_dir(in_dir: Path, out_dir: Path, overwrite: bool) -> None:
     """Refuse an OUT_DIR that would overlap IN_DIR (also through a link of IN_DIR's into it), is a symbolic link, is
     not a directory, is or holds the current directory, is not empty (without ``overwrite``; with it, not empty and

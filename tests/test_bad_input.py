@@ -373,13 +373,23 @@ def test_disk_full_while_writing_leaves_nothing_behind(capsys, tmp_path, src, mo
     assert not out.exists()
 
 
-def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, monkeypatch):
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, monkeypatch, dry_run):
+    """The dry run asks what the real run asks before it writes: too little free space is exit 2 in both, and the
+    dry run's report keeps its plan and says why the run would stop."""
     import shutil
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 9, 10 ** 9 - 1000, 1000))
-    _convert_fails(capsys, tmp_path, src, "not enough disk space", "1000 are free")
+    report = tmp_path / "report.json"
+    out = tmp_path / "out"
+    _run_failing(capsys, tmp_path, [str(src), str(out), "--json", str(report), *(["--dry-run"] if dry_run else [])],
+                 "not enough disk space", "1000 are free")
+    assert not out.exists()
+    data = json.loads(report.read_text())
+    assert (data["ok"], data["exit_code"]) == (False, 2) and "not enough disk space" in data["error"]
+    assert ("layers" in data) == dry_run  # the plan
 
 
 def test_unsupported_layer_without_skip_names_layer_and_reason(capsys, tmp_path):

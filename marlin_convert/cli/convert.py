@@ -18,7 +18,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, plan_refusal
-from ..outdir import check_out_dir
+from ..errors import OutputError
+from ..outdir import check_free_space, check_out_dir
 from ..sources import FORM_NAMES, check_in_dir
 from ..workers import MAX_WORKERS, check_workers
 from ._errors import Interrupted, InterruptedAfterPublish
@@ -47,7 +48,7 @@ StackOpt = Annotated[bool, typer.Option(
 DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run", help="Show the plan (like 'inspect') and write nothing; exits 2 where the same command without "
     "--dry-run would stop before writing (OUT_DIR not usable: not empty, inside IN_DIR, a mount point, or in a directory "
-    "that cannot be written; layers with no Marlin form).")]
+    "that cannot be written; too little free disk space for the tensors; layers with no Marlin form).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", metavar="N", help=f"Worker processes that repack, hash and copy tensors, 1 to {MAX_WORKERS} (default: one "
@@ -89,7 +90,14 @@ def convert(
     if dry_run:
         output = plan_output(plan, quiet=quiet)
         refusal = plan_refusal(plan, skip_incompatible)
+        if refusal is None:  # the real run's last check before it writes
+            try:
+                check_free_space(Path(os.path.abspath(out_dir)), plan.tensor_bytes_out)
+            except OutputError as exc:
+                refusal = exc
         output.set_outcome(0 if refusal is None else 2)
+        if refusal is not None:  # the plan, and why the run would stop, as a failed run's report says it
+            output.data.update(error=refusal.message, hint=refusal.hint)
         output.write_json(json_file)  # first: a closed stdout must not lose it
         # refused layers: the plan shows them; the conversion itself would stop (exit 2, even with stdout closed)
         output.render_then_raise(refusal)
