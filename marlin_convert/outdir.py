@@ -273,6 +273,12 @@ class PartialDir:
         (:func:`replace_refusal`)."""
         out_dir = self.out_dir
         try:
+            _sync_tree(self.path)
+        except OSError as exc:
+            self._unlock()
+            raise OutputError(f"{exc.filename or self.path}: cannot flush the output to disk: "
+                              f"{exc.strerror or exc}") from exc
+        try:
             if overwrite and out_dir.is_symlink():
                 raise OutputError(f"OUT_DIR {out_dir} became a symbolic link while converting; left as it is")
             if overwrite and out_dir.exists() and not out_dir.is_dir():  # --overwrite replaces a directory only
@@ -287,9 +293,12 @@ class PartialDir:
                     aside = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
                     out_dir.rename(aside)
                     self.path.rename(out_dir)
+                    _sync_dir_quietly(out_dir.parent)
                     return _remove_previous(aside)
+                _sync_dir_quietly(out_dir.parent)
                 return _remove_previous(self.path)  # now OUT_DIR's previous contents (unlocked in the finally)
             self.path.rename(out_dir)
+            _sync_dir_quietly(out_dir.parent)
             return []
         except OSError as exc:
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
@@ -299,6 +308,53 @@ class PartialDir:
             raise OutputError(f"{out_dir}: cannot move the finished output into place: {exc.strerror or exc}") from exc
         finally:
             self._unlock()
+
+
+def _sync_dir(path: str | Path) -> None:
+    """``fsync`` directory ``path`` (its entries: names created or renamed in it). File systems that cannot sync a
+    directory (EINVAL, ENOTSUP) are passed over; other failures raise OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _sync_dir_quietly(path: Path) -> None:
+    """:func:`_sync_dir` after the output was moved into place, when nothing may fail any more: a failure there
+    leaves the rename to the kernel's own write-back, as before any sync."""
+    try:
+        _sync_dir(path)
+    except OSError:
+        pass
+
+
+def _sync_tree(path: Path) -> None:
+    """``fsync`` every regular file under ``path`` and every directory, deepest first, so that the output is on disk
+    before it is moved into place: after a crash or a power loss OUT_DIR is either absent or complete, never a
+    manifest beside truncated shards. Links are not followed (the output has none). Raises OSError (``filename``
+    set) when a file cannot be flushed."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            file_path = os.path.join(root, name)
+            try:
+                fd = os.open(file_path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    continue
+                raise
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                    exc.filename = file_path
+                    raise
+            finally:
+                os.close(fd)
+        _sync_dir(root)
 
 
 def _remove_tree(path: Path) -> str | None:

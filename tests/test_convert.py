@@ -264,3 +264,34 @@ def test_a_layout_setting_only_one_source_config_states_is_written_in_both(tmp_p
     written = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert written[missing] == {"group_size": 64, "bits": 4}[missing]
     assert verify(tmp_path / "out", gpus=None, workers=1, source_dir=src).ok
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_output_is_flushed_to_disk_before_it_is_moved_into_place(tmp_path, monkeypatch, overwrite):
+    """Every file and directory of the output is fsync'ed while it is still the hidden partial directory, and
+    OUT_DIR's parent after the rename: after a crash OUT_DIR is absent or complete, never a manifest beside
+    truncated shards."""
+    import os
+
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, hidden=256, intermediate=512, vocab=128,
+                                                       shards=2))
+    out = tmp_path / "out"
+    if overwrite:
+        convert(src, out)
+    real_fsync = os.fsync
+    synced = []  # (path, whether OUT_DIR held this run's output then)
+
+    def recording_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append((path, (out / "marlin_manifest.json").exists() and not overwrite))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    convert(src, out, overwrite=overwrite)
+    partial = [path for path, _ in synced if "/.out.partial-" in path]
+    names = {os.path.relpath(path, partial[-1]) for path in partial if os.path.basename(path) != ""}
+    written = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert written and written <= names, written - names
+    assert any(path.endswith(".out.partial-" + str(os.getpid())) for path in partial)  # the directory itself
+    assert not any(done for path, done in synced if "/.out.partial-" in path)  # all before the move
+    assert synced[-1][0] == str(tmp_path)  # OUT_DIR's parent, after the move
