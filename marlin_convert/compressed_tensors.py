@@ -487,9 +487,11 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
     """What the reading decided, for the report and the manifest."""
     config = checkpoint.config
     converted = sum(layer.convertible for layer in layers)
-    notes = [f"compressed-tensors {config.format}: {converted} layer(s) read as GPTQ v2 (weight_packed, weight_scale "
-             "and, where asymmetric, weight_zero_point are GPTQ's qweight, scales and qzeros transposed); each "
-             "weight_shape is recorded in the manifest, not copied"]
+    notes = []
+    if converted:  # (none: the plan's refusal says why; "0 layer(s) read as ..." would say nothing)
+        notes.append(f"compressed-tensors {config.format}: {converted} layer(s) read as GPTQ v2 (weight_packed, "
+                     "weight_scale and, where asymmetric, weight_zero_point are GPTQ's qweight, scales and qzeros "
+                     "transposed); each weight_shape is recorded in the manifest, not copied")
     if config.ignore:
         notes.append(f"ignore lists {len(config.ignore)} module(s), stored unquantized: passed through")
     if config.as_read.get("kv_cache_scheme"):

@@ -500,8 +500,11 @@ def _check_series_complete(in_dir: Path, shard_names: list[str], index_path: Pat
 def _check_index(index_path: Path, index_json: dict) -> dict[str, str]:
     """The index's ``weight_map`` (tensor name -> shard file name, both strings); ``metadata`` an object if present."""
     weight_map = index_json.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise InputError(f"{index_path}: no 'weight_map' object")
+    if not isinstance(weight_map, dict):
+        raise InputError(f"{index_path}: no 'weight_map' object" if weight_map is None else
+                         f"{index_path}: 'weight_map' is a JSON {type(weight_map).__name__}, not an object")
+    if not weight_map:
+        raise InputError(f"{index_path}: 'weight_map' is empty: it names no tensor and no shard")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise InputError(f"{index_path}: 'weight_map' maps tensor '{name}' to {shard!r}, not a file name")
@@ -856,11 +859,12 @@ def _refuse_layers_without_qweight(checkpoint: Checkpoint, prefixes: set[str]) -
 
 
 def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
-    """Say how each layer's zero format was decided where the config did not settle it alone."""
+    """Say how each converted layer's zero format was decided where the config did not settle it alone (layers kept
+    in GPTQ form are copied unchanged: not counted)."""
     config = checkpoint.config
     label = config.zero_format_label
     notes = []
-    symmetric = [layer for layer in layers if layer.zero_stored is not None]
+    symmetric = [layer for layer in layers if layer.zero_stored is not None and layer.convertible]
     for fmt in sorted({layer.spec.zero_format for layer in symmetric}):
         chosen = [layer for layer in symmetric if layer.spec.zero_format == fmt]
         stored = sorted({layer.zero_stored for layer in chosen})

@@ -569,6 +569,15 @@ def test_index_weight_map_value_that_is_not_a_string(capsys, tmp_path, sharded):
     _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", "'model.norm.weight' to 3")
 
 
+@pytest.mark.parametrize("weight_map,fragment", [({}, "'weight_map' is empty"), ([], "'weight_map' is a JSON list"),
+                                                 (None, "no 'weight_map' object")])
+def test_index_weight_map_empty_or_not_an_object(capsys, tmp_path, sharded, weight_map, fragment):
+    """An empty weight_map is named as empty (it is an object: "no 'weight_map' object" misled a user)."""
+    _edit_index(sharded, lambda index: index.update(weight_map=weight_map) if weight_map is not None
+                else index.pop("weight_map"))
+    _convert_fails(capsys, tmp_path, sharded, "model.safetensors.index.json", fragment)
+
+
 def test_deeply_nested_config(capsys, tmp_path, src):
     (src / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     _convert_fails(capsys, tmp_path, src, "config.json", "nested too deeply")

@@ -115,6 +115,19 @@ def test_what_marlin_cannot_take_is_refused_by_layer_and_reason_or_kept(tmp_path
     assert f"kept in compressed-tensors form: {DOWN}" not in capsys.readouterr().out  # -q: failures, the summary
 
 
+def test_the_read_as_note_counts_layers_only_where_some_can_be_converted(tmp_path, capsys):
+    """A checkpoint whose every layer is 3-bit: inspect lists the refused layers and says nothing of "0 layer(s) read
+    as GPTQ v2"; with one 4-bit layer beside them the note counts it alone."""
+    config = quantization_config({"group_0": config_group(["Linear"], scheme(3))})
+    src = write_compressed_tensors(tmp_path / "ct3", [Linear(Q, 128, 128, bits=3)], config)
+    assert main(["inspect", str(src)]) == 0
+    text = capsys.readouterr().out
+    assert f"{Q}" in text and "read as GPTQ v2" not in text, text
+    src = _two_groups(tmp_path, *REFUSALS["3-bit"][:2])
+    assert main(["inspect", str(src)]) == 0
+    assert "1 layer(s) read as GPTQ v2" in capsys.readouterr().out
+
+
 def test_a_layer_in_another_compressed_tensors_form_is_refused_or_kept(tmp_path, capsys):
     """mixed-precision: down_proj's group is int-quantized (an int8 ``weight`` and ``weight_scale``, no
     weight_packed): found by its weight_scale, refused, kept whole with --skip-incompatible."""
