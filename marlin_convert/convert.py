@@ -314,6 +314,28 @@ def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> Unsupported
     )
 
 
+def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
+    """A note when converted layers fall outside what the legacy Marlin loaders know (symmetric 4-bit, group size 128
+    or -1, no padding; README, "Who loads the output"): the configs say ``checkpoint_format: "marlin"`` all the same
+    (it names the layout), so the note says which layers need a reader of the manifest, and why."""
+    converted = [layer for layer in layers if layer.convertible]
+    reasons: dict[str, list[LayerPlan]] = {}
+    for layer in converted:
+        spec = layer.spec
+        for reason, outside in ((f"{spec.bits}-bit", spec.bits != 4), ("asymmetric", not spec.sym),
+                                (f"group size {spec.group_size}", spec.group_size not in (128, -1)),
+                                ("padded", spec.padded)):
+            if outside:
+                reasons.setdefault(reason, []).append(layer)
+    if not reasons:
+        return []
+    outside = {id(layer): layer for members in reasons.values() for layer in members}
+    why = ", ".join(f"{count_layers(members)} {reason}" for reason, members in sorted(reasons.items()))
+    return [f"{count_layers(list(outside.values()))} of {count_layers(converted)} converted layer(s) are outside what "
+            f"the legacy Marlin loaders take (symmetric 4-bit, group size 128 or -1, no padding): {why}; load them "
+            "with a reader of the manifest (README: Who loads the output)"]
+
+
 def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False) -> ConversionPlan:
     """Open and check ``in_dir`` and declare every output tensor. Writes nothing.
 
@@ -329,7 +351,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
         raise refusal_error(refused, len(layers))
-    notes = plan_notes(checkpoint, layers)
+    notes = plan_notes(checkpoint, layers) + legacy_loader_notes(layers)
     outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 

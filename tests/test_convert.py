@@ -295,3 +295,26 @@ def test_the_output_is_flushed_to_disk_before_it_is_moved_into_place(tmp_path, m
     assert any(path.endswith(".out.partial-" + str(os.getpid())) for path in partial)  # the directory itself
     assert not any(done for path, done in synced if "/.out.partial-" in path)  # all before the move
     assert synced[-1][0] == str(tmp_path)  # OUT_DIR's parent, after the move
+
+
+def test_a_note_names_the_layers_legacy_marlin_loaders_cannot_take(tmp_path):
+    """The configs say checkpoint_format "marlin" (the layout) whatever the layers' settings; where some are outside
+    what the legacy loaders know (symmetric 4-bit, group size 128 or -1, no padding), a note says how many and why.
+    A checkpoint inside that scope gets no such note."""
+    down = LinearSpec("model.layers.0.mlp.down_proj", 256, 128)
+    down.bits = 8
+    o_proj = LinearSpec("model.layers.0.self_attn.o_proj", 256, 128)
+    o_proj.group_size = 64
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128), down, o_proj,
+                                   LinearSpec("model.layers.0.mlp.gate_proj", 256, 1000)],  # N = 1000: padded
+                          extras=[], group_size=128,
+                          dynamic={"+:.*down_proj": {"bits": 8}, "+:.*o_proj": {"group_size": 64}})
+    src = write_checkpoint(tmp_path / "in", spec)
+    notes = [note for note in build_plan(src).notes if "legacy Marlin loaders" in note]
+    assert notes == ["3 of 4 converted layer(s) are outside what the legacy Marlin loaders take (symmetric 4-bit, "
+                     "group size 128 or -1, no padding): 1 8-bit, 1 group size 64, 1 padded; load them with a reader "
+                     "of the manifest (README: Who loads the output)"], notes
+    plain = write_checkpoint(tmp_path / "plain", CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj",
+                                                                                    256, 128)], extras=[],
+                                                                group_size=128))
+    assert not [note for note in build_plan(plain).notes if "legacy" in note]
