@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -567,7 +568,7 @@ def spec_from_args(args: argparse.Namespace) -> CheckpointSpec:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path, help="directory to write (created)")
+    parser.add_argument("out_dir", type=Path, help="directory to write (created; an existing one must be empty)")
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
     parser.add_argument("--layers", type=int, help="number of decoder layers (preset default otherwise)")
     parser.add_argument("--vocab", type=int, help="vocabulary size (embed_tokens, lm_head); not for llama-7b")
@@ -587,10 +588,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of the tensors that are not quantized")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    # an existing directory with files in it would end up holding two checkpoints' shards and indexes
+    if args.out_dir.exists() and (not args.out_dir.is_dir() or any(args.out_dir.iterdir())):
+        print(f"Error: {args.out_dir} exists and is not an empty directory: give a new or an empty one",
+              file=sys.stderr)
+        return 2
+    created = not args.out_dir.exists()
     try:
         spec = spec_from_args(args)
         out = write_checkpoint(args.out_dir, spec)
     except ValueError as error:
+        if created:  # (nothing half-written is left behind)
+            shutil.rmtree(args.out_dir, ignore_errors=True)
         print(f"Error: {error}", file=sys.stderr)
         return 2
     files = sorted(p for p in out.iterdir() if p.is_file())

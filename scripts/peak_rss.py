@@ -16,7 +16,10 @@ import sys
 _LAUNCHER = (
     "import os, subprocess, sys, time\n"
     "start = time.perf_counter()\n"
-    "child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+    "try:\n"
+    "    child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+    "except OSError as exc:\n"
+    "    sys.exit(f'cannot start {sys.argv[1]}: {exc.strerror}')\n"
     "_, status, usage = os.wait4(child.pid, 0)\n"
     "print(time.perf_counter() - start, usage.ru_maxrss * 1024)\n"
     "sys.exit(os.waitstatus_to_exitcode(status))\n"
@@ -32,8 +35,21 @@ def measure(argv: list[str]) -> tuple[float, int]:
     return float(seconds), int(peak)
 
 
+def main(argv: list[str]) -> int:
+    """The command line: ``[--] COMMAND ...``; ``-h`` / ``--help`` (before any ``--``) or nothing prints the usage.
+    A command that fails or cannot start is one line on stderr and exit 2."""
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    elif not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    try:
+        print(*measure(argv))
+    except (OSError, RuntimeError) as exc:
+        print(f"peak_rss: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args[:1] == ["--"]:
-        args = args[1:]
-    print(*measure(args))
+    sys.exit(main(sys.argv[1:]))

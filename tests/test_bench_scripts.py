@@ -86,3 +86,13 @@ def test_kernel_scripts_say_why_when_the_kernel_cannot_run(script, env):
                           env={**os.environ, **env})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_peak_rss_help_and_a_command_that_cannot_start(capsys):
+    """--help printed a traceback (it was run as the command); a command that cannot start is one line, exit 2."""
+    import peak_rss
+
+    assert peak_rss.main(["--help"]) == 0 and "peak resident set size" in capsys.readouterr().out
+    assert peak_rss.main(["--", "/nonexistent/command"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start /nonexistent/command" in err and "Traceback" not in err

@@ -362,3 +362,16 @@ def test_cli_moe_preset(tmp_path, capsys):
     assert tensors["model.layers.0.mlp.experts.down_proj.scales"][0].dtype == torch.bfloat16
     quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert quant["checkpoint_format"] == "gptq_v2" and quant["desc_act"] is True
+
+
+def test_cli_refuses_a_non_empty_directory_and_leaves_nothing_when_it_fails(tmp_path, capsys):
+    """A second checkpoint written into the first's directory mixed their shards and indexes; a spec the generator
+    refuses after creating its directory left that directory behind, empty."""
+    first = tmp_path / "first"
+    assert main([str(first), "--vocab", "64"]) == 0
+    before = sorted(p.name for p in first.iterdir())
+    assert main([str(first), "--preset", "qwen3-moe", "--layers", "1", "--experts", "2"]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    assert sorted(p.name for p in first.iterdir()) == before
+    assert main([str(tmp_path / "new"), "--shards", "150"]) == 2
+    assert "shards = 150" in capsys.readouterr().err and not (tmp_path / "new").exists()
