@@ -53,7 +53,7 @@ from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
-from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
+from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .safetensors_io import open_as_read
 from .interrupts import held
 from .workers import MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, worker_pool
@@ -292,9 +292,8 @@ def _run_source(task: SourceTask) -> SourceOutcome:
                 digest.update(stage.view(kind).reshape(-1).view(np.uint8))
             if state.source is not None:
                 for kind, name in source["tensors"].items():
-                    original = state.source.read(name, expert if stacked_source else None)
-                    if original.tobytes() != stage.view(kind).tobytes():
-                        problems.append(f"rebuilt {kind} differs from the source tensor '{name}'")
+                    problems += _against_source(state.source, name, kind, stage.view(kind), layer,
+                                                expert if stacked_source else None)
         complete &= rebuilt.complete
         seconds["hash"] += time.perf_counter() - rebuilt_at
         sent = slot is not None and rebuilt.complete
@@ -313,6 +312,28 @@ def _run_source(task: SourceTask) -> SourceOutcome:
                            "from the source"] if mismatched else []
     return SourceOutcome(seconds, layer=task.layer, source=task.source, slices=outcomes,
                          digest_problems=digest_problems)
+
+
+def _source_dtype(layer: MarlinLayer, kind: str) -> str:
+    """The safetensors dtype a source stores tensor ``kind`` of ``layer`` in: scales (``scales``, ``weight_scale``)
+    in the layer's scale dtype, compressed-tensors' ``weight_shape`` int64, every other kind int32."""
+    if kind in ("scales", "weight_scale"):
+        return SCALE_DTYPES[layer.spec.scale_dtype][0]
+    return "I64" if kind == "weight_shape" else "I32"
+
+
+def _against_source(source, name: str, kind: str, rebuilt: np.ndarray, layer: MarlinLayer,
+                    expert: int | None) -> list[str]:
+    """A rebuilt source tensor (one expert slice of a stacked source) against the source's own: dtype, shape and
+    bytes (equal bytes under another dtype or shape are another tensor)."""
+    info = source.info(name)
+    shape = list(info.shape[1:] if expert is not None else info.shape)
+    made = _source_dtype(layer, kind), list(rebuilt.shape)
+    if (info.dtype, shape) != made:
+        return [f"rebuilt {kind} is {made[0]} {made[1]}, the source tensor '{name}' is {info.dtype} {shape}"]
+    if source.read(name, expert).tobytes() != rebuilt.tobytes():
+        return [f"rebuilt {kind} differs from the source tensor '{name}'"]
+    return []
 
 
 def _run_file(task: FileTask) -> FileOutcome:
@@ -453,15 +474,20 @@ def _open_source(source_dir: Path, manifest: dict):
     return source
 
 
-def _compare_copies(source, source_dir: Path, manifest: dict) -> tuple[list[str], int]:
+def _compare_copies(source, source_dir: Path, manifest: dict, headers: dict) -> tuple[list[str], int]:
     """What OUT_DIR holds as copies of ``--source`` against ``--source`` itself: every passthrough tensor and every
     tensor of a kept layer against the same-named tensor of the source (dtype, shape, and its bytes against the
     digest the manifest recorded, which the output's own bytes were checked against), and every file copied from
-    IN_DIR against the source's file. Returns the problems and the number of tensors and files compared."""
+    IN_DIR against the source's file. ``headers``: the output shards' (a kept tensor's dtype and shape are its
+    header's; a passthrough tensor's, the manifest's, which the audit held its header to). Returns the problems and
+    the number of tensors and files compared."""
     problems, compared = [], 0
     wanted = [(e["name"], e["sha256"], e["dtype"], e["shape"]) for e in manifest["passthrough"]]
-    wanted += [(name, kept["digests"][kind], None, None) for kept in manifest["kept"]
-               for kind, name in kept["tensors"].items()]
+    for kept in manifest["kept"]:
+        for kind, name in kept["tensors"].items():
+            header = headers.get(kept["shards"].get(kind))
+            info = header.tensors.get(name) if header is not None else None  # (missing: the audit says so)
+            wanted.append((name, kept["digests"][kind], *((info.dtype, list(info.shape)) if info else (None, None))))
     descriptors: dict[Path, int] = {}
     try:
         for name, digest, dtype, shape in wanted:
@@ -611,7 +637,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
         if source is not None:  # in a thread beside the workers and the GPU feeding (its reads and hashing release
             def compare() -> None:  # the GIL), joined once they are done
                 try:
-                    compared["result"] = _compare_copies(source, Path(source_dir), manifest)
+                    compared["result"] = _compare_copies(source, Path(source_dir), manifest, checked.headers)
                 except BaseException as exc:  # (raised in this thread after the join)
                     compared["error"] = exc
 

@@ -1,0 +1,170 @@
+"""``verify --source``: an output that differs from its source anywhere fails, even when a careful forger edited the
+shard headers, the index and the manifest to agree with each other and re-signed the manifest's file digests.
+
+Each case is a tamper the audit alone cannot see (every digest is re-recorded), so only the comparison with the
+source catches it; each also passes before the tamper.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from make_gptq_checkpoint import tiny_llama, write_checkpoint
+
+from marlin_convert.convert import convert
+from marlin_convert.manifest import MANIFEST_FILE
+from marlin_convert.verify import verify
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-gptq"
+INDEX = "model.safetensors.index.json"
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def rewrite_shard(path: Path, *, drop=(), relabel=None) -> None:
+    """Rewrite safetensors file ``path`` without the tensors named in ``drop`` (their bytes removed, the others'
+    offsets recomputed) and with ``relabel`` ({name: {"dtype": ..., "shape": ...}}) applied to the header as is
+    (the same bytes under another dtype or shape)."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    body = data[8 + size:]
+    new_header, new_body = {}, bytearray()
+    for name, info in header.items():
+        if name == "__metadata__":
+            new_header[name] = info
+            continue
+        if name in drop:
+            continue
+        begin, end = info["data_offsets"]
+        info = {**info, **(relabel or {}).get(name, {}), "data_offsets": [len(new_body), len(new_body) + end - begin]}
+        new_header[name] = info
+        new_body += body[begin:end]
+    text = json.dumps(new_header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(new_body))
+
+
+def edit_manifest(out: Path, change) -> None:
+    path = out / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest, indent=2))
+
+
+def resign(out: Path) -> None:
+    """As a careful forger would: the index without the tensors no shard holds any more (total_size recomputed),
+    then every file the manifest lists re-recorded with its size and SHA-256."""
+    index_path = out / INDEX
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        held, total = set(), 0
+        for shard in set(index["weight_map"].values()):
+            data = (out / shard).read_bytes()
+            header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+            held |= set(header) - {"__metadata__"}
+            total += max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in held}
+        index["metadata"]["total_size"] = total
+        index_path.write_text(json.dumps(index, indent=2))
+
+    def sign(manifest):
+        for name in list(manifest["files"]):
+            data = (out / name).read_bytes()
+            manifest["files"][name] = {"bytes": len(data), "sha256": "sha256:" + hashlib.sha256(data).hexdigest()}
+
+    edit_manifest(out, sign)
+
+
+def shard_of(out: Path, tensor: str) -> Path:
+    index = json.loads((out / INDEX).read_text()) if (out / INDEX).exists() else None
+    return out / (index["weight_map"][tensor] if index else "model.safetensors")
+
+
+def check(out: Path, source: Path):
+    return verify(out, gpus=None, workers=1, source_dir=source)
+
+
+def problems_of(report) -> list[str]:
+    found = list(report.problems)
+    found += [f"{r.label}: {p}" for r in report.results for p in r.integrity_problems]
+    found += [f"kept '{k.name}': {p}" for k in report.kept for p in k.problems]
+    return found
+
+
+def assert_fails(out: Path, source: Path, *expected: str) -> list[str]:
+    report = check(out, source)
+    found = problems_of(report)
+    assert not report.ok, "passed"
+    for text in expected:
+        assert any(text in p for p in found), (text, found)
+    return found
+
+
+@pytest.fixture(scope="module")
+def example_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("source") / "out"
+    convert(EXAMPLE, out, workers=1)
+    assert check(out, EXAMPLE).ok
+    return out
+
+
+@pytest.fixture
+def out(tmp_path, example_out):
+    copy = tmp_path / "out"
+    shutil.copytree(example_out, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def kept_case(tmp_path_factory):
+    """(source, output) of a checkpoint whose down_proj is 2-bit (no Marlin form): kept with --skip-incompatible."""
+    root = tmp_path_factory.mktemp("kept")
+    spec = tiny_llama(num_layers=1)
+    spec.linears = [lin for lin in spec.linears if lin.name.endswith(("up_proj", "down_proj"))]
+    down = next(lin for lin in spec.linears if lin.name.endswith("down_proj"))
+    down.bits = 2
+    spec.dynamic = {"+:.*down_proj": {"bits": 2}}
+    src = write_checkpoint(root / "in", spec)
+    convert(src, root / "out", workers=1, skip_incompatible=True)
+    assert check(root / "out", src).ok
+    return src, root / "out"
+
+
+# ---------------------------------------------------------------------------------------- dtype and shape
+
+
+def test_a_scale_dtype_relabelled_in_the_header_fails(out):
+    """F16 scales relabelled BF16 (same bytes; scale_dtype edited to match, files re-signed): the rebuilt scales
+    equal the source's byte for byte, but they are another tensor (it passed: only bytes were compared)."""
+    layer = "model.layers.0.mlp.down_proj"
+    rewrite_shard(shard_of(out, f"{layer}.s"), relabel={f"{layer}.s": {"dtype": "BF16"}})
+    edit_manifest(out, lambda m: next(e for e in m["layers"] if e["name"] == layer).update(scale_dtype="bfloat16"))
+    resign(out)
+    assert verify(out, gpus=None, workers=1).ok  # the output agrees with itself
+    assert_fails(out, EXAMPLE, f"rebuilt scales is BF16 [4, 128], the source tensor '{layer}.scales' is F16 [4, 128]")
+
+
+@pytest.mark.parametrize("relabel, said", [
+    ({"dtype": "F32"}, "F32 [16, 128]"),
+    ({"shape": [128, 16]}, "I32 [128, 16]"),
+])
+def test_a_kept_tensor_relabelled_in_the_header_fails(tmp_path, kept_case, relabel, said):
+    """A kept layer's tensor with another dtype or shape in the header (same bytes, files re-signed): it passed,
+    as only its bytes were compared with the source's."""
+    src, converted = kept_case
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    name = "model.layers.0.mlp.down_proj.qweight"
+    info = json.loads((out / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (out / "model.safetensors").read_bytes()[:8], "little")])[name]
+    assert (info["dtype"], info["shape"]) == ("I32", [16, 128])
+    rewrite_shard(out / "model.safetensors", relabel={name: relabel})
+    resign(out)
+    assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, src, f"tensor '{name}': I32 [16, 128] in --source (model.safetensors), {said} in OUT_DIR")
