@@ -243,6 +243,7 @@ class _WorkerState:
     reader: TensorReader
     source: object | None  # the source Checkpoint, with --source
     stage_size: int
+    unmatched: set[int] = field(default_factory=set)  # layers not compared with the source (see _open_source)
     slots: mmap.mmap | None = None  # shared staging slots (kernel runs only)
     free_slots: object | None = None  # multiprocessing queue of free slot numbers
     messages: object | None = None  # multiprocessing queue of staged slices
@@ -290,7 +291,7 @@ def _run_source(task: SourceTask) -> SourceOutcome:
         if rebuilt.complete:
             for kind, digest in hashes.items():
                 digest.update(stage.view(kind).reshape(-1).view(np.uint8))
-            if state.source is not None:
+            if state.source is not None and task.layer not in state.unmatched:
                 for kind, name in source["tensors"].items():
                     problems += _against_source(state.source, name, kind, stage.view(kind), layer,
                                                 expert if stacked_source else None)
@@ -449,29 +450,34 @@ def _results_skeleton(manifest: dict, checked: Audit) -> list[list[LayerResult]]
 
 
 def _open_source(source_dir: Path, manifest: dict):
-    """Open ``--source`` and check that it holds every source tensor the manifest names, in the source format
-    the checkpoint was converted from, with the experts a stacked source had. Raises :class:`InputError`
-    (a wrong ``--source`` is a bad argument, not a failed layer)."""
+    """Open ``--source`` and check that it is in the source format the checkpoint was converted from (else
+    :class:`InputError`: a wrong ``--source`` is a bad argument). Returns it and, by manifest layer index, what keeps
+    a layer from being compared with it: a source tensor the manifest names that the source does not have, or a
+    stacked source without the manifest's number of experts (the output and the source differ: the layer fails)."""
     source = open_checkpoint(source_dir)
     expected = manifest["source"]["format"]
-    hint = f"give the directory the checkpoint was converted from (the manifest names {manifest['source']['path']})"
     if source.source_format != expected:
         raise InputError(f"--source {source_dir}: a {FORM_NAMES.get(source.source_format, source.source_format)} "
                          f"checkpoint, but this one was converted from {FORM_NAMES.get(expected, expected)}",
-                         hint=hint)
-    for entry in manifest["layers"]:
+                         hint="give the directory the checkpoint was converted from (the manifest names "
+                              f"{manifest['source']['path']})")
+    unmatched: dict[int, list[str]] = {}
+    for i, entry in enumerate(manifest["layers"]):
         stacked = len(entry["sources"]) == 1 and entry["sources"][0]["slices"] is not None
+        found = []
         for src in entry["sources"]:
-            for name in src["tensors"].values():
+            for kind, name in src["tensors"].items():
                 if name not in source.location:
-                    raise InputError(f"--source {source_dir}: no tensor '{name}' (a source tensor of layer "
-                                     f"'{entry['name']}')", hint=hint)
+                    found.append(f"the manifest names source tensor '{name}' (its {kind}), which --source does not "
+                                 "have")
+                    continue
                 shape = source.info(name).shape
-                experts = entry["num_experts"]
-                if stacked and (len(shape) < 2 or shape[0] != experts):
-                    raise InputError(f"--source {source_dir}: tensor '{name}' has shape {list(shape)}, not the "
-                                     f"{experts} stacked experts of layer '{entry['name']}'", hint=hint)
-    return source
+                if stacked and (len(shape) < 2 or shape[0] != entry["num_experts"]):
+                    found.append(f"the manifest says {entry['num_experts']} stacked experts, --source's tensor "
+                                 f"'{name}' has shape {list(shape)}")
+        if found:
+            unmatched[i] = found
+    return source, unmatched
 
 
 def _compare_copies(source, source_dir: Path, manifest: dict, headers: dict) -> tuple[list[str], int]:
@@ -583,11 +589,15 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     problems = list(checked.problems)
     if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
         problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
-    source = _open_source(Path(source_dir), manifest) if source_dir is not None else None
+    source, unmatched = _open_source(Path(source_dir), manifest) if source_dir is not None else (None, {})
     source_copies = 0
     use_kernel = gpu_workers is not None
     act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
     per_entry = _results_skeleton(manifest, checked)
+    for i, found in unmatched.items():
+        for result in per_entry[i]:
+            for problem in found:
+                result.fail(problem)
     kept = [KeptResult(entry["name"], entry["reason"], list(checked.kept_problems.get(entry["name"], [])))
             for entry in manifest["kept"]]
     kept_by_label = {f"kept '{k.name}'": k for k in kept}
@@ -607,7 +617,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     mark("manifest and audit")
     global _STATE
     _STATE = _WorkerState(out_dir, manifest, checked.layers, TensorReader(out_dir, checked.headers), source,
-                          stage_size)
+                          stage_size, unmatched=set(unmatched))
     if progress is not None:  # entries and files that cannot be checked are done already
         progress(len(manifest["layers"]) - len(usable) + len(manifest["files"]) - len(checked.files))
     checking = use_kernel and bool(usable)

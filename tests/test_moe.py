@@ -173,15 +173,17 @@ def test_stack_experts_leaves_a_single_expert_as_it_is_and_it_verifies(tmp_path)
         assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", *extra]) == 0
 
 
-def test_a_stacked_source_with_other_experts_is_a_bad_source(tmp_path, capsys):
-    """--source whose stacked tensors hold more experts than were converted is not this checkpoint's source."""
+def test_a_stacked_source_with_other_experts_fails_those_layers(tmp_path, capsys):
+    """--source whose stacked tensors hold more experts than were converted differs from the output: the stacked
+    layers fail, exit 1 (it was exit 2, blaming the source, as a tampered manifest num_experts was too)."""
     small = write_checkpoint(tmp_path / "in4", qwen3_moe(num_layers=1, num_experts=4, hidden=128,
                                                          expert_intermediate=64, group_size=32, stacked=True))
     big = write_checkpoint(tmp_path / "in8", qwen3_moe(num_layers=1, num_experts=8, hidden=128,
                                                        expert_intermediate=64, group_size=32, stacked=True))
     convert(small, tmp_path / "out", workers=1)
-    assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", "--source", str(big)]) == 2
-    assert "not the 4 stacked experts" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q", "--source", str(big)]) == 1
+    assert ("the manifest says 4 stacked experts, --source's tensor 'model.layers.0.mlp.experts.down_proj.qweight' "
+            "has shape [8, ") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stacked", [False, True])

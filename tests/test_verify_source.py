@@ -168,3 +168,46 @@ def test_a_kept_tensor_relabelled_in_the_header_fails(tmp_path, kept_case, relab
     resign(out)
     assert verify(out, gpus=None, workers=1).ok
     assert_fails(out, src, f"tensor '{name}': I32 [16, 128] in --source (model.safetensors), {said} in OUT_DIR")
+
+
+# ------------------------------------------------------------------------------- the manifest against the source
+
+
+def _run_cli(out: Path, source: Path, capsys) -> tuple[int, str]:
+    from marlin_convert.cli.app import main
+
+    code = main(["verify", str(out), "--skip-kernel", "-q", "--source", str(source)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_a_manifest_naming_a_source_tensor_the_source_lacks_fails_that_layer(out, capsys):
+    """It was exit 2, "--source IN: no tensor 'foo.qweight'", blaming the source for what the manifest says."""
+    edit_manifest(out, lambda m: m["layers"][0]["sources"][0]["tensors"].update(qweight="foo.qweight"))
+    code, text = _run_cli(out, EXAMPLE, capsys)
+    assert code == 1, text
+    assert "the manifest names source tensor 'foo.qweight' (its qweight), which --source does not have" in text
+    assert "Error: --source" not in text
+    report = check(out, EXAMPLE)
+    assert [r.name for r in report.failures] == ["model.layers.0.mlp.down_proj"]
+
+
+def test_a_stacked_layer_with_another_number_of_experts_fails_that_layer(tmp_path, capsys):
+    from make_gptq_checkpoint import qwen3_moe
+
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=4, hidden=128,
+                                                     expert_intermediate=128, vocab=64, stacked=True))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    assert check(out, src).ok
+
+    def change(manifest):
+        entry = next(e for e in manifest["layers"] if e["num_experts"] == 4)
+        entry.update(num_experts=2)
+        entry["sources"][0]["slices"] = [0, 2]
+
+    edit_manifest(out, change)
+    code, text = _run_cli(out, src, capsys)
+    assert code == 1, text
+    assert "the manifest says 2 stacked experts, --source's tensor 'model.layers.0.mlp.experts." in text
+    assert "has shape [4, " in text and "Error: --source" not in text
