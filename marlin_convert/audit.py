@@ -304,7 +304,7 @@ def _format_problems(manifest: dict) -> list[str]:
     return problems
 
 
-def _read_config(path: Path) -> tuple[dict | None, str | None]:
+def read_config(path: Path) -> tuple[dict | None, str | None]:
     if outside_link(path, path.parent) is not None:  # (into the Hugging Face cache's blobs only)
         return None, f"{path.name}: a link out of {path.parent}, not read"
     if not path.is_file():  # a FIFO would block
@@ -332,7 +332,7 @@ def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
             if required:
                 problems.append(f"{name} is missing")
             continue
-        data, problem = _read_config(path)
+        data, problem = read_config(path)
         if problem:
             problems.append(problem)
             continue
@@ -407,7 +407,7 @@ def _index_problems(out_dir: Path, headers: dict[str, SafetensorsFile], shard_co
     path = out_dir / INDEX_FILE
     if not path.exists():
         return [f"{INDEX_FILE} is missing ({shard_count} shards)"] if shard_count > 1 else []
-    data, problem = _read_config(path)
+    data, problem = read_config(path)
     if problem:
         return [problem]
     weight_map, metadata = data.get("weight_map"), data.get("metadata")

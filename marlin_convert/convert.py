@@ -336,14 +336,17 @@ def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
             "with a reader of the manifest (README: Who loads the output)"]
 
 
-def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False) -> ConversionPlan:
+def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False,
+               checkpoint: Checkpoint | None = None) -> ConversionPlan:
     """Open and check ``in_dir`` and declare every output tensor. Writes nothing.
 
     Raises :class:`InputError` for a malformed checkpoint and, unless ``skip_incompatible``,
     :class:`UnsupportedLayerError` naming every layer that has no Marlin form and why. With ``stack_experts``,
     per-expert keys ``<base>.<e>.<projection>`` become one stacked ``<base>.<projection>`` per projection.
+    ``checkpoint``: ``in_dir`` opened already (:func:`marlin_convert.sources.open_checkpoint`).
     """
-    checkpoint = open_checkpoint(Path(in_dir))
+    if checkpoint is None:
+        checkpoint = open_checkpoint(Path(in_dir))
     layers = plan_layers(checkpoint)
     by_prefix = {layer.prefix: layer for layer in layers}
     groups, _ = group_experts(list(by_prefix))
@@ -699,25 +702,30 @@ def _gptq_settings(plan: ConversionPlan) -> dict:
     return config
 
 
-def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
-    """config.json (``quantization_config``) and quantize_config.json, each with the values it was read with
-    (the other file's where it had none), and the format keys of :func:`_marlin_quant_config`. A checkpoint
-    converted from compressed-tensors gets the GPTQ-style settings of :func:`_gptq_settings` in both."""
+def output_configs(plan: ConversionPlan) -> dict[str, dict]:
+    """What the output's configs hold, by file name: config.json (``quantization_config``; only where the source has
+    a config.json) and quantize_config.json, each with the values it was read with (the other file's where it had
+    none), and the format keys of :func:`_marlin_quant_config`. A checkpoint converted from compressed-tensors gets
+    the GPTQ-style settings of :func:`_gptq_settings` in both. ``verify --source`` compares the output with it."""
     checkpoint = plan.checkpoint
     section = (checkpoint.config_json or {}).get("quantization_config")
     own = section if section is not None else checkpoint.quantize_json
     if checkpoint.source_format == QUANT_METHOD:
         own = _gptq_settings(plan)
+    configs = {}
     if checkpoint.config_json is not None:
-        config_json = dict(checkpoint.config_json)
-        config_json["quantization_config"] = _marlin_quant_config(own, plan)
-        (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
-    quantize_json = _marlin_quant_config(checkpoint.quantize_json if checkpoint.quantize_json is not None else own,
-                                         plan)
-    (tmp / QUANTIZE_CONFIG_FILE).write_text(json.dumps(quantize_json, indent=2) + "\n", encoding="utf-8")
+        configs[CONFIG_FILE] = {**checkpoint.config_json, "quantization_config": _marlin_quant_config(own, plan)}
+    configs[QUANTIZE_CONFIG_FILE] = _marlin_quant_config(
+        checkpoint.quantize_json if checkpoint.quantize_json is not None else own, plan)
+    return configs
 
 
-def _produced_names(plan: ConversionPlan) -> set[str]:
+def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
+    for name, config in output_configs(plan).items():
+        (tmp / name).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def produced_names(plan: ConversionPlan) -> set[str]:
     """File names the converter writes itself into OUT_DIR (never copied from IN_DIR)."""
     return {shard.file_name for shard in plan.shards} | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
 
@@ -828,7 +836,7 @@ def convert(
         raise refusal
     checkpoint = plan.checkpoint
     bytes_in = plan.bytes_in  # (read once, now: nothing after the output is moved into place may fail)
-    extra = select_extra_files(in_dir, _produced_names(plan))
+    extra = select_extra_files(in_dir, produced_names(plan))
     notes = list(plan.notes) + [f"not copied from IN_DIR: {line}" for line in extra.skipped]
     if out_dir.parent.is_dir():
         notes += clear_stale_partials(out_dir)
@@ -937,4 +945,5 @@ def convert(
     )
 
 
-__all__ = ["ConversionPlan", "ConversionReport", "OutputLayer", "build_plan", "convert", "marlin_outputs", "run_job"]
+__all__ = ["ConversionPlan", "ConversionReport", "OutputLayer", "build_plan", "convert", "marlin_outputs",
+           "output_configs", "run_job"]

@@ -13,7 +13,8 @@
      source: its ``weight_packed``, ``weight_scale``, ``weight_zero_point``, ``weight_g_idx`` and ``weight_shape``)
      hashed against the digests the converter recorded from the source: equal digests prove the conversion
      lossless. With a source directory, the rebuilt tensors are also compared with the originals byte for byte,
-     and the copied tensors and files with the source's own (:func:`_compare_copies`).
+     and the copied tensors and files with the source's own, and the output as a whole with what converting the
+     source makes (:mod:`marlin_convert.source_match`).
 
 4. **The kernel** (GPU, :mod:`marlin_convert.gpu_check`, in one process per GPU started first:
    :mod:`marlin_convert.gpu_workers`): each slice's Marlin tensors and rebuilt GPTQ tensors travel in one pinned
@@ -47,14 +48,13 @@ import numpy as np
 
 from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
-from .fileio import hash_file, hash_range, open_inside
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
+from .fileio import open_inside
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
+from .source_match import compare_with_source, plan_source
 from .sources import FORM_NAMES, open_checkpoint
 from .manifest import load_manifest, manifest_digest
 from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
-from .safetensors_io import open_as_read
 from .interrupts import held
 from .workers import MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, worker_pool
 
@@ -141,7 +141,7 @@ class VerifyReport:
     source_format: str = "gptq"  # what the checkpoint was converted from (the manifest's source.format)
     #: when each phase ended, in seconds since verify() began ("process start" is negative: the interpreter's start)
     timeline: dict[str, float] = field(default_factory=dict)
-    #: with a source: the copied tensors and files compared with the source's (:func:`_compare_copies`)
+    #: with a source: the copied tensors and files compared with the source's (:mod:`marlin_convert.source_match`)
     source_copies_checked: int = 0
 
     @property
@@ -451,8 +451,9 @@ def _results_skeleton(manifest: dict, checked: Audit) -> list[list[LayerResult]]
 
 def _open_source(source_dir: Path, manifest: dict):
     """Open ``--source`` and check that it is in the source format the checkpoint was converted from (else
-    :class:`InputError`: a wrong ``--source`` is a bad argument). Returns it and, by manifest layer index, what keeps
-    a layer from being compared with it: a source tensor the manifest names that the source does not have, or a
+    :class:`InputError`: a wrong ``--source`` is a bad argument). Returns it, the plan of its conversion
+    (:func:`marlin_convert.source_match.plan_source`; InputError for a source that cannot be converted) and, by
+    manifest layer index, what keeps a layer from being compared with it: a source tensor the manifest names that the source does not have, or a
     stacked source without the manifest's number of experts (the output and the source differ: the layer fails)."""
     source = open_checkpoint(source_dir)
     expected = manifest["source"]["format"]
@@ -461,6 +462,7 @@ def _open_source(source_dir: Path, manifest: dict):
                          f"checkpoint, but this one was converted from {FORM_NAMES.get(expected, expected)}",
                          hint="give the directory the checkpoint was converted from (the manifest names "
                               f"{manifest['source']['path']})")
+    plan = plan_source(source, manifest)
     unmatched: dict[int, list[str]] = {}
     for i, entry in enumerate(manifest["layers"]):
         stacked = len(entry["sources"]) == 1 and entry["sources"][0]["slices"] is not None
@@ -477,65 +479,7 @@ def _open_source(source_dir: Path, manifest: dict):
                                  f"'{name}' has shape {list(shape)}")
         if found:
             unmatched[i] = found
-    return source, unmatched
-
-
-def _compare_copies(source, source_dir: Path, manifest: dict, headers: dict) -> tuple[list[str], int]:
-    """What OUT_DIR holds as copies of ``--source`` against ``--source`` itself: every passthrough tensor and every
-    tensor of a kept layer against the same-named tensor of the source (dtype, shape, and its bytes against the
-    digest the manifest recorded, which the output's own bytes were checked against), and every file copied from
-    IN_DIR against the source's file. ``headers``: the output shards' (a kept tensor's dtype and shape are its
-    header's; a passthrough tensor's, the manifest's, which the audit held its header to). Returns the problems and
-    the number of tensors and files compared."""
-    problems, compared = [], 0
-    wanted = [(e["name"], e["sha256"], e["dtype"], e["shape"]) for e in manifest["passthrough"]]
-    for kept in manifest["kept"]:
-        for kind, name in kept["tensors"].items():
-            header = headers.get(kept["shards"].get(kind))
-            info = header.tensors.get(name) if header is not None else None  # (missing: the audit says so)
-            wanted.append((name, kept["digests"][kind], *((info.dtype, list(info.shape)) if info else (None, None))))
-    descriptors: dict[Path, int] = {}
-    try:
-        for name, digest, dtype, shape in wanted:
-            file = source.location.get(name)
-            if file is None:
-                problems.append(f"tensor '{name}' (copied into OUT_DIR) is not in --source {source_dir}")
-                continue
-            info = file.tensors[name]
-            compared += 1
-            if dtype is not None and (info.dtype, list(info.shape)) != (dtype, shape):
-                problems.append(f"tensor '{name}': {info.dtype} {list(info.shape)} in --source ({file.path.name}), "
-                                f"{dtype} {shape} in OUT_DIR")
-                continue
-            try:
-                if file.path not in descriptors:
-                    descriptors[file.path] = open_as_read(file.path, file.identity)
-                same = hash_range(descriptors[file.path], info.begin, info.nbytes) == digest
-            except OSError as exc:
-                problems.append(f"{file.path}: cannot read tensor '{name}': {exc.strerror or exc}")
-                continue
-            if not same:
-                problems.append(f"tensor '{name}' differs from --source's ({file.path.name})")
-    finally:
-        for fd in descriptors.values():
-            os.close(fd)
-    produced = {*manifest["shards"], INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE}  # written, not copied
-    for name, record in manifest["files"].items():
-        if name in produced:
-            continue
-        path = Path(source_dir) / name
-        if not path.is_file():
-            problems.append(f"file {name} (copied into OUT_DIR) is not a file of --source {source_dir}")
-            continue
-        compared += 1
-        try:
-            size, digest = hash_file(path)
-        except OSError as exc:
-            problems.append(f"{path}: cannot read: {exc.strerror or exc}")
-            continue
-        if (size, digest) != (record["bytes"], record["sha256"]):
-            problems.append(f"file {name} differs from --source's")
-    return problems, compared
+    return source, plan, unmatched
 
 
 def verify(
@@ -589,7 +533,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     problems = list(checked.problems)
     if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
         problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
-    source, unmatched = _open_source(Path(source_dir), manifest) if source_dir is not None else (None, {})
+    source, plan, unmatched = _open_source(Path(source_dir), manifest) if source_dir is not None else (None, None, {})
     source_copies = 0
     use_kernel = gpu_workers is not None
     act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
@@ -647,7 +591,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
         if source is not None:  # in a thread beside the workers and the GPU feeding (its reads and hashing release
             def compare() -> None:  # the GIL), joined once they are done
                 try:
-                    compared["result"] = _compare_copies(source, Path(source_dir), manifest, checked.headers)
+                    compared["result"] = compare_with_source(plan, Path(source_dir), out_dir, manifest, checked.headers)
                 except BaseException as exc:  # (raised in this thread after the join)
                     compared["error"] = exc
 

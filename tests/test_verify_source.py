@@ -211,3 +211,136 @@ def test_a_stacked_layer_with_another_number_of_experts_fails_that_layer(tmp_pat
     assert code == 1, text
     assert "the manifest says 2 stacked experts, --source's tensor 'model.layers.0.mlp.experts." in text
     assert "has shape [4, " in text and "Error: --source" not in text
+
+
+# ------------------------------------------------------------------------------------------------ completeness
+
+
+def _drop_layer(out: Path, layer: str) -> None:
+    """Remove converted layer ``layer``: its tensors from its shard, the index and its manifest entry."""
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    entry = next(e for e in manifest["layers"] if e["name"] == layer)
+    for shard in set(entry["shards"].values()):
+        rewrite_shard(out / shard, drop=set(entry["outputs"].values()))
+    edit_manifest(out, lambda m: m["layers"].remove(entry))
+
+
+def _drop_passthrough(out: Path, name: str) -> None:
+    rewrite_shard(shard_of(out, name), drop={name})
+    edit_manifest(out, lambda m: m["passthrough"].remove(next(e for e in m["passthrough"] if e["name"] == name)))
+
+
+def _drop_file(out: Path, name: str) -> None:
+    (out / name).unlink()
+    edit_manifest(out, lambda m: m["files"].pop(name))
+
+
+def _drop_g_idx(out: Path) -> None:
+    def change(manifest):
+        source = manifest["layers"][0]["sources"][0]
+        source.update(g_idx="absent")
+        del source["tensors"]["g_idx"], source["digests"]["g_idx"]
+
+    edit_manifest(out, change)
+
+
+@pytest.mark.parametrize("tamper, found", [
+    (lambda out: _drop_layer(out, "model.layers.0.self_attn.q_proj"),
+     "converted layer 'model.layers.0.self_attn.q_proj' of --source: tensor(s) 'model.layers.0.self_attn.q_proj."),
+    (lambda out: _drop_passthrough(out, "lm_head.weight"),
+     "--source tensor 'lm_head.weight' (model-00002-of-00002.safetensors) accounted for nowhere in OUT_DIR"),
+    (lambda out: _drop_file(out, "tokenizer.json"), "file tokenizer.json of --source is not in OUT_DIR"),
+    (_drop_g_idx, "converted layer 'model.layers.0.mlp.down_proj' of --source: tensor(s) "
+                  "'model.layers.0.mlp.down_proj.g_idx' accounted for nowhere in OUT_DIR"),
+])
+def test_an_output_missing_part_of_the_source_fails(out, capsys, tamper, found):
+    """A layer, a passthrough tensor, a copied file or a source g_idx removed from the output (shards, index and
+    manifest edited alike, files re-signed): the output agrees with itself, and all passed --source (exit 0)."""
+    tamper(out)
+    resign(out)
+    assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, EXAMPLE, found)
+    code, text = _run_cli(out, EXAMPLE, capsys)
+    assert code == 1 and found in text, text
+
+
+def test_a_kept_layer_missing_from_the_output_fails(tmp_path, kept_case):
+    src, converted = kept_case
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    rewrite_shard(out / "model.safetensors", drop=set(manifest["kept"][0]["tensors"].values()))
+
+    def change(m):
+        m["kept"] = []
+        m["checkpoint_format"] = "marlin"
+
+    edit_manifest(out, change)
+    for name in ("config.json", "quantize_config.json"):
+        config = json.loads((out / name).read_text())
+        section = config.get("quantization_config", config)
+        section.pop("modules_in_gptq_form")
+        section.update(checkpoint_format="marlin", is_marlin_format=True)
+        (out / name).write_text(json.dumps(config))
+    resign(out)
+    assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, src, "layer 'model.layers.0.mlp.down_proj' of --source, kept in its source form: tensor(s) ")
+
+
+def test_a_file_the_conversion_does_not_copy_fails(out, tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(EXAMPLE, source)
+    (source / ".hidden").write_text("x")
+    (out / ".hidden").write_text("x")
+    edit_manifest(out, lambda m: m["files"].update({".hidden": {}}))
+    resign(out)
+    assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, source, "file .hidden is in OUT_DIR, but converting --source does not copy it")
+
+
+# ------------------------------------------------------------------------------------------------------ configs
+
+
+def _set_config(out: Path, name: str, change) -> None:
+    config = json.loads((out / name).read_text())
+    change(config)
+    (out / name).write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize("name, change, found", [
+    ("config.json", lambda c: c.update(vocab_size=512), "config.json: vocab_size is 512, converting --source writes 256"),
+    ("config.json", lambda c: c.update(architectures=["MistralForCausalLM"]),
+     'config.json: architectures[0] is "MistralForCausalLM", converting --source writes "LlamaForCausalLM"'),
+    ("config.json", lambda c: c["quantization_config"].update(desc_act=True),
+     "config.json: quantization_config.desc_act is true, converting --source writes false"),
+    ("config.json", lambda c: c["quantization_config"].update(pack_dtype="int8"),
+     'config.json: quantization_config.pack_dtype is "int8", converting --source writes absent'),
+    ("config.json", lambda c: c["quantization_config"].update(bits=4.0),
+     "config.json: quantization_config.bits is 4.0, converting --source writes 4"),
+    ("quantize_config.json", lambda c: c.pop("true_sequential"),
+     "quantize_config.json: true_sequential is absent, converting --source writes true"),
+])
+def test_configs_that_differ_from_what_the_source_converts_to_fail(out, name, change, found):
+    """Only format, bits, group_size and sym were compared (with the manifest, not the source): a config edited
+    elsewhere, files re-signed, passed --source."""
+    _set_config(out, name, change)
+    resign(out)
+    assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, EXAMPLE, found)
+
+
+def test_a_compressed_tensors_source_config_edited_in_the_output_fails(tmp_path):
+    fixture = Path(__file__).resolve().parent / "fixtures" / "llmcompressor" / "w4a16_g128"
+    out = tmp_path / "out"
+    convert(fixture, out, workers=1)
+    assert check(out, fixture).ok
+
+    def change(config):
+        kept = config["quantization_config"]["source_quantization_config"]
+        kept["config_groups"]["group_0"]["weights"]["observer"] = "mse"
+
+    _set_config(out, "config.json", change)
+    resign(out)
+    assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, fixture, "config.json: quantization_config.source_quantization_config.config_groups.group_0."
+                               "weights.observer is \"mse\", converting --source writes ")

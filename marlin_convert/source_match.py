@@ -1,0 +1,224 @@
+"""The output as a whole against ``verify --source``: what converting the source makes, nothing more or less.
+
+:mod:`marlin_convert.verify` rebuilds each converted layer and compares it with the source's tensors; this module
+plans the conversion of the source again with the converter's own functions (:func:`marlin_convert.convert.build_plan`
+with ``--skip-incompatible``, and ``--stack-experts`` where the manifest stacked per-expert layers; nothing is written)
+and holds the output to it:
+
+- every tensor of the source is accounted for in the role the plan gives it: a source tensor of a converted layer
+  (a manifest layer's ``sources``), a tensor of a layer kept in its source form (``kept``), or a passthrough tensor;
+- every copied tensor (passthrough, kept) has the source's dtype, shape and bytes;
+- every file the conversion copies from the source is in the output and equal to it, and the output holds no other
+  file than those and what the converter writes (shards, index, configs);
+- the configs are equal to what the converter writes from the source's configs
+  (:func:`marlin_convert.convert.output_configs`), key for key (``4.0`` is not ``4``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .audit import read_config
+from .convert import ConversionPlan, build_plan, output_configs, produced_names
+from .fileio import hash_file, hash_range
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint
+from .outfiles import select_extra_files
+from .safetensors_io import open_as_read
+
+#: problems of one kind named at the most (a source of another model would list every tensor)
+MAX_NAMED = 10
+
+
+def plan_source(source: Checkpoint, manifest: dict) -> ConversionPlan:
+    """The conversion of ``source`` as the output was made: layers with no Marlin form kept, per-expert layers
+    stacked where the manifest has a layer entry of several sources. Raises :class:`InputError` for a source that
+    cannot be converted at all."""
+    stacked = any(len(entry["sources"]) > 1 for entry in manifest["layers"])
+    return build_plan(source.path, skip_incompatible=True, stack_experts=stacked, checkpoint=source)
+
+
+def _describe(role: tuple[str, str | None]) -> str:
+    kind, layer = role
+    return {"layer": f"a source tensor of converted layer '{layer}'",
+            "kept": f"a tensor of layer '{layer}', kept in its source form",
+            "passthrough": "a passthrough tensor"}[kind]
+
+
+def _plan_roles(plan: ConversionPlan) -> dict[str, tuple[str, str | None]]:
+    roles = {name: ("layer", member.prefix) for output in plan.outputs for member in output.sources
+             for name in member.source_names.values()}
+    roles.update({name: ("kept", layer.prefix) for layer in plan.refused for name in layer.kept_names.values()})
+    return roles
+
+
+def _manifest_roles(manifest: dict) -> dict[str, tuple[str, str | None]]:
+    roles = {name: ("passthrough", None) for name in (entry["name"] for entry in manifest["passthrough"])}
+    roles.update({name: ("kept", entry["name"]) for entry in manifest["kept"] for name in entry["tensors"].values()})
+    roles.update({name: ("layer", src["name"]) for entry in manifest["layers"] for src in entry["sources"]
+                  for name in src["tensors"].values()})
+    return roles
+
+
+def _capped(problems: list[str], what: str) -> list[str]:
+    if len(problems) <= MAX_NAMED:
+        return problems
+    return problems[:MAX_NAMED] + [f"(and {len(problems) - MAX_NAMED} more {what})"]
+
+
+def accounting_problems(plan: ConversionPlan, manifest: dict) -> list[str]:
+    """Every tensor of the source in the manifest, in the role the plan gives it; tensors of one layer that the
+    manifest accounts for nowhere are named together."""
+    made, stated = _plan_roles(plan), _manifest_roles(manifest)
+    nowhere: dict[tuple[str, str | None], list[str]] = {}
+    problems = []
+    for name, file in plan.checkpoint.location.items():
+        role, said = made.get(name, ("passthrough", None)), stated.get(name)
+        if said is None:
+            nowhere.setdefault(role if role[0] != "passthrough" else (name, file.path.name), []).append(name)
+        elif said != role:
+            problems.append(f"--source tensor '{name}' is {_describe(said)} in OUT_DIR; converting --source makes "
+                            f"it {_describe(role)}")
+    missing = []
+    for (kind, owner), names in nowhere.items():
+        listed = ", ".join(f"'{name}'" for name in names)
+        if kind == "layer":
+            missing.append(f"converted layer '{owner}' of --source: tensor(s) {listed} accounted for nowhere in "
+                           "OUT_DIR (no manifest layer lists them)")
+        elif kind == "kept":
+            missing.append(f"layer '{owner}' of --source, kept in its source form: tensor(s) {listed} accounted for "
+                           "nowhere in OUT_DIR (not in the manifest's kept)")
+        else:
+            missing.append(f"--source tensor '{kind}' ({owner}) accounted for nowhere in OUT_DIR (a passthrough "
+                           "tensor: not in the manifest's passthrough)")
+    return _capped(missing, "unaccounted") + _capped(problems, "in another role")
+
+
+def _first_difference(said, made, path: str):
+    """(key path, output's value, converter's value) of the first difference, else None; ``...`` for absent."""
+    if isinstance(said, dict) and isinstance(made, dict):
+        for key in [*made, *(key for key in said if key not in made)]:
+            where = f"{path}.{key}" if path else key
+            if key not in said or key not in made:
+                return where, said.get(key, ...), made.get(key, ...)
+            found = _first_difference(said[key], made[key], where)
+            if found is not None:
+                return found
+        return None
+    if isinstance(said, list) and isinstance(made, list) and len(said) == len(made):
+        return next((found for i, (a, b) in enumerate(zip(said, made))
+                     if (found := _first_difference(a, b, f"{path}[{i}]")) is not None), None)
+    return None if json.dumps(said) == json.dumps(made) else (path, said, made)  # as JSON: 4.0 is not 4
+
+
+def config_problems(plan: ConversionPlan, out_dir: Path) -> list[str]:
+    """config.json and quantize_config.json against what the converter writes from the source's configs."""
+    problems = []
+    expected = output_configs(plan)
+    for name in (CONFIG_FILE, QUANTIZE_CONFIG_FILE):
+        path = out_dir / name
+        if not path.exists() and not path.is_symlink():
+            if name in expected:
+                problems.append(f"{name} is missing; converting --source writes one")
+            continue
+        if name not in expected:
+            problems.append(f"{name}: converting --source writes none (the source has no {name})")
+            continue
+        data, problem = read_config(path)
+        if problem is not None:  # (the audit names it)
+            continue
+        found = _first_difference(data, expected[name], "")
+        if found is not None:
+            key, said, made = found
+            shown = [json.dumps(value)[:80] if value is not ... else "absent" for value in (said, made)]
+            problems.append(f"{name}: {key or 'the whole file'} is {shown[0]}, converting --source writes {shown[1]}")
+    return problems
+
+
+def file_problems(plan: ConversionPlan, source_dir: Path, manifest: dict) -> tuple[list[str], int]:
+    """The files of the output against what converting the source writes and copies: the shards, the index, each
+    copied file present and equal to the source's, no other file. Returns the problems and the files compared."""
+    produced = produced_names(plan)
+    copied = select_extra_files(source_dir, produced).copy
+    listed = manifest["files"]
+    problems, compared = [], 0
+    shards = [shard.file_name for shard in plan.shards]
+    if sorted(manifest["shards"]) != sorted(shards):
+        problems.append(f"the manifest's shards are {json.dumps(manifest['shards'])[:200]}, converting --source "
+                        f"writes {json.dumps(shards)[:200]}")
+    if (INDEX_FILE in listed) != (plan.checkpoint.index_json is not None):
+        problems.append(f"{INDEX_FILE}: " + ("in OUT_DIR, but --source has none" if INDEX_FILE in listed
+                                             else "--source has one, OUT_DIR none"))
+    for name in sorted(set(copied) - set(listed)):
+        problems.append(f"file {name} of --source is not in OUT_DIR (the conversion copies it)")
+    for name, record in listed.items():
+        if name in produced:
+            continue
+        path = Path(source_dir) / name
+        if not path.is_file():
+            problems.append(f"file {name} (copied into OUT_DIR) is not a file of --source {source_dir}")
+            continue
+        if name not in copied:
+            problems.append(f"file {name} is in OUT_DIR, but converting --source does not copy it")
+            continue
+        compared += 1
+        try:
+            size, digest = hash_file(path)
+        except OSError as exc:
+            problems.append(f"{path}: cannot read: {exc.strerror or exc}")
+            continue
+        if (size, digest) != (record["bytes"], record["sha256"]):
+            problems.append(f"file {name} differs from --source's")
+    return problems, compared
+
+
+def tensor_copy_problems(source: Checkpoint, source_dir: Path, manifest: dict, headers: dict) -> tuple[list[str], int]:
+    """Every passthrough tensor and every tensor of a kept layer against the same-named tensor of the source: dtype,
+    shape, and its bytes against the digest the manifest recorded (which the output's own bytes were checked
+    against). ``headers``: the output shards' (a kept tensor's dtype and shape are its header's; a passthrough
+    tensor's, the manifest's, which the audit held its header to). Returns the problems and the tensors compared."""
+    problems, compared = [], 0
+    wanted = [(e["name"], e["sha256"], e["dtype"], e["shape"]) for e in manifest["passthrough"]]
+    for kept in manifest["kept"]:
+        for kind, name in kept["tensors"].items():
+            header = headers.get(kept["shards"].get(kind))
+            info = header.tensors.get(name) if header is not None else None  # (missing: the audit says so)
+            wanted.append((name, kept["digests"][kind], *((info.dtype, list(info.shape)) if info else (None, None))))
+    descriptors: dict[Path, int] = {}
+    try:
+        for name, digest, dtype, shape in wanted:
+            file = source.location.get(name)
+            if file is None:
+                problems.append(f"tensor '{name}' (copied into OUT_DIR) is not in --source {source_dir}")
+                continue
+            info = file.tensors[name]
+            compared += 1
+            if dtype is not None and (info.dtype, list(info.shape)) != (dtype, shape):
+                problems.append(f"tensor '{name}': {info.dtype} {list(info.shape)} in --source ({file.path.name}), "
+                                f"{dtype} {shape} in OUT_DIR")
+                continue
+            try:
+                if file.path not in descriptors:
+                    descriptors[file.path] = open_as_read(file.path, file.identity)
+                same = hash_range(descriptors[file.path], info.begin, info.nbytes) == digest
+            except OSError as exc:
+                problems.append(f"{file.path}: cannot read tensor '{name}': {exc.strerror or exc}")
+                continue
+            if not same:
+                problems.append(f"tensor '{name}' differs from --source's ({file.path.name})")
+    finally:
+        for fd in descriptors.values():
+            os.close(fd)
+    return problems, compared
+
+
+def compare_with_source(plan: ConversionPlan, source_dir: Path, out_dir: Path, manifest: dict,
+                        headers: dict) -> tuple[list[str], int]:
+    """Everything above (the module docstring). Returns the problems and the copied tensors and files compared."""
+    problems, tensors = tensor_copy_problems(plan.checkpoint, source_dir, manifest, headers)
+    found, files = file_problems(plan, source_dir, manifest)
+    return accounting_problems(plan, manifest) + problems + found + config_problems(plan, out_dir), tensors + files
+
+
+__all__ = ["compare_with_source", "plan_source"]
