@@ -454,12 +454,19 @@ def _open_source(source_dir: Path, manifest: dict):
     :class:`InputError`: a wrong ``--source`` is a bad argument). Returns it, the plan of its conversion
     (:func:`marlin_convert.source_match.plan_source`; InputError for a source that cannot be converted) and, by
     manifest layer index, what keeps a layer from being compared with it: a source tensor the manifest names that the source does not have, or a
-    stacked source without the manifest's number of experts (the output and the source differ: the layer fails)."""
+    stacked source without the manifest's number of experts (the output and the source differ: the layer fails). A
+    source that holds none of the tensors the manifest names is another model: InputError."""
     source = open_checkpoint(source_dir)
     expected = manifest["source"]["format"]
     if source.source_format != expected:
         raise InputError(f"--source {source_dir}: a {FORM_NAMES.get(source.source_format, source.source_format)} "
                          f"checkpoint, but this one was converted from {FORM_NAMES.get(expected, expected)}",
+                         hint="give the directory the checkpoint was converted from (the manifest names "
+                              f"{manifest['source']['path']})")
+    named = [name for entry in manifest["layers"] for src in entry["sources"] for name in src["tensors"].values()]
+    if named and not any(name in source.location for name in named):  # another model altogether: a bad argument
+        raise InputError(f"--source {source_dir}: holds none of the source tensors the manifest names (such as "
+                         f"'{named[0]}'): not the checkpoint this one was converted from",
                          hint="give the directory the checkpoint was converted from (the manifest names "
                               f"{manifest['source']['path']})")
     plan = plan_source(source, manifest)

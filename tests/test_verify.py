@@ -413,6 +413,16 @@ def test_a_source_that_is_not_the_converted_checkpoint_fails(tmp_path, converted
     captured = capsys.readouterr()
     assert "internal error" not in captured.err
     assert "the manifest names source tensor 'model.layers.0.mlp." in captured.out
+    # a checkpoint that shares no tensor with the one converted: a wrong --source argument (exit 2, one line, the
+    # hint names the directory the manifest records), not a verify failure of every layer
+    from make_gptq_checkpoint import CheckpointSpec, LinearSpec
+
+    unrelated = write_checkpoint(tmp_path / "unrelated", CheckpointSpec(
+        linears=[LinearSpec("encoder.block.0.dense", 256, 128)], extras=[], group_size=128))
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--source", str(unrelated)]) == 2
+    captured = capsys.readouterr()
+    assert "holds none of the source tensors the manifest names" in captured.err
+    assert "give the directory the checkpoint was converted from" in captured.err
     # a source the converter itself refuses (a stacked layer's g_idx without its experts) is a bad argument
     stacked = write_checkpoint(tmp_path / "stacked", qwen3_moe(num_layers=1, num_experts=2, hidden=128,
                                                                expert_intermediate=128, vocab=64, stacked=True))
