@@ -15,8 +15,8 @@ from pathlib import Path
 
 from . import strict_json
 from .compressed_tensors import QUANT_METHOD, STORED_KIND
-from .errors import ManifestError
-from .fileio import outside_link, read_inside
+from .errors import ManifestError, VerificationFailed
+from .fileio import digest_text, outside_link, read_inside
 
 MANIFEST_FILE = "marlin_manifest.json"
 MANIFEST_VERSION = 2
@@ -39,10 +39,20 @@ def write_manifest(directory: Path, manifest: dict) -> Path:
     return path
 
 
-def load_manifest(directory: Path) -> dict:
+def load_manifest(directory: Path, expect_digest: str | None = None) -> dict:
     """Read ``directory/marlin_manifest.json`` and check every field's JSON type and value (:func:`check_manifest`).
 
-    Raises :class:`ManifestError` naming the file and the field (``layers[3].bits``) on the first problem.
+    Raises :class:`ManifestError` naming the file and the field (``layers[3].bits``) on the first problem, and
+    :class:`VerificationFailed` when ``expect_digest`` is given and differs (see :func:`read_manifest`).
+    """
+    return read_manifest(directory, expect_digest)[0]
+
+
+def read_manifest(directory: Path, expect_digest: str | None = None) -> tuple[dict, str]:
+    """The manifest as :func:`load_manifest` reads it, and the ``sha256:`` digest of the bytes it was parsed from.
+
+    ``expect_digest`` (64 hex digits, ``sha256:`` optional): those bytes' digest is compared before anything is
+    parsed, so a manifest that is not the one recorded is refused before any of its fields is believed.
     """
     path = Path(directory) / MANIFEST_FILE
     target = outside_link(path, Path(directory))
@@ -57,9 +67,16 @@ def load_manifest(directory: Path) -> dict:
             hint="run 'marlin-convert IN_DIR OUT_DIR' first, then verify OUT_DIR",
         )
     try:
-        manifest = strict_json.loads(read_inside(path))
+        content = read_inside(path)
     except OSError as exc:
         raise ManifestError(f"{path}: unreadable: {exc.strerror or exc}") from exc
+    digest = digest_text(hashlib.sha256(content))
+    if expect_digest is not None and expect_digest.lower().removeprefix("sha256:") != digest.removeprefix("sha256:"):
+        raise VerificationFailed(f"{path}: SHA-256 is {digest}, expected {expect_digest}: not the manifest whose "
+                                 "digest was recorded; nothing else was checked",
+                                 hint="a changed manifest can describe changed files: find out who changed it")
+    try:
+        manifest = strict_json.loads(content)
     except ValueError as exc:
         raise ManifestError(f"{path}: unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != "marlin-convert-manifest":
@@ -70,7 +87,7 @@ def load_manifest(directory: Path) -> dict:
         check_manifest(manifest)
     except _FieldError as exc:
         raise ManifestError(f"{path}: field {exc.args[0]}") from None
-    return manifest
+    return manifest, digest
 
 
 def manifest_digest(directory: Path) -> str:

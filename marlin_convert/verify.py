@@ -1,7 +1,8 @@
 """Prove a converted checkpoint right: nothing in it is taken on trust.
 
 1. **The manifest** (:func:`marlin_convert.manifest.load_manifest`): every field has its type and value, else
-   exit 2 naming the field. Its own SHA-256 is reported (and checked against ``expect_manifest`` when given).
+   exit 2 naming the field. Its own SHA-256 is reported (and, when ``expect_manifest`` is given, checked against it
+   before anything else: a manifest that differs stops the run, :class:`VerificationFailed`).
 2. **The manifest against the files** (:mod:`marlin_convert.audit`): every tensor of every shard accounted for,
    every shape consistent with K, N, bits and groups, configs and index saying the same, no file added or missing.
 3. **The bytes**, in parallel worker processes (forked; they die with this process):
@@ -52,7 +53,7 @@ from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
-from .manifest import load_manifest, manifest_digest
+from .manifest import read_manifest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .safetensors_io import open_as_read
 from .interrupts import held
@@ -521,9 +522,10 @@ def verify(
     """Verify ``out_dir`` (see the module docstring). ``gpus=None`` (or empty ``batch_sizes``) skips the kernel.
 
     Raises :class:`ManifestError` for a missing or malformed manifest, :class:`KernelUnavailableError` when the
-    kernel is asked for and cannot run, :class:`VerificationFailed` when a GPU's check process fails (a CUDA error,
-    a crash); returns a report whose ``ok`` is False when anything failed. ``progress(count)`` counts layer entries
-    and listed files as they finish (``len(layers) + len(files)`` in all).
+    kernel is asked for and cannot run, :class:`VerificationFailed` when the manifest's digest is not
+    ``expect_manifest`` or a GPU's check process fails (a CUDA error, a crash); returns a report whose ``ok`` is
+    False when anything failed. ``progress(count)`` counts layer entries and listed files as they finish
+    (``len(layers) + len(files)`` in all).
     """
     start = time.perf_counter()
     check_workers(workers)
@@ -551,12 +553,9 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     def mark(event: str) -> None:
         timeline[event] = time.perf_counter() - start
 
-    manifest = load_manifest(out_dir)
-    digest = manifest_digest(out_dir)
+    manifest, digest = read_manifest(out_dir, expect_manifest)  # (a digest that differs stops here, first)
     checked = audit(out_dir, manifest)
     problems = list(checked.problems)
-    if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
-        problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
     source = _open_source(Path(source_dir), manifest) if source_dir is not None else None
     source_copies = 0
     use_kernel = gpu_workers is not None

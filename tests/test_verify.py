@@ -19,6 +19,7 @@ from make_gptq_checkpoint import tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
 from marlin_convert.convert import convert
+from marlin_convert.errors import VerificationFailed
 from marlin_convert.manifest import MANIFEST_FILE, load_manifest, manifest_digest
 from marlin_convert.safetensors_io import read_header
 from marlin_convert.verify import verify
@@ -263,10 +264,26 @@ def test_an_expected_manifest_digest_shows_tampering(out, capsys):
     digest = manifest_digest(out)
     assert verify(out, gpus=None, workers=1, expect_manifest=digest).ok
     _edit_manifest(out, lambda m: m["notes"].append("edited"))
-    report = verify(out, gpus=None, workers=1, expect_manifest=digest)
-    assert not report.ok and f"expected {digest}" in report.problems[0]
+    with pytest.raises(VerificationFailed, match=f"SHA-256 is sha256:[0-9a-f]{{64}}, expected {digest}"):
+        verify(out, gpus=None, workers=1, expect_manifest=digest)
     assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", digest]) == 1
-    assert "manifest SHA-256" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("Error:") == 1
+    assert f"{MANIFEST_FILE}: SHA-256 is sha256:" in captured.err and f"expected {digest}" in captured.err
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["layers"][0].update(bits="x"),
+    lambda m: m.update(version=3),
+])
+def test_a_manifest_digest_that_differs_stops_verify_before_the_manifest_is_read(out, capsys, edit):
+    """The digest is the first check: a manifest that is not the recorded one is not believed in anything (its
+    fields are neither reported on nor used to size work)."""
+    digest = manifest_digest(out)
+    _edit_manifest(out, edit)
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", digest]) == 1
+    err = capsys.readouterr().err
+    assert err.count("Error:") == 1 and f"expected {digest}" in err and "field" not in err and "version" not in err
 
 
 def test_a_manifest_digest_is_matched_in_any_form_and_a_malformed_one_is_refused_up_front(out, capsys):

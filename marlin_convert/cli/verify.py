@@ -120,7 +120,7 @@ def verify(
     if skip_kernel:
         gpus = None
     check_workers(workers)
-    manifest = load_manifest(out_dir)
+    manifest = load_manifest(out_dir, manifest_sha256)  # (its digest first, when given)
     if source is not None and not source.is_dir():  # (named as --source's, not as a bare path)
         raise InputError(f"--source {source}: {'not a directory' if source.exists() else 'does not exist'}",
                          hint="give the checkpoint directory OUT_DIR was converted from")
