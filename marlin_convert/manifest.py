@@ -218,6 +218,20 @@ def _check_layer(entry, where: str) -> None:
     sources = _get(entry, "sources", where, list)
     for i, source in enumerate(sources):
         _check_source(source, f"{where}.sources[{i}]", source_format)
+    _check_expert_count(experts, shapes, len(sources), where)
+
+
+def _check_expert_count(experts: int, shapes: dict, source_count: int, where: str) -> None:
+    """``num_experts`` against what holds the experts: the leading dimension of every stacked tensor, and one source
+    (a plain layer, or a stacked source) or one per expert (``--stack-experts``). Checked here, before anything
+    (the audit, the results) is sized by the count: a count the entry itself does not bear out is refused."""
+    for kind, shape in shapes.items():
+        if experts and (not shape or shape[0] != experts):
+            raise _FieldError(f"'{where}.num_experts': {experts} experts, but shapes.{kind} is {json.dumps(shape)} "
+                              "(a stacked tensor leads with its experts)")
+    if source_count != 1 and source_count != (experts or 1):
+        expected = f"1 or {experts} (one per expert)" if experts > 1 else "1"
+        raise _FieldError(f"'{where}.sources': {source_count} source(s) for {experts} expert(s), expected {expected}")
 
 
 def _check_source(source, where: str, source_format: str) -> None:

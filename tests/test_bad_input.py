@@ -1186,6 +1186,26 @@ def test_a_manifest_of_gigabytes_is_refused_unread(capsys, tmp_path, src):
                    "unreadable: 3221225472 bytes, more than", memory_bytes=2 << 30)
 
 
+@pytest.mark.parametrize("change, fragments", [
+    # a billion experts and no source: the audit built a list of a billion expected slices (ran for ever, GBs)
+    ({"num_experts": 10**9, "expert_stride_int32": 1, "sources": []},
+     ["layers[0].num_experts': 1000000000 experts, but shapes.B is [16, 256]"]),
+    ({"num_experts": 10**9, "expert_stride_int32": 1, "sources": [],
+      "shapes": {"B": [10**9, 16, 256], "s": [10**9, 4, 128]}},
+     ["layers[0].sources': 0 source(s) for 1000000000 expert(s), expected 1 or 1000000000 (one per expert)"]),
+])
+def test_a_manifest_whose_expert_count_its_entry_does_not_bear_out_is_refused_at_once(capsys, tmp_path, src, change,
+                                                                                     fragments):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    path = out / "marlin_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["layers"][0].update(change)
+    path.write_text(json.dumps(manifest))
+    _bounded_fails(["verify", str(out), "--skip-kernel"], "marlin_manifest.json: field", *fragments, seconds=60,
+                   memory_bytes=2 << 30)
+
+
 def test_every_read_of_a_shard_checks_it_is_the_file_whose_header_was_read(tmp_path, src):
     """Swapped for another file inside IN_DIR (even a byte-identical copy), or written to with its modification time
     put back: each later read refuses it at once, not only the check before publishing (a shard swapped and swapped
