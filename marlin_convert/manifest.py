@@ -14,9 +14,10 @@ import json
 from pathlib import Path
 
 from . import strict_json
-from .compressed_tensors import QUANT_METHOD, STORED_KIND
-from .errors import ManifestError, VerificationFailed
+from .compressed_tensors import MIXED, PACKED, QUANT_METHOD, STORED_KIND
+from .errors import InputError, ManifestError, VerificationFailed
 from .fileio import digest_text, outside_link, read_inside
+from .gptq import GPTQ_BITS, ZERO_FORMAT_OF_LABEL, parse_dynamic
 
 MANIFEST_FILE = "marlin_manifest.json"
 MANIFEST_VERSION = 2
@@ -81,8 +82,9 @@ def read_manifest(directory: Path, expect_digest: str | None = None) -> tuple[di
         raise ManifestError(f"{path}: unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != "marlin-convert-manifest":
         raise ManifestError(f"{path}: not a marlin-convert manifest")
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise ManifestError(f"{path}: manifest version {manifest.get('version')!r}, this tool reads {MANIFEST_VERSION}")
+    version = manifest.get("version")
+    if type(version) is not int or version != MANIFEST_VERSION:  # (2.0 and true are not 2)
+        raise ManifestError(f"{path}: manifest version {json.dumps(version)[:60]}, this tool reads {MANIFEST_VERSION}")
     try:
         check_manifest(manifest)
     except _FieldError as exc:
@@ -271,15 +273,54 @@ def _check_passthrough(entry, where: str) -> None:
     _sha256(entry, where)
 
 
+def _check_defaults(defaults: dict, source_format: str) -> None:
+    """``quantization_defaults``: the config's global settings as it states them (null where absent), with the
+    types and values the converter accepted them with (:func:`marlin_convert.gptq.load_quant_config`,
+    :func:`marlin_convert.compressed_tensors.load_config`)."""
+    where = "quantization_defaults"
+    if source_format == QUANT_METHOD:
+        _get(defaults, "format", where, str, choices=(PACKED, MIXED))
+        if not _get(defaults, "config_groups", where, dict):
+            raise _FieldError(f"'{where}.config_groups': empty (a compressed-tensors config has at least one group)")
+        for name, group in defaults["config_groups"].items():
+            _object(group, f"{where}.config_groups.{name}")
+        if _get(defaults, "ignore", where, list, null=True) is not None:
+            _strings(defaults, "ignore", where)
+        return
+    _get(defaults, "bits", where, int, choices=GPTQ_BITS)
+    group_size = _get(defaults, "group_size", where, int, null=True)
+    if group_size is not None and group_size != -1 and group_size < 1:
+        raise _FieldError(f"'{where}.group_size': {group_size} is neither -1 (channelwise) nor positive")
+    for key in ("desc_act", "sym"):
+        _get(defaults, key, where, bool, null=True)
+    label = _get(defaults, "checkpoint_format", where, str, null=True)
+    if label is not None and label.lower() not in ZERO_FORMAT_OF_LABEL:
+        raise _FieldError(f"'{where}.checkpoint_format': {json.dumps(label)[:60]} is not one of "
+                          f"{', '.join(map(json.dumps, ZERO_FORMAT_OF_LABEL))} (any case)")
+    dynamic = _get(defaults, "dynamic", where, dict, null=True)
+    try:
+        parse_dynamic(dynamic, f"'{where}.dynamic'")  # (the rules' types, values and regexes, as a config's)
+    except InputError as exc:
+        raise _FieldError(exc.message) from None
+
+
 def check_manifest(manifest: dict) -> None:
     """Check the JSON type (and, where the contract fixes it, the value) of every field verify reads.
 
     Raises ``_FieldError`` naming the first bad field; consistency between fields and with the files is
     :mod:`marlin_convert.verify`'s job (it reports each mismatch by name instead of stopping).
     """
-    _get(_get(manifest, "source", "", dict), "format", "source", str, choices=tuple(SOURCE_KINDS))
+    _get(manifest, "tool", "", str)
+    _get(manifest, "created", "", str)
+    source = _get(manifest, "source", "", dict)
+    _get(source, "path", "source", str)
+    _get(source, "bytes", "source", int, minimum=0)
+    source_format = _get(source, "format", "source", str, choices=tuple(SOURCE_KINDS))
+    _strings(source, "quantization_config", "source")
     _get(manifest, "checkpoint_format", "", str, choices=("marlin", "marlin-partial"))
     _get(manifest, "model_dtype", "", str, null=True)
+    _check_defaults(_get(manifest, "quantization_defaults", "", dict), source_format)
+    _strings(manifest, "notes", "")
     _strings(manifest, "shards", "")
     for key, check in (("layers", _check_layer), ("kept", _check_kept), ("passthrough", _check_passthrough)):
         for i, entry in enumerate(_get(manifest, key, "", list)):
