@@ -606,6 +606,27 @@ def test_a_number_too_large_for_a_float_in_a_config_is_refused(capsys, tmp_path,
     _convert_fails(capsys, tmp_path, src, name, f"number {number} is too large for a 64-bit float")
 
 
+@pytest.mark.parametrize("text, place", [
+    ('{"a": {"b c": [1, N]}}', "'a[\"b c\"][1]'"),
+    ('{"layers": [{"num_experts": -N}]}', "'layers[0].num_experts'"),
+    ("N", "the document"),
+])
+def test_an_integer_of_too_many_digits_is_named_by_its_place_not_with_pythons_advice(text, place):
+    digits = strict_json.MAX_INT_DIGITS + 1
+    with pytest.raises(ValueError) as caught:
+        strict_json.loads(text.replace("N", "7" * digits))
+    assert str(caught.value) == f"{place}: a number of {digits} digits, too large to read"
+    assert strict_json.loads(text.replace("N", "7" * (digits - 1)))  # the longest one still reads
+
+
+def test_an_integer_of_too_many_digits_in_a_config_names_the_key(capsys, tmp_path, src):
+    text = (src / "quantize_config.json").read_text()
+    (src / "quantize_config.json").write_text(text.replace("{", '{"damp_percent": ' + "1" * 5000 + ", ", 1))
+    line = _convert_fails(capsys, tmp_path, src, "quantize_config.json",
+                          "'damp_percent': a number of 5000 digits, too large to read")
+    assert "set_int_max_str_digits" not in line
+
+
 @pytest.mark.parametrize("raw", [
     '{"k": "\\ud800"}', b'["ok", {"\\udfff": 1}]', b'"a \\ud83d b"', b'"\\ude00\\ud83d"',  # escapes, no pair
     '"\ud800"',  # a str may hold a lone surrogate itself, without any escape

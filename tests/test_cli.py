@@ -399,6 +399,17 @@ def test_verify_on_a_directory_without_manifest(tmp_path, src, capsys):
     assert "no marlin_manifest.json" in capsys.readouterr().err
 
 
+def test_a_manifest_with_an_integer_of_too_many_digits_names_the_field(tmp_path, src, capsys):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    path = out / "marlin_manifest.json"
+    path.write_text(path.read_text().replace('"in_features": 256', '"in_features": ' + "9" * 4400, 1))
+    assert main(["verify", str(out), "--skip-kernel"]) == 2
+    err = capsys.readouterr().err
+    assert "'layers[0].in_features': a number of 4400 digits, too large to read" in err
+    assert "set_int_max_str_digits" not in err and err.count("Error:") == 1
+
+
 def test_verify_names_a_missing_or_non_directory_out_dir(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "missing"), "--skip-kernel"]) == 2
     assert f"Error: {tmp_path / 'missing'}: does not exist" in capsys.readouterr().err
