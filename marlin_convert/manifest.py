@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 from . import strict_json
 from .compressed_tensors import MIXED, PACKED, QUANT_METHOD, STORED_KIND
 from .errors import InputError, ManifestError, VerificationFailed
-from .fileio import digest_text, outside_link, read_inside
+from .fileio import dead_link, digest_text, outside_link, read_inside
 from .gptq import GPTQ_BITS, ZERO_FORMAT_OF_LABEL, parse_dynamic
 
 MANIFEST_FILE = "marlin_manifest.json"
@@ -62,11 +64,14 @@ def read_manifest(directory: Path, expect_digest: str | None = None) -> tuple[di
     if not Path(directory).is_dir():
         raise ManifestError(f"{directory}: " + ("not a directory" if Path(directory).exists() else "does not exist"),
                             hint="give the OUT_DIR a conversion wrote ('marlin-convert IN_DIR OUT_DIR')")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ManifestError(
             f"{directory}: no {MANIFEST_FILE}: not a directory written by marlin-convert",
             hint="run 'marlin-convert IN_DIR OUT_DIR' first, then verify OUT_DIR",
         )
+    if not path.is_file():  # (never opened: a FIFO would block)
+        raise ManifestError(f"{path}: {_what_is(path)}, not a regular file: not read",
+                            hint="the manifest a conversion writes is a regular file")
     try:
         content = read_inside(path)
     except OSError as exc:
@@ -90,6 +95,17 @@ def read_manifest(directory: Path, expect_digest: str | None = None) -> tuple[di
     except _FieldError as exc:
         raise ManifestError(f"{path}: field {exc.args[0]}") from None
     return manifest, digest
+
+
+def _what_is(path: Path) -> str:
+    """What the entry ``path``, which is not a regular file, is: ``a directory``, ``a FIFO``, ... or a dead link."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a " + dead_link(path) if os.path.islink(path) else "unreadable"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def manifest_digest(directory: Path) -> str:

@@ -399,6 +399,19 @@ def test_verify_on_a_directory_without_manifest(tmp_path, src, capsys):
     assert "no marlin_manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("make, what", [(os.mkfifo, "a FIFO (named pipe)"), (os.mkdir, "a directory"),
+                                        (lambda path: os.symlink("gone", path), "a broken link (to gone)")])
+def test_a_manifest_that_is_not_a_regular_file_is_named_for_what_it_is_and_never_opened(tmp_path, src, capsys, make,
+                                                                                      what):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    (out / "marlin_manifest.json").unlink()
+    make(out / "marlin_manifest.json")  # (a FIFO opened for reading would block: no writer ever comes)
+    assert main(["verify", str(out), "--skip-kernel"]) == 2
+    err = capsys.readouterr().err
+    assert f"Error: {out / 'marlin_manifest.json'}: {what}, not a regular file: not read" in err
+
+
 def test_a_manifest_with_an_integer_of_too_many_digits_names_the_field(tmp_path, src, capsys):
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q"]) == 0
