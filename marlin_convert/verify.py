@@ -390,15 +390,30 @@ def _process_age() -> float | None:
         return None
 
 
+def parse_int_list(spec: str, option: str, expected: str) -> list[int]:
+    """An option's comma-separated list of non-negative integers (``"1,16,128"``; spaces around an item are allowed,
+    as in ``"1, 16"``). Raises :class:`InputError` naming ``option`` and the value, and saying ``expected``, for an
+    empty item (``"1,,2"``, ``"1,"``, ``""``), an item that is not decimal digits, or a number given twice."""
+    numbers: list[int] = []
+    seen: set[int] = set()
+    for item in (item.strip() for item in spec.split(",")):
+        if not (item.isascii() and item.isdigit()):
+            what = "an empty item" if item == "" else f"{item[:20]!r} is not a number"
+        elif len(item) > 18:  # (more than any index or size; Python refuses to read 4300 digits and more)
+            what = f"{item[:20]}... ({len(item)} digits) is too large"
+        elif int(item) in seen:
+            what = f"{int(item)} is given twice"
+        else:
+            numbers.append(int(item))
+            seen.add(int(item))
+            continue
+        raise InputError(f"{option} {spec[:60]!r}: {what}; expected {expected}")
+    return numbers
+
+
 def parse_gpus(spec: str) -> list[int]:
-    """``"0"`` or ``"0,1,3"`` -> list of device indices."""
-    try:
-        gpus = [int(part) for part in spec.split(",") if part.strip() != ""]
-    except ValueError as exc:
-        raise InputError(f"--gpu {spec!r}: expected a GPU index or a comma-separated list such as 0,1") from exc
-    if not gpus or any(g < 0 for g in gpus):
-        raise InputError(f"--gpu {spec!r}: expected a GPU index or a comma-separated list such as 0,1")
-    return gpus
+    """``"0"`` or ``"0,1,3"`` -> list of device indices, each once (:func:`parse_int_list`)."""
+    return parse_int_list(spec, "--gpu", "a GPU index or a comma-separated list such as 0,1")
 
 
 def activation_dtype(manifest: dict, override: str | None) -> str:

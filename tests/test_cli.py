@@ -448,6 +448,62 @@ def test_verify_rejects_bad_gpu_and_batch_lists(tmp_path, src, capsys):
     assert "--dtype 'foo'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, value, reason", [
+    ("--batch", "1,,2", "an empty item"),
+    ("--batch", "1,2,", "an empty item"),
+    ("--batch", ",", "an empty item"),
+    ("--batch", " ", "an empty item"),
+    ("--batch", "1_6", "'1_6' is not a number"),
+    ("--batch", "16,16", "16 is given twice"),
+    ("--batch", "9" * 5000, "(5000 digits) is too large"),
+    ("--gpu", "0,0", "0 is given twice"),
+    ("--gpu", "0,", "an empty item"),
+    ("--gpu", "-1", "'-1' is not a number"),
+])
+def test_verify_refuses_a_list_with_an_empty_repeated_or_malformed_item(tmp_path, src, capsys, option, value, reason):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel", option, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("Error:") == 1 and f"Error: {option} '" in captured.err
+    assert reason in captured.err and "Traceback" not in captured.err
+
+
+def test_verify_lists_take_spaces_around_their_items_alike(tmp_path, src, capsys):
+    """--batch and --gpu read items alike: spaces around a number are allowed (``"1, 16"`` as people write it)."""
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--batch", " 1, 16 ", "--gpu", "0, 1"]) == 0
+
+
+@pytest.mark.parametrize("args, option", [
+    (["verify", "OUT", "--skip-kernel", "--source", "a", "--source", "b"], "--source"),
+    (["verify", "OUT", "--skip-kernel", "--workers", "1", "--workers=2"], "--workers"),
+    (["verify", "OUT", "--skip-kernel", "--batch", "1", "--batch", "16"], "--batch"),
+    (["convert", "IN", "OUT", "--json", "a.json", "--json", "b.json"], "--json"),
+    (["inspect", "IN", "--json", "a.json", "--json", "a.json"], "--json"),
+])
+def test_an_option_that_takes_one_value_given_twice_is_refused(tmp_path, src, capsys, args, option):
+    """The parser kept the last value and dropped the first without a word."""
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    args = [str(out) if a == "OUT" else str(src) if a == "IN" else str(tmp_path / a) if a.endswith(".json") else a
+            for a in args]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+    assert f"Error: option {option} is given 2 times; it takes one value" in captured.err
+    assert f"Hint: usage: marlin-convert {args[0]}" in captured.err
+
+
+def test_a_flag_given_twice_is_taken(tmp_path, src):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q", "--quiet"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--skip-kernel"]) == 0
+
+
 def test_verify_without_a_gpu_says_why(tmp_path, src, capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

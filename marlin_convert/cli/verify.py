@@ -26,6 +26,7 @@ from ..verify import (
     LayerResult,
     activation_dtype,
     parse_gpus,
+    parse_int_list,
     verify as run_verify,
 )
 from ..sources import FORM_NAMES
@@ -41,8 +42,8 @@ MAX_BATCH = 4096
 
 
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
-GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over.")]
-BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help=f"Comma-separated batch sizes (rows of A, 1 to {MAX_BATCH}) to run per layer.")]
+GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over (each once).")]
+BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help=f"Comma-separated batch sizes (rows of A, 1 to {MAX_BATCH}, each once) to run per layer.")]
 SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
@@ -65,12 +66,10 @@ MAX_ROWS = 80
 
 
 def _parse_batches(spec: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError as exc:
-        raise InputError(f"--batch {spec!r}: expected comma-separated positive integers such as 1,16,128") from exc
-    if not sizes or min(sizes) < 1:
-        raise InputError(f"--batch {spec!r}: expected comma-separated positive integers such as 1,16,128")
+    expected = "comma-separated positive integers such as 1,16,128"
+    sizes = parse_int_list(spec, "--batch", expected)
+    if min(sizes) < 1:
+        raise InputError(f"--batch {spec!r}: expected {expected}")
     if max(sizes) > MAX_BATCH:
         raise InputError(f"--batch {spec!r}: at most {MAX_BATCH} rows per check")
     return sizes
