@@ -36,6 +36,11 @@ def layer_outputs_names(prefix: str, act_order: bool, zero_points: bool = False)
     return names
 
 
+def layer_count(entry: dict) -> int:
+    """The layers a ``layers`` entry holds, counted as ``convert`` and ``verify`` count them: each expert one."""
+    return entry["num_experts"] or 1
+
+
 def write_manifest(directory: Path, manifest: dict) -> Path:
     path = Path(directory) / MANIFEST_FILE
     path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

@@ -53,7 +53,7 @@ from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
 from .sources import FORM_NAMES, open_checkpoint
-from .manifest import read_manifest
+from .manifest import layer_count, read_manifest
 from .rebuild import MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .safetensors_io import open_as_read
 from .interrupts import held
@@ -539,8 +539,8 @@ def verify(
     Raises :class:`ManifestError` for a missing or malformed manifest, :class:`KernelUnavailableError` when the
     kernel is asked for and cannot run, :class:`VerificationFailed` when the manifest's digest is not
     ``expect_manifest`` or a GPU's check process fails (a CUDA error, a crash); returns a report whose ``ok`` is
-    False when anything failed. ``progress(count)`` counts layer entries and listed files as they finish
-    (``len(layers) + len(files)`` in all).
+    False when anything failed. ``progress(count)`` counts layers (each expert one: :func:`layer_count` of each
+    entry) and listed files as they finish.
     """
     start = time.perf_counter()
     check_workers(workers)
@@ -597,7 +597,8 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     _STATE = _WorkerState(out_dir, manifest, checked.layers, TensorReader(out_dir, checked.headers), source,
                           stage_size)
     if progress is not None:  # entries and files that cannot be checked are done already
-        progress(len(manifest["layers"]) - len(usable) + len(manifest["files"]) - len(checked.files))
+        progress(sum(layer_count(entry) for entry, layer in zip(manifest["layers"], checked.layers) if layer is None)
+                 + len(manifest["files"]) - len(checked.files))
     checking = use_kernel and bool(usable)
     stage_seconds: dict[str, float] = {}
     counts = {"files": 0, "tensors": 0, "expected": 0, "received": 0}
@@ -658,7 +659,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                     result.fail(problem)
             pending_sources[outcome.layer] -= 1
             if pending_sources[outcome.layer] == 0 and progress is not None:
-                progress(1)
+                progress(layer_count(manifest["layers"][outcome.layer]))
 
         def feed_gpus(block: bool) -> None:
             """Pass staged slices on to their GPU processes; give the slots they have uploaded back to the workers.

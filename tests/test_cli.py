@@ -650,6 +650,34 @@ def test_convert_inspect_and_verify_count_layers_and_tensors_in_the_units_of_the
         15, 15, 6, 4)
 
 
+@pytest.mark.parametrize("stacked, stack_experts, layers", [(True, False, 12), (False, True, 16)])
+def test_verifys_progress_bar_counts_layers_as_its_summary_does_and_the_files(tmp_path, capsys, monkeypatch, stacked,
+                                                                              stack_experts, layers):
+    """A bar that counted manifest entries showed 0/54 beside '2328/2328 layers ok': it counts each expert now, and
+    says that the files hashed beside the layers are in its count."""
+    from make_gptq_checkpoint import qwen3_moe
+
+    from marlin_convert.cli import _progress
+    from marlin_convert.verify import verify
+
+    # 4 attention layers + 4 experts of 2 stacked projections (gate_up, down) or 3 (gate, up, down), in 6 or 7 entries
+    spec = qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=128, stacked=stacked, vocab=64)
+    src, out = write_checkpoint(tmp_path / "in", spec), tmp_path / "out"
+    assert main([str(src), str(out), "-q"] + (["--stack-experts"] if stack_experts else [])) == 0
+    manifest = load_manifest(out)
+    files = len(manifest["files"])
+    assert len(manifest["layers"]) < layers
+    counted: list[int] = []
+    report = verify(out, gpus=None, workers=1, progress=counted.append)
+    assert (len(report.results), sum(counted)) == (layers, layers + files)
+    monkeypatch.setattr(_progress, "progress_disabled", lambda: False)  # (stderr is no terminal here)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel"]) == 0
+    captured = capsys.readouterr()
+    assert f"verifying {layers} layers + {files} files:   0%|" in captured.err  # (the first frame: 0 of the total)
+    assert f" 0/{layers + files} [" in captured.err and f"passed: {layers}/{layers} layers ok" in captured.out
+
+
 def test_the_zero_format_note_counts_each_expert_of_a_stacked_layer(tmp_path, capsys):
     from make_gptq_checkpoint import qwen3_moe
 

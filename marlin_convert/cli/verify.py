@@ -17,7 +17,7 @@ import typer
 from rich.text import Text
 
 from ..errors import InputError, VerificationFailed
-from ..manifest import is_digest, load_manifest
+from ..manifest import is_digest, layer_count, load_manifest
 from ..verify import (
     ACTIVATION_DTYPES,
     DEFAULT_BATCH_SIZES,
@@ -123,8 +123,9 @@ def verify(
     if source is not None and not source.is_dir():  # (named as --source's, not as a bare path)
         raise InputError(f"--source {source}: {'not a directory' if source.exists() else 'does not exist'}",
                          hint="give the checkpoint directory OUT_DIR was converted from")
-    total = len(manifest["layers"]) + len(manifest["files"])
-    with item_progress(total, "verifying", enabled=not quiet) as advance:
+    # the bar counts what the summary counts: layers (each expert one), and the files hashed beside them
+    layers, files = sum(layer_count(entry) for entry in manifest["layers"]), len(manifest["files"])
+    with item_progress(layers + files, f"verifying {layers} layers + {files} files", enabled=not quiet) as advance:
         report = run_verify(out_dir, gpus=gpus, batch_sizes=None if skip_kernel else batches, source_dir=source,
                             seed=seed, dtype=dtype, workers=workers, expect_manifest=manifest_sha256,
                             progress=advance)
