@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 from . import strict_json
-from .compressed_tensors import QUANT_METHOD, STORED_KIND
-from .errors import ManifestError
-from .fileio import outside_link, read_inside
+from .compressed_tensors import MIXED, PACKED, QUANT_METHOD, STORED_KIND
+from .errors import InputError, ManifestError, VerificationFailed
+from .fileio import dead_link, digest_text, outside_link, read_inside
+from .gptq import GPTQ_BITS, ZERO_FORMAT_OF_LABEL, parse_dynamic
 
 MANIFEST_FILE = "marlin_manifest.json"
 MANIFEST_VERSION = 2
@@ -33,16 +36,31 @@ def layer_outputs_names(prefix: str, act_order: bool, zero_points: bool = False)
     return names
 
 
+def layer_count(entry: dict) -> int:
+    """The layers a ``layers`` entry holds, counted as ``convert`` and ``verify`` count them: each expert one."""
+    return entry["num_experts"] or 1
+
+
 def write_manifest(directory: Path, manifest: dict) -> Path:
     path = Path(directory) / MANIFEST_FILE
     path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return path
 
 
-def load_manifest(directory: Path) -> dict:
+def load_manifest(directory: Path, expect_digest: str | None = None) -> dict:
     """Read ``directory/marlin_manifest.json`` and check every field's JSON type and value (:func:`check_manifest`).
 
-    Raises :class:`ManifestError` naming the file and the field (``layers[3].bits``) on the first problem.
+    Raises :class:`ManifestError` naming the file and the field (``layers[3].bits``) on the first problem, and
+    :class:`VerificationFailed` when ``expect_digest`` is given and differs (see :func:`read_manifest`).
+    """
+    return read_manifest(directory, expect_digest)[0]
+
+
+def read_manifest(directory: Path, expect_digest: str | None = None) -> tuple[dict, str]:
+    """The manifest as :func:`load_manifest` reads it, and the ``sha256:`` digest of the bytes it was parsed from.
+
+    ``expect_digest`` (64 hex digits, ``sha256:`` optional): those bytes' digest is compared before anything is
+    parsed, so a manifest that is not the one recorded is refused before any of its fields is believed.
     """
     path = Path(directory) / MANIFEST_FILE
     target = outside_link(path, Path(directory))
@@ -51,26 +69,48 @@ def load_manifest(directory: Path) -> dict:
     if not Path(directory).is_dir():
         raise ManifestError(f"{directory}: " + ("not a directory" if Path(directory).exists() else "does not exist"),
                             hint="give the OUT_DIR a conversion wrote ('marlin-convert IN_DIR OUT_DIR')")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ManifestError(
             f"{directory}: no {MANIFEST_FILE}: not a directory written by marlin-convert",
             hint="run 'marlin-convert IN_DIR OUT_DIR' first, then verify OUT_DIR",
         )
+    if not path.is_file():  # (never opened: a FIFO would block)
+        raise ManifestError(f"{path}: {_what_is(path)}, not a regular file: not read",
+                            hint="the manifest a conversion writes is a regular file")
     try:
-        manifest = strict_json.loads(read_inside(path))
+        content = read_inside(path)
     except OSError as exc:
         raise ManifestError(f"{path}: unreadable: {exc.strerror or exc}") from exc
+    digest = digest_text(hashlib.sha256(content))
+    if expect_digest is not None and expect_digest.lower().removeprefix("sha256:") != digest.removeprefix("sha256:"):
+        raise VerificationFailed(f"{path}: SHA-256 is {digest}, expected {expect_digest}: not the manifest whose "
+                                 "digest was recorded; nothing else was checked",
+                                 hint="a changed manifest can describe changed files: find out who changed it")
+    try:
+        manifest = strict_json.loads(content)
     except ValueError as exc:
         raise ManifestError(f"{path}: unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != "marlin-convert-manifest":
         raise ManifestError(f"{path}: not a marlin-convert manifest")
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise ManifestError(f"{path}: manifest version {manifest.get('version')!r}, this tool reads {MANIFEST_VERSION}")
+    version = manifest.get("version")
+    if type(version) is not int or version != MANIFEST_VERSION:  # (2.0 and true are not 2)
+        raise ManifestError(f"{path}: manifest version {json.dumps(version)[:60]}, this tool reads {MANIFEST_VERSION}")
     try:
         check_manifest(manifest)
     except _FieldError as exc:
         raise ManifestError(f"{path}: field {exc.args[0]}") from None
-    return manifest
+    return manifest, digest
+
+
+def _what_is(path: Path) -> str:
+    """What the entry ``path``, which is not a regular file, is: ``a directory``, ``a FIFO``, ... or a dead link."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a " + dead_link(path) if os.path.islink(path) else "unreadable"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def manifest_digest(directory: Path) -> str:
@@ -201,6 +241,20 @@ def _check_layer(entry, where: str) -> None:
     sources = _get(entry, "sources", where, list)
     for i, source in enumerate(sources):
         _check_source(source, f"{where}.sources[{i}]", source_format)
+    _check_expert_count(experts, shapes, len(sources), where)
+
+
+def _check_expert_count(experts: int, shapes: dict, source_count: int, where: str) -> None:
+    """``num_experts`` against what holds the experts: the leading dimension of every stacked tensor, and one source
+    (a plain layer, or a stacked source) or one per expert (``--stack-experts``). Checked here, before anything
+    (the audit, the results) is sized by the count: a count the entry itself does not bear out is refused."""
+    for kind, shape in shapes.items():
+        if experts and (not shape or shape[0] != experts):
+            raise _FieldError(f"'{where}.num_experts': {experts} experts, but shapes.{kind} is {json.dumps(shape)} "
+                              "(a stacked tensor leads with its experts)")
+    if source_count != 1 and source_count != (experts or 1):
+        expected = f"1 or {experts} (one per expert)" if experts > 1 else "1"
+        raise _FieldError(f"'{where}.sources': {source_count} source(s) for {experts} expert(s), expected {expected}")
 
 
 def _check_source(source, where: str, source_format: str) -> None:
@@ -240,15 +294,54 @@ def _check_passthrough(entry, where: str) -> None:
     _sha256(entry, where)
 
 
+def _check_defaults(defaults: dict, source_format: str) -> None:
+    """``quantization_defaults``: the config's global settings as it states them (null where absent), with the
+    types and values the converter accepted them with (:func:`marlin_convert.gptq.load_quant_config`,
+    :func:`marlin_convert.compressed_tensors.load_config`)."""
+    where = "quantization_defaults"
+    if source_format == QUANT_METHOD:
+        _get(defaults, "format", where, str, choices=(PACKED, MIXED))
+        if not _get(defaults, "config_groups", where, dict):
+            raise _FieldError(f"'{where}.config_groups': empty (a compressed-tensors config has at least one group)")
+        for name, group in defaults["config_groups"].items():
+            _object(group, f"{where}.config_groups.{name}")
+        if _get(defaults, "ignore", where, list, null=True) is not None:
+            _strings(defaults, "ignore", where)
+        return
+    _get(defaults, "bits", where, int, choices=GPTQ_BITS)
+    group_size = _get(defaults, "group_size", where, int, null=True)
+    if group_size is not None and group_size != -1 and group_size < 1:
+        raise _FieldError(f"'{where}.group_size': {group_size} is neither -1 (channelwise) nor positive")
+    for key in ("desc_act", "sym"):
+        _get(defaults, key, where, bool, null=True)
+    label = _get(defaults, "checkpoint_format", where, str, null=True)
+    if label is not None and label.lower() not in ZERO_FORMAT_OF_LABEL:
+        raise _FieldError(f"'{where}.checkpoint_format': {json.dumps(label)[:60]} is not one of "
+                          f"{', '.join(map(json.dumps, ZERO_FORMAT_OF_LABEL))} (any case)")
+    dynamic = _get(defaults, "dynamic", where, dict, null=True)
+    try:
+        parse_dynamic(dynamic, f"'{where}.dynamic'")  # (the rules' types, values and regexes, as a config's)
+    except InputError as exc:
+        raise _FieldError(exc.message) from None
+
+
 def check_manifest(manifest: dict) -> None:
     """Check the JSON type (and, where the contract fixes it, the value) of every field verify reads.
 
     Raises ``_FieldError`` naming the first bad field; consistency between fields and with the files is
     :mod:`marlin_convert.verify`'s job (it reports each mismatch by name instead of stopping).
     """
-    _get(_get(manifest, "source", "", dict), "format", "source", str, choices=tuple(SOURCE_KINDS))
+    _get(manifest, "tool", "", str)
+    _get(manifest, "created", "", str)
+    source = _get(manifest, "source", "", dict)
+    _get(source, "path", "source", str)
+    _get(source, "bytes", "source", int, minimum=0)
+    source_format = _get(source, "format", "source", str, choices=tuple(SOURCE_KINDS))
+    _strings(source, "quantization_config", "source")
     _get(manifest, "checkpoint_format", "", str, choices=("marlin", "marlin-partial"))
     _get(manifest, "model_dtype", "", str, null=True)
+    _check_defaults(_get(manifest, "quantization_defaults", "", dict), source_format)
+    _strings(manifest, "notes", "")
     _strings(manifest, "shards", "")
     for key, check in (("layers", _check_layer), ("kept", _check_kept), ("passthrough", _check_passthrough)):
         for i, entry in enumerate(_get(manifest, key, "", list)):

@@ -1,7 +1,8 @@
 """Prove a converted checkpoint right: nothing in it is taken on trust.
 
 1. **The manifest** (:func:`marlin_convert.manifest.load_manifest`): every field has its type and value, else
-   exit 2 naming the field. Its own SHA-256 is reported (and checked against ``expect_manifest`` when given).
+   exit 2 naming the field. Its own SHA-256 is reported (and, when ``expect_manifest`` is given, checked against it
+   before anything else: a manifest that differs stops the run, :class:`VerificationFailed`).
 2. **The manifest against the files** (:mod:`marlin_convert.audit`): every tensor of every shard accounted for,
    every shape consistent with K, N, bits and groups, configs and index saying the same, no file added or missing.
 3. **The bytes**, in parallel worker processes (forked; they die with this process):
@@ -53,7 +54,7 @@ from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
 from .source_match import compare_with_source, plan_source
 from .sources import FORM_NAMES, open_checkpoint
-from .manifest import load_manifest, manifest_digest
+from .manifest import layer_count, read_manifest
 from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .interrupts import held
 from .workers import MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, worker_pool
@@ -411,15 +412,30 @@ def _process_age() -> float | None:
         return None
 
 
+def parse_int_list(spec: str, option: str, expected: str) -> list[int]:
+    """An option's comma-separated list of non-negative integers (``"1,16,128"``; spaces around an item are allowed,
+    as in ``"1, 16"``). Raises :class:`InputError` naming ``option`` and the value, and saying ``expected``, for an
+    empty item (``"1,,2"``, ``"1,"``, ``""``), an item that is not decimal digits, or a number given twice."""
+    numbers: list[int] = []
+    seen: set[int] = set()
+    for item in (item.strip() for item in spec.split(",")):
+        if not (item.isascii() and item.isdigit()):
+            what = "an empty item" if item == "" else f"{item[:20]!r} is not a number"
+        elif len(item) > 18:  # (more than any index or size; Python refuses to read 4300 digits and more)
+            what = f"{item[:20]}... ({len(item)} digits) is too large"
+        elif int(item) in seen:
+            what = f"{int(item)} is given twice"
+        else:
+            numbers.append(int(item))
+            seen.add(int(item))
+            continue
+        raise InputError(f"{option} {spec[:60]!r}: {what}; expected {expected}")
+    return numbers
+
+
 def parse_gpus(spec: str) -> list[int]:
-    """``"0"`` or ``"0,1,3"`` -> list of device indices."""
-    try:
-        gpus = [int(part) for part in spec.split(",") if part.strip() != ""]
-    except ValueError as exc:
-        raise InputError(f"--gpu {spec!r}: expected a GPU index or a comma-separated list such as 0,1") from exc
-    if not gpus or any(g < 0 for g in gpus):
-        raise InputError(f"--gpu {spec!r}: expected a GPU index or a comma-separated list such as 0,1")
-    return gpus
+    """``"0"`` or ``"0,1,3"`` -> list of device indices, each once (:func:`parse_int_list`)."""
+    return parse_int_list(spec, "--gpu", "a GPU index or a comma-separated list such as 0,1")
 
 
 def activation_dtype(manifest: dict, override: str | None) -> str:
@@ -504,9 +520,10 @@ def verify(
     """Verify ``out_dir`` (see the module docstring). ``gpus=None`` (or empty ``batch_sizes``) skips the kernel.
 
     Raises :class:`ManifestError` for a missing or malformed manifest, :class:`KernelUnavailableError` when the
-    kernel is asked for and cannot run, :class:`VerificationFailed` when a GPU's check process fails (a CUDA error,
-    a crash); returns a report whose ``ok`` is False when anything failed. ``progress(count)`` counts layer entries
-    and listed files as they finish (``len(layers) + len(files)`` in all).
+    kernel is asked for and cannot run, :class:`VerificationFailed` when the manifest's digest is not
+    ``expect_manifest`` or a GPU's check process fails (a CUDA error, a crash); returns a report whose ``ok`` is
+    False when anything failed. ``progress(count)`` counts layers (each expert one: :func:`layer_count` of each
+    entry) and listed files as they finish.
     """
     start = time.perf_counter()
     check_workers(workers)
@@ -534,12 +551,9 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     def mark(event: str) -> None:
         timeline[event] = time.perf_counter() - start
 
-    manifest = load_manifest(out_dir)
-    digest = manifest_digest(out_dir)
+    manifest, digest = read_manifest(out_dir, expect_manifest)  # (a digest that differs stops here, first)
     checked = audit(out_dir, manifest)
     problems = list(checked.problems)
-    if expect_manifest is not None and expect_manifest.removeprefix("sha256:") != digest.removeprefix("sha256:"):
-        problems.insert(0, f"manifest SHA-256 is {digest}, expected {expect_manifest}")
     source, plan, unmatched = _open_source(Path(source_dir), manifest) if source_dir is not None else (None, None, {})
     source_copies = 0
     use_kernel = gpu_workers is not None
@@ -570,7 +584,8 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     _STATE = _WorkerState(out_dir, manifest, checked.layers, TensorReader(out_dir, checked.headers), source,
                           stage_size, unmatched=set(unmatched))
     if progress is not None:  # entries and files that cannot be checked are done already
-        progress(len(manifest["layers"]) - len(usable) + len(manifest["files"]) - len(checked.files))
+        progress(sum(layer_count(entry) for entry, layer in zip(manifest["layers"], checked.layers) if layer is None)
+                 + len(manifest["files"]) - len(checked.files))
     checking = use_kernel and bool(usable)
     stage_seconds: dict[str, float] = {}
     counts = {"files": 0, "tensors": 0, "expected": 0, "received": 0}
@@ -631,7 +646,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                     result.fail(problem)
             pending_sources[outcome.layer] -= 1
             if pending_sources[outcome.layer] == 0 and progress is not None:
-                progress(1)
+                progress(layer_count(manifest["layers"][outcome.layer]))
 
         def feed_gpus(block: bool) -> None:
             """Pass staged slices on to their GPU processes; give the slots they have uploaded back to the workers.

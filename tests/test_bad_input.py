@@ -606,6 +606,27 @@ def test_a_number_too_large_for_a_float_in_a_config_is_refused(capsys, tmp_path,
     _convert_fails(capsys, tmp_path, src, name, f"number {number} is too large for a 64-bit float")
 
 
+@pytest.mark.parametrize("text, place", [
+    ('{"a": {"b c": [1, N]}}', "'a[\"b c\"][1]'"),
+    ('{"layers": [{"num_experts": -N}]}', "'layers[0].num_experts'"),
+    ("N", "the document"),
+])
+def test_an_integer_of_too_many_digits_is_named_by_its_place_not_with_pythons_advice(text, place):
+    digits = strict_json.MAX_INT_DIGITS + 1
+    with pytest.raises(ValueError) as caught:
+        strict_json.loads(text.replace("N", "7" * digits))
+    assert str(caught.value) == f"{place}: a number of {digits} digits, too large to read"
+    assert strict_json.loads(text.replace("N", "7" * (digits - 1)))  # the longest one still reads
+
+
+def test_an_integer_of_too_many_digits_in_a_config_names_the_key(capsys, tmp_path, src):
+    text = (src / "quantize_config.json").read_text()
+    (src / "quantize_config.json").write_text(text.replace("{", '{"damp_percent": ' + "1" * 5000 + ", ", 1))
+    line = _convert_fails(capsys, tmp_path, src, "quantize_config.json",
+                          "'damp_percent': a number of 5000 digits, too large to read")
+    assert "set_int_max_str_digits" not in line
+
+
 @pytest.mark.parametrize("raw", [
     '{"k": "\\ud800"}', b'["ok", {"\\udfff": 1}]', b'"a \\ud83d b"', b'"\\ude00\\ud83d"',  # escapes, no pair
     '"\ud800"',  # a str may hold a lone surrogate itself, without any escape
@@ -1184,6 +1205,26 @@ def test_a_manifest_of_gigabytes_is_refused_unread(capsys, tmp_path, src):
         f.truncate(3 << 30)
     _bounded_fails(["verify", str(out), "--skip-kernel"], "marlin_manifest.json",
                    "unreadable: 3221225472 bytes, more than", memory_bytes=2 << 30)
+
+
+@pytest.mark.parametrize("change, fragments", [
+    # a billion experts and no source: the audit built a list of a billion expected slices (ran for ever, GBs)
+    ({"num_experts": 10**9, "expert_stride_int32": 1, "sources": []},
+     ["layers[0].num_experts': 1000000000 experts, but shapes.B is [16, 256]"]),
+    ({"num_experts": 10**9, "expert_stride_int32": 1, "sources": [],
+      "shapes": {"B": [10**9, 16, 256], "s": [10**9, 4, 128]}},
+     ["layers[0].sources': 0 source(s) for 1000000000 expert(s), expected 1 or 1000000000 (one per expert)"]),
+])
+def test_a_manifest_whose_expert_count_its_entry_does_not_bear_out_is_refused_at_once(capsys, tmp_path, src, change,
+                                                                                     fragments):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    path = out / "marlin_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["layers"][0].update(change)
+    path.write_text(json.dumps(manifest))
+    _bounded_fails(["verify", str(out), "--skip-kernel"], "marlin_manifest.json: field", *fragments, seconds=60,
+                   memory_bytes=2 << 30)
 
 
 def test_every_read_of_a_shard_checks_it_is_the_file_whose_header_was_read(tmp_path, src):

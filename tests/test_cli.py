@@ -399,6 +399,30 @@ def test_verify_on_a_directory_without_manifest(tmp_path, src, capsys):
     assert "no marlin_manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("make, what", [(os.mkfifo, "a FIFO (named pipe)"), (os.mkdir, "a directory"),
+                                        (lambda path: os.symlink("gone", path), "a broken link (to gone)")])
+def test_a_manifest_that_is_not_a_regular_file_is_named_for_what_it_is_and_never_opened(tmp_path, src, capsys, make,
+                                                                                      what):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    (out / "marlin_manifest.json").unlink()
+    make(out / "marlin_manifest.json")  # (a FIFO opened for reading would block: no writer ever comes)
+    assert main(["verify", str(out), "--skip-kernel"]) == 2
+    err = capsys.readouterr().err
+    assert f"Error: {out / 'marlin_manifest.json'}: {what}, not a regular file: not read" in err
+
+
+def test_a_manifest_with_an_integer_of_too_many_digits_names_the_field(tmp_path, src, capsys):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    path = out / "marlin_manifest.json"
+    path.write_text(path.read_text().replace('"in_features": 256', '"in_features": ' + "9" * 4400, 1))
+    assert main(["verify", str(out), "--skip-kernel"]) == 2
+    err = capsys.readouterr().err
+    assert "'layers[0].in_features': a number of 4400 digits, too large to read" in err
+    assert "set_int_max_str_digits" not in err and err.count("Error:") == 1
+
+
 def test_verify_names_a_missing_or_non_directory_out_dir(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "missing"), "--skip-kernel"]) == 2
     assert f"Error: {tmp_path / 'missing'}: does not exist" in capsys.readouterr().err
@@ -422,6 +446,62 @@ def test_verify_rejects_bad_gpu_and_batch_lists(tmp_path, src, capsys):
     assert "--gpu 'abc'" in capsys.readouterr().err
     assert main(["verify", str(out), "--skip-kernel", "--dtype", "foo"]) == 2
     assert "--dtype 'foo'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, reason", [
+    ("--batch", "1,,2", "an empty item"),
+    ("--batch", "1,2,", "an empty item"),
+    ("--batch", ",", "an empty item"),
+    ("--batch", " ", "an empty item"),
+    ("--batch", "1_6", "'1_6' is not a number"),
+    ("--batch", "16,16", "16 is given twice"),
+    ("--batch", "9" * 5000, "(5000 digits) is too large"),
+    ("--gpu", "0,0", "0 is given twice"),
+    ("--gpu", "0,", "an empty item"),
+    ("--gpu", "-1", "'-1' is not a number"),
+])
+def test_verify_refuses_a_list_with_an_empty_repeated_or_malformed_item(tmp_path, src, capsys, option, value, reason):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel", option, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("Error:") == 1 and f"Error: {option} '" in captured.err
+    assert reason in captured.err and "Traceback" not in captured.err
+
+
+def test_verify_lists_take_spaces_around_their_items_alike(tmp_path, src, capsys):
+    """--batch and --gpu read items alike: spaces around a number are allowed (``"1, 16"`` as people write it)."""
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--batch", " 1, 16 ", "--gpu", "0, 1"]) == 0
+
+
+@pytest.mark.parametrize("args, option", [
+    (["verify", "OUT", "--skip-kernel", "--source", "a", "--source", "b"], "--source"),
+    (["verify", "OUT", "--skip-kernel", "--workers", "1", "--workers=2"], "--workers"),
+    (["verify", "OUT", "--skip-kernel", "--batch", "1", "--batch", "16"], "--batch"),
+    (["convert", "IN", "OUT", "--json", "a.json", "--json", "b.json"], "--json"),
+    (["inspect", "IN", "--json", "a.json", "--json", "a.json"], "--json"),
+])
+def test_an_option_that_takes_one_value_given_twice_is_refused(tmp_path, src, capsys, args, option):
+    """The parser kept the last value and dropped the first without a word."""
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    capsys.readouterr()
+    args = [str(out) if a == "OUT" else str(src) if a == "IN" else str(tmp_path / a) if a.endswith(".json") else a
+            for a in args]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+    assert f"Error: option {option} is given 2 times; it takes one value" in captured.err
+    assert f"Hint: usage: marlin-convert {args[0]}" in captured.err
+
+
+def test_a_flag_given_twice_is_taken(tmp_path, src):
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q", "--quiet"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--skip-kernel"]) == 0
 
 
 def test_verify_without_a_gpu_says_why(tmp_path, src, capsys):
@@ -568,6 +648,34 @@ def test_convert_inspect_and_verify_count_layers_and_tensors_in_the_units_of_the
     plan = json.loads(capsys.readouterr().out)
     assert (plan["converted_layers"], plan["marlin_entries"], plan["passthrough_tensors"], plan["kept_tensors"]) == (
         15, 15, 6, 4)
+
+
+@pytest.mark.parametrize("stacked, stack_experts, layers", [(True, False, 12), (False, True, 16)])
+def test_verifys_progress_bar_counts_layers_as_its_summary_does_and_the_files(tmp_path, capsys, monkeypatch, stacked,
+                                                                              stack_experts, layers):
+    """A bar that counted manifest entries showed 0/54 beside '2328/2328 layers ok': it counts each expert now, and
+    says that the files hashed beside the layers are in its count."""
+    from make_gptq_checkpoint import qwen3_moe
+
+    from marlin_convert.cli import _progress
+    from marlin_convert.verify import verify
+
+    # 4 attention layers + 4 experts of 2 stacked projections (gate_up, down) or 3 (gate, up, down), in 6 or 7 entries
+    spec = qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=128, stacked=stacked, vocab=64)
+    src, out = write_checkpoint(tmp_path / "in", spec), tmp_path / "out"
+    assert main([str(src), str(out), "-q"] + (["--stack-experts"] if stack_experts else [])) == 0
+    manifest = load_manifest(out)
+    files = len(manifest["files"])
+    assert len(manifest["layers"]) < layers
+    counted: list[int] = []
+    report = verify(out, gpus=None, workers=1, progress=counted.append)
+    assert (len(report.results), sum(counted)) == (layers, layers + files)
+    monkeypatch.setattr(_progress, "progress_disabled", lambda: False)  # (stderr is no terminal here)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel"]) == 0
+    captured = capsys.readouterr()
+    assert f"verifying {layers} layers + {files} files:   0%|" in captured.err  # (the first frame: 0 of the total)
+    assert f" 0/{layers + files} [" in captured.err and f"passed: {layers}/{layers} layers ok" in captured.out
 
 
 def test_the_zero_format_note_counts_each_expert_of_a_stacked_layer(tmp_path, capsys):

@@ -337,6 +337,13 @@ def test_verify_fails_when_a_source_digest_does_not_match(converted):
     (lambda m: m["layers"][0]["sources"][0].pop("weight_shape"), "layers[0].sources[0].weight_shape"),
     (lambda m: m["layers"][0]["sources"][0]["tensors"].update(qweight="x"), "layers[0].sources[0].tensors"),
     (lambda m: m["source"].update(format="awq"), "source.format"),
+    # quantization_defaults: the config as it states it, with the types the reader accepted (any value passed)
+    (lambda m: m["quantization_defaults"].update(format=7), "'quantization_defaults.format': expected a string"),
+    (lambda m: m["quantization_defaults"].update(format="float-quantized"), "quantization_defaults.format"),
+    (lambda m: m["quantization_defaults"].update(config_groups={}), "'quantization_defaults.config_groups': empty"),
+    (lambda m: m["quantization_defaults"].update(config_groups={"g": []}), "quantization_defaults.config_groups.g"),
+    (lambda m: m["quantization_defaults"].update(ignore=[1]), "quantization_defaults.ignore[0]"),
+    (lambda m: m["quantization_defaults"].pop("ignore"), "'quantization_defaults.ignore' is missing"),
 ])
 def test_a_malformed_compressed_tensors_record_exits_2_naming_the_field(converted, capsys, change, field):
     _, out = converted

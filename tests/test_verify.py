@@ -19,6 +19,7 @@ from make_gptq_checkpoint import tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
 from marlin_convert.convert import convert
+from marlin_convert.errors import VerificationFailed
 from marlin_convert.manifest import MANIFEST_FILE, load_manifest, manifest_digest
 from marlin_convert.safetensors_io import read_header
 from marlin_convert.verify import verify
@@ -80,6 +81,25 @@ def test_a_fresh_conversion_passes_with_every_file_and_tensor_checked(out, capsy
     (("files",), [], "'files'"),
     (("checkpoint_format",), "gptq", "checkpoint_format"),
     (("model_dtype",), 16, "model_dtype"),
+    # the top level too: any value passed in these
+    (("tool",), None, "'tool': expected a string, got null"),
+    (("created",), 20260101, "'created': expected a string"),
+    (("notes",), "a note", "'notes': expected a list"),
+    (("source", "path"), ["in"], "'source.path': expected a string, got a list"),
+    (("source", "bytes"), -1, "'source.bytes': -1 is below 0"),
+    (("source", "quantization_config"), [None], "'source.quantization_config[0]': expected a string"),
+    (("quantization_defaults",), None, "'quantization_defaults': expected an object"),
+    (("quantization_defaults", "bits"), "x", "'quantization_defaults.bits': expected an integer, got a string"),
+    (("quantization_defaults", "bits"), 4.0, "'quantization_defaults.bits': expected an integer, got a number"),
+    (("quantization_defaults", "bits"), 5, "'quantization_defaults.bits': 5 is not one of 2, 3, 4, 8"),
+    (("quantization_defaults", "group_size"), [[[]]], "'quantization_defaults.group_size': expected an integer"),
+    (("quantization_defaults", "group_size"), 0, "'quantization_defaults.group_size': 0 is neither -1"),
+    (("quantization_defaults", "sym"), 3, "'quantization_defaults.sym': expected a boolean or null, got an integer"),
+    (("quantization_defaults", "desc_act"), 0, "'quantization_defaults.desc_act': expected a boolean"),
+    (("quantization_defaults", "checkpoint_format"), "marlin", "'quantization_defaults.checkpoint_format'"),
+    (("quantization_defaults", "dynamic"), {"+:.*": {"bits": "4"}},
+     "'quantization_defaults.dynamic': dynamic rule \"+:.*\": 'bits' must be a JSON integer"),
+    (("quantization_defaults", "dynamic"), [], "'quantization_defaults.dynamic': expected an object or null"),
 ])
 def test_a_field_of_the_wrong_type_or_value_exits_2_naming_it(out, capsys, path, value, named):
     def change(manifest):
@@ -92,6 +112,14 @@ def test_a_field_of_the_wrong_type_or_value_exits_2_naming_it(out, capsys, path,
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("Error:") == 1 and named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("version, shown", [(2.0, "2.0"), (True, "true"), ("2", '"2"'), (None, "null")])
+def test_a_manifest_version_that_only_equals_2_in_python_is_refused(out, capsys, version, shown):
+    _edit_manifest(out, lambda m: m.update(version=version))
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("Error:") == 1 and f"manifest version {shown}, this tool reads 2" in err
 
 
 def test_a_manifest_with_a_repeated_key_exits_2(out, capsys):
@@ -263,10 +291,26 @@ def test_an_expected_manifest_digest_shows_tampering(out, capsys):
     digest = manifest_digest(out)
     assert verify(out, gpus=None, workers=1, expect_manifest=digest).ok
     _edit_manifest(out, lambda m: m["notes"].append("edited"))
-    report = verify(out, gpus=None, workers=1, expect_manifest=digest)
-    assert not report.ok and f"expected {digest}" in report.problems[0]
+    with pytest.raises(VerificationFailed, match=f"SHA-256 is sha256:[0-9a-f]{{64}}, expected {digest}"):
+        verify(out, gpus=None, workers=1, expect_manifest=digest)
     assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", digest]) == 1
-    assert "manifest SHA-256" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("Error:") == 1
+    assert f"{MANIFEST_FILE}: SHA-256 is sha256:" in captured.err and f"expected {digest}" in captured.err
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["layers"][0].update(bits="x"),
+    lambda m: m.update(version=3),
+])
+def test_a_manifest_digest_that_differs_stops_verify_before_the_manifest_is_read(out, capsys, edit):
+    """The digest is the first check: a manifest that is not the recorded one is not believed in anything (its
+    fields are neither reported on nor used to size work)."""
+    digest = manifest_digest(out)
+    _edit_manifest(out, edit)
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--manifest-sha256", digest]) == 1
+    err = capsys.readouterr().err
+    assert err.count("Error:") == 1 and f"expected {digest}" in err and "field" not in err and "version" not in err
 
 
 def test_a_manifest_digest_is_matched_in_any_form_and_a_malformed_one_is_refused_up_front(out, capsys):

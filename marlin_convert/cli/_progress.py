@@ -39,9 +39,10 @@ def byte_progress(total: int, description: str, enabled: bool = True) -> Iterato
 
 @contextmanager
 def item_progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[int], None]]:
-    """Yield ``advance(count)`` drawing a bar over items (layers) on stderr (or doing nothing)."""
+    """Yield ``advance(count)`` drawing a bar over items on stderr (or doing nothing); ``description`` says what
+    they are (verify's are layers and files: the unit is "item", not a name that would count one of them only)."""
     if not enabled or progress_disabled():
         yield lambda _n: None
         return
-    with tqdm(total=total, desc=description, unit="layer", file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
+    with tqdm(total=total, desc=description, unit="item", file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
         yield bar.update

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -48,10 +49,22 @@ app = typer.Typer(
 
 
 class _Command(TyperCommand):
-    """Usage lines name the arguments as the README does (``IN_DIR OUT_DIR``; typer writes ``{IN_DIR}``)."""
+    """Usage lines name the arguments as the README does (``IN_DIR OUT_DIR``; typer writes ``{IN_DIR}``), and an
+    option that takes one value is refused when given twice."""
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        """The parser keeps the last of a repeated option's values and drops the others without a word (``verify OUT
+        --source A --source B`` compared with B only): refused, as the parser's own errors are (exit 2, usage)."""
+        _, _, order = self.make_parser(ctx).parse_args(args=list(args))  # (the parameters in the order given)
+        counts = Counter(param for param in order if param.param_type_name == "option"
+                         and not (param.is_flag or param.multiple or param.count))
+        repeated = next((param for param, count in counts.items() if count > 1), None)
+        if repeated is not None:
+            ctx.fail(f"option {'/'.join(repeated.opts)} is given {counts[repeated]} times; it takes one value")
+        return super().parse_args(ctx, args)
 
 
 app.command("convert", cls=_Command)(convert)

@@ -17,7 +17,7 @@ import typer
 from rich.text import Text
 
 from ..errors import InputError, VerificationFailed
-from ..manifest import is_digest, load_manifest
+from ..manifest import is_digest, layer_count, load_manifest
 from ..verify import (
     ACTIVATION_DTYPES,
     DEFAULT_BATCH_SIZES,
@@ -26,6 +26,7 @@ from ..verify import (
     LayerResult,
     activation_dtype,
     parse_gpus,
+    parse_int_list,
     verify as run_verify,
 )
 from ..sources import FORM_NAMES
@@ -41,8 +42,8 @@ MAX_BATCH = 4096
 
 
 OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory written by 'marlin-convert' (with marlin_manifest.json).")]
-GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over.")]
-BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help=f"Comma-separated batch sizes (rows of A, 1 to {MAX_BATCH}) to run per layer.")]
+GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over (each once).")]
+BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help=f"Comma-separated batch sizes (rows of A, 1 to {MAX_BATCH}, each once) to run per layer.")]
 SkipKernelOpt = Annotated[bool, typer.Option(
     "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
@@ -65,12 +66,10 @@ MAX_ROWS = 80
 
 
 def _parse_batches(spec: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError as exc:
-        raise InputError(f"--batch {spec!r}: expected comma-separated positive integers such as 1,16,128") from exc
-    if not sizes or min(sizes) < 1:
-        raise InputError(f"--batch {spec!r}: expected comma-separated positive integers such as 1,16,128")
+    expected = "comma-separated positive integers such as 1,16,128"
+    sizes = parse_int_list(spec, "--batch", expected)
+    if min(sizes) < 1:
+        raise InputError(f"--batch {spec!r}: expected {expected}")
     if max(sizes) > MAX_BATCH:
         raise InputError(f"--batch {spec!r}: at most {MAX_BATCH} rows per check")
     return sizes
@@ -120,12 +119,13 @@ def verify(
     if skip_kernel:
         gpus = None
     check_workers(workers)
-    manifest = load_manifest(out_dir)
+    manifest = load_manifest(out_dir, manifest_sha256)  # (its digest first, when given)
     if source is not None and not source.is_dir():  # (named as --source's, not as a bare path)
         raise InputError(f"--source {source}: {'not a directory' if source.exists() else 'does not exist'}",
                          hint="give the checkpoint directory OUT_DIR was converted from")
-    total = len(manifest["layers"]) + len(manifest["files"])
-    with item_progress(total, "verifying", enabled=not quiet) as advance:
+    # the bar counts what the summary counts: layers (each expert one), and the files hashed beside them
+    layers, files = sum(layer_count(entry) for entry in manifest["layers"]), len(manifest["files"])
+    with item_progress(layers + files, f"verifying {layers} layers + {files} files", enabled=not quiet) as advance:
         report = run_verify(out_dir, gpus=gpus, batch_sizes=None if skip_kernel else batches, source_dir=source,
                             seed=seed, dtype=dtype, workers=workers, expect_manifest=manifest_sha256,
                             progress=advance)
