@@ -346,3 +346,29 @@ def test_a_compressed_tensors_source_config_edited_in_the_output_fails(tmp_path)
     assert verify(out, gpus=None, workers=1).ok
     assert_fails(out, fixture, "config.json: quantization_config.source_quantization_config.config_groups.group_0."
                                "weights.observer is \"mse\", converting --source writes ")
+
+
+def test_a_key_the_converter_adds_may_be_absent_but_not_a_key_of_the_source(tmp_path):
+    """An output of an earlier converter release (before 2026-11-26 no '-:' rule for the router llm-compressor
+    ignores) lacks a key today's converter adds: still the source's conversion (it passed --source before the config
+    comparison came). A key the source's config has, dropped from the output, still fails."""
+    fixture = Path(__file__).parent / "fixtures" / "llmcompressor" / "qwen3_moe"
+    src = tmp_path / "src"
+    shutil.copytree(fixture, src)
+    (src / "reference_dequant.safetensors").unlink(missing_ok=True)
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    config = json.loads((out / "config.json").read_text())
+    assert "dynamic" in config["quantization_config"] and "dynamic" not in json.loads(
+        (src / "config.json").read_text())["quantization_config"]
+    for name in ("config.json", "quantize_config.json"):
+        data = json.loads((out / name).read_text())
+        (data.get("quantization_config", data)).pop("dynamic")
+        (out / name).write_text(json.dumps(data, indent=2))
+    resign(out)
+    assert check(out, src).ok, problems_of(check(out, src))
+    data = json.loads((out / "config.json").read_text())
+    data.pop("vocab_size")
+    (out / "config.json").write_text(json.dumps(data, indent=2))
+    resign(out)
+    assert_fails(out, src, "config.json: vocab_size is absent")
