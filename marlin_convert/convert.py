@@ -314,6 +314,11 @@ def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> Unsupported
     )
 
 
+def _text(path: str) -> str:
+    """A path as JSON can hold it: bytes that are not UTF-8 (lone surrogates here) written as ``\\xNN``."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
     """A note when converted layers fall outside what the legacy Marlin loaders know (symmetric 4-bit, group size 128
     or -1, no padding; README, "Who loads the output"): the configs say ``checkpoint_format: "marlin"`` all the same
@@ -889,7 +894,7 @@ def convert(
             "version": MANIFEST_VERSION,
             "tool": f"marlin-convert {__version__}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {"path": str(in_dir.resolve()), "bytes": bytes_in, "format": checkpoint.source_format,
+            "source": {"path": _text(str(in_dir.resolve())), "bytes": bytes_in, "format": checkpoint.source_format,
                        "quantization_config": checkpoint.config.sources},
             "checkpoint_format": plan.checkpoint_format,
             "model_dtype": checkpoint.model_dtype,

@@ -318,3 +318,23 @@ def test_a_note_names_the_layers_legacy_marlin_loaders_cannot_take(tmp_path):
                                                                                     256, 128)], extras=[],
                                                                 group_size=128))
     assert not [note for note in build_plan(plain).notes if "legacy" in note]
+
+
+def test_names_that_are_not_utf8_do_not_make_a_manifest_verify_refuses(tmp_path):
+    """IN_DIR's path and a file beside the shards with bytes that are not UTF-8: the conversion succeeded, then
+    verify refused the manifest (a lone surrogate in JSON). The path is recorded with \\xNN escapes, the file is not
+    copied (a note says why), and verify, with and without --source, passes."""
+    import os
+    import shutil as sh
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "tiny-gptq"
+    src = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/src\xff"))
+    sh.copytree(example, src)
+    (src / os.fsdecode(b"odd\xffname.txt")).write_text("x")
+    out = tmp_path / "out"
+    report = convert(src, out, workers=1)
+    assert any("odd\\xffname.txt: a name that is not UTF-8" in note for note in report.notes), report.notes
+    assert load_manifest(out)["source"]["path"].endswith("src\\xff")
+    assert verify(out, gpus=None, workers=1).ok
+    assert verify(out, gpus=None, workers=1, source_dir=src).ok
