@@ -33,6 +33,7 @@ import numpy as np
 from . import __version__, layout
 from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
+from .fileio import name_text
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers
 from .experts import ExpertGroup, expert_group_summary, group_experts
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
@@ -314,29 +315,26 @@ def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> Unsupported
     )
 
 
-def _text(path: str) -> str:
-    """A path as JSON can hold it: bytes that are not UTF-8 (lone surrogates here) written as ``\\xNN``."""
-    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
 def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
     """A note when converted layers fall outside what the legacy Marlin loaders know (symmetric 4-bit, group size 128
     or -1, no padding; README, "Who loads the output"): the configs say ``checkpoint_format: "marlin"`` all the same
     (it names the layout), so the note says which layers need a reader of the manifest, and why."""
     converted = [layer for layer in layers if layer.convertible]
+    outside: list[LayerPlan] = []
     reasons: dict[str, list[LayerPlan]] = {}
     for layer in converted:
         spec = layer.spec
-        for reason, outside in ((f"{spec.bits}-bit", spec.bits != 4), ("asymmetric", not spec.sym),
-                                (f"group size {spec.group_size}", spec.group_size not in (128, -1)),
-                                ("padded", spec.padded)):
-            if outside:
-                reasons.setdefault(reason, []).append(layer)
-    if not reasons:
+        found = [reason for reason, holds in ((f"{spec.bits}-bit", spec.bits != 4), ("asymmetric", not spec.sym),
+                                              (f"group size {spec.group_size}", spec.group_size not in (128, -1)),
+                                              ("padded", spec.padded)) if holds]
+        for reason in found:
+            reasons.setdefault(reason, []).append(layer)
+        if found:
+            outside.append(layer)
+    if not outside:
         return []
-    outside = {id(layer): layer for members in reasons.values() for layer in members}
     why = ", ".join(f"{count_layers(members)} {reason}" for reason, members in sorted(reasons.items()))
-    return [f"{count_layers(list(outside.values()))} of {count_layers(converted)} converted layer(s) are outside what "
+    return [f"{count_layers(outside)} of {count_layers(converted)} converted layer(s) are outside what "
             f"the legacy Marlin loaders take (symmetric 4-bit, group size 128 or -1, no padding): {why}; load them "
             "with a reader of the manifest (README: Who loads the output)"]
 
@@ -894,7 +892,7 @@ def convert(
             "version": MANIFEST_VERSION,
             "tool": f"marlin-convert {__version__}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {"path": _text(str(in_dir.resolve())), "bytes": bytes_in, "format": checkpoint.source_format,
+            "source": {"path": name_text(str(in_dir.resolve())), "bytes": bytes_in, "format": checkpoint.source_format,
                        "quantization_config": checkpoint.config.sources},
             "checkpoint_format": plan.checkpoint_format,
             "model_dtype": checkpoint.model_dtype,

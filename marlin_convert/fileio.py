@@ -56,6 +56,12 @@ def copy_hashing(src_fd: int, src_pos: int, dst_fd: int, dst_pos: int, nbytes: i
 _HUB_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
+def name_text(name: str) -> str:
+    """A file name or path as read from the file system, as JSON text can hold it: bytes that are not UTF-8 (lone
+    surrogates in ``name``) written as ``\\xNN``; a valid UTF-8 name is returned as it is."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def dead_link(path: Path) -> str:
     """What is wrong with the link ``path`` whose target cannot be reached: ``"a loop of links (through X)"`` where
     following it comes back round (ELOOP), else ``"broken link (to X)"``; X is the link's own text."""

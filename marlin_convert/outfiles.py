@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
-from .fileio import SourceReadError, copy_file_hashing, dead_link, hash_file, open_inside, outside_link
+from .fileio import (SourceReadError, copy_file_hashing, dead_link, hash_file, name_text, open_inside,
+                     outside_link)
 from .workers import run_parallel
 
 #: file names ending so hold weights in another format (or a checkpoint's index of them)
@@ -52,15 +53,6 @@ def _check_readable(path: Path, shown: Path) -> None:
                          hint="fix its permissions, or move it out of IN_DIR if it is not part of the model") from exc
 
 
-def _is_utf8(name: str) -> bool:
-    """Whether a file name read from the file system is valid UTF-8 (undecodable bytes arrive as lone surrogates)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
     """Decide what of ``in_dir``'s top level is copied (see the module docstring). ``produced``: the names the
     converter writes itself (shards, index, configs, manifest). Raises :class:`InputError` for a broken link or
@@ -73,9 +65,8 @@ def select_extra_files(in_dir: Path, produced: set[str]) -> ExtraFiles:
         if name.startswith("."):
             extra.skipped.append(f"{name}: hidden")
             continue
-        if not _is_utf8(name):  # the manifest (JSON text) could not list it: verify would refuse the manifest
-            extra.skipped.append(f"{name.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')}: "
-                                 "a name that is not UTF-8")
+        if name_text(name) != name:  # not UTF-8: the manifest (JSON text) could not list it
+            extra.skipped.append(f"{name_text(name)}: a name that is not UTF-8")
             continue
         if entry.is_symlink():
             target = Path(os.path.realpath(path))  # a link loop resolves to a path that does not exist

@@ -473,20 +473,14 @@ def _open_source(source_dir: Path, manifest: dict):
     stacked source without the manifest's number of experts (the output and the source differ: the layer fails). A
     source that holds none of the tensors the manifest names is another model: InputError."""
     source = open_checkpoint(source_dir)
+    hint = f"give the directory the checkpoint was converted from (the manifest names {manifest['source']['path']})"
     expected = manifest["source"]["format"]
     if source.source_format != expected:
         raise InputError(f"--source {source_dir}: a {FORM_NAMES.get(source.source_format, source.source_format)} "
                          f"checkpoint, but this one was converted from {FORM_NAMES.get(expected, expected)}",
-                         hint="give the directory the checkpoint was converted from (the manifest names "
-                              f"{manifest['source']['path']})")
-    named = [name for entry in manifest["layers"] for src in entry["sources"] for name in src["tensors"].values()]
-    if named and not any(name in source.location for name in named):  # another model altogether: a bad argument
-        raise InputError(f"--source {source_dir}: holds none of the source tensors the manifest names (such as "
-                         f"'{named[0]}'): not the checkpoint this one was converted from",
-                         hint="give the directory the checkpoint was converted from (the manifest names "
-                              f"{manifest['source']['path']})")
-    plan = plan_source(source, manifest)
+                         hint=hint)
     unmatched: dict[int, list[str]] = {}
+    present = 0  # source tensors the manifest names that the source has
     for i, entry in enumerate(manifest["layers"]):
         stacked = len(entry["sources"]) == 1 and entry["sources"][0]["slices"] is not None
         found = []
@@ -496,12 +490,19 @@ def _open_source(source_dir: Path, manifest: dict):
                     found.append(f"the manifest names source tensor '{name}' (its {kind}), which --source does not "
                                  "have")
                     continue
+                present += 1
                 shape = source.info(name).shape
                 if stacked and (len(shape) < 2 or shape[0] != entry["num_experts"]):
                     found.append(f"the manifest says {entry['num_experts']} stacked experts, --source's tensor "
                                  f"'{name}' has shape {list(shape)}")
         if found:
             unmatched[i] = found
+    if unmatched and not present:  # another model altogether: a bad argument, not a failure of every layer
+        first = next(iter(manifest["layers"][0]["sources"][0]["tensors"].values()))
+        raise InputError(f"--source {source_dir}: holds none of the source tensors the manifest names (such as "
+                         f"'{first}'): not the checkpoint this one was converted from",
+                         hint=hint)
+    plan = plan_source(source, manifest)
     return source, plan, unmatched
 
 
