@@ -6,6 +6,8 @@ no nvcc or ninja).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from checkpoint_kinds import KINDS, kind_spec
 from make_gptq_checkpoint import qwen3_moe, tiny_llama, write_checkpoint
@@ -77,12 +79,18 @@ def test_one_worker_and_many_slices_do_not_wait_on_each_other(tmp_path):
     assert report.ok and sum(r.name.endswith("experts.gate_up_proj") for r in report.results) == 32
 
 
-def test_gpu_list_spreads_layers_and_the_cli_exits_zero(tmp_path, capsys):
+def test_the_cli_runs_the_kernel_in_worker_processes_and_exits_zero(tmp_path, capsys):
+    """`verify --gpu 0 --workers 2` from the CLI: every layer checked by the kernel at both batch sizes, exit 0. (A GPU
+    given twice, `--gpu 0,0`, is refused: tests/test_cli.py; spreading over two GPUs needs two, below.)"""
     src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2, hidden=256, intermediate=512, group_size=64))
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q"]) == 0
-    assert main(["verify", str(out), "--gpu", "0,0", "--batch", "1,16", "-q", "--json", str(tmp_path / "v.json")]) == 0
+    assert main(["verify", str(out), "--gpu", "0", "--workers", "2", "--batch", "1,16", "-q",
+                 "--json", str(tmp_path / "v.json")]) == 0
     assert "passed: 14/14 layers ok" in capsys.readouterr().out
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["kernel_checked"] and len(report["results"]) == 14
+    assert all(len(layer["kernel"]) == 2 and layer["device"] == "cuda:0" for layer in report["results"])
 
 
 def _gpu_count() -> int:
