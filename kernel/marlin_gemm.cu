@@ -22,10 +22,11 @@ namespace detail {
 //             4 / 3 strips per warp when the n / 64 tiles fit one wave at 1 / 2 blocks per SM; otherwise 2 strips
 //             (stage k = 256, 72 KB of shared memory, <= 85 registers: 3 blocks = 24 warps per SM), swapped for
 //             m <= 8 only (see dispatch below)
-//   m = 17..96, every 4-bit kind, the layers of eight_strip_32_pick (marlin_gemm_impl.cuh; at m > 32 after the wgmma
-//             kernel): the unswapped 32-row kernel with 8 strips per warp and stage at one block per SM (grouped: fp32
-//             partial sums scaled once per group), 64-column tiles at 2 stages (208 KB) on one wave of them with
-//             k < 16384, else (and always at m = 65..96) 128-column tiles at 2 stages (144 KB)
+//   m = 17..128, every 4-bit kind, the layers of eight_strip_32_pick (marlin_gemm_impl.cuh; at m > 32 after the
+//             wgmma kernel; at m = 97..128 only one wave of 128-column blocks with k <= 4096): the unswapped 32-row
+//             kernel with 8 strips per warp and stage at one block per SM (grouped: fp32 partial sums scaled once per
+//             group), 64-column tiles at 2 stages (208 KB) on one wave of them with k < 16384, else (and always at
+//             m = 65..128) 128-column tiles at 2 stages (144 KB)
 //   m > 32 on Hopper (sm_90a build), n % 256 == 0, k per block >= 2560 after the split that fills the GPU: the wgmma
 //             kernel (SWAP 3; try_wgmma in marlin_gemm_impl.cuh), 64- / 128-row chunks, 256-column tiles
 //   m > 64, and 33..64 with k >= 16384 or n >= 32768, n % 128 == 0: MB=4 (64-row chunks), WN=2 (128-column tiles,
@@ -278,7 +279,7 @@ int dispatch_fp16_int4(const Launch& L) {
     const int rc = try_wgmma<K, GROUPED>(L, launched);
     if (launched) return rc;
   }
-  if (cfg < 0) {  // m = 17..96: the 8-strip 32-row kernels where they pay (try_eight_strip_32)
+  if (cfg < 0) {  // m = 17..128: the 8-strip 32-row kernels where they pay (try_eight_strip_32)
     bool launched = false;
     const int rc = try_eight_strip_32<K, GROUPED>(L, optin, launched);
     if (launched) return rc;

@@ -1766,7 +1766,7 @@ namespace detail {
 //   8-bit, larger n: 4 strips at 2 stages, 2 blocks per SM (104-108 KB; 2 strips at 4 stages where that does not
 //          fit);
 //   m = 17..32, 4-bit: the direct-load kernel in clusters of two (four batch blocks; Hopper, 2 x n / 64 <= SMs); m =
-//          17..96, 4-bit, else (and where the wgmma kernel does not take it): the 8-strip 32-row kernels where
+//          17..128, 4-bit, else (and where the wgmma kernel does not take it): the 8-strip 32-row kernels where
 //          eight_strip_32_pick takes the layer;
 //   m > 16: 4-bit, 64-row chunks at 8 strips x 2 stages (m > 64, or 33..64 with k >= 16384 or n >= 32768), else
 //          32-row chunks at 4 strips x 2 stages (104 KB); 8-bit grouped the latter (136 KB);
@@ -1812,7 +1812,7 @@ int launch_m32_cfg(const Launch& L, int cfg, bool& launched) {
   return MARLIN_OK;
 }
 
-// m = 17..96, 4-bit kinds, the layers the direct and wgmma kernels leave: the unswapped 32-row kernel with 8 strips per
+// m = 17..128, 4-bit kinds, the layers the direct and wgmma kernels leave: the unswapped 32-row kernel with 8 strips per
 // warp and stage at one block per SM (a warp's stage is 128 k, one group of 128: the grouped fp32 partial sums are
 // scaled once per group, 64 FFMA per 8 strips, where the 4-strip kernel puts the scales on B, 4 hmul2 per tile and
 // strip). With c = ceil(m / 32) row chunks:
@@ -1835,18 +1835,31 @@ int launch_m32_cfg(const Launch& L, int cfg, bool& launched) {
 //     group 128 / channelwise: 4096 x 4096 21.6 -> 19.3 / 20.6 -> 17.0 us, 11008 x 4096 43.3 -> 38.2 / 39.0 -> 33.5,
 //     8192 x 8192 58.6 -> 52.0 / 47.6 -> 45.7 (stream-K over 129 blocks). At m = 128 (no empty rows) it won only on
 //     4096 x 4096 and lost on the others (11008 x 4096 42.6 -> 45.1, 8192 x 8192 53.0 -> 67.0), so m > 96 keeps the
-//     64-row kernel. The rule against the one before, same call (`--m 72,80,96 --cfgs=-,99`, bench_h200_m96_rule.txt):
+//     64-row kernel, except on the short-k layers of the next clause. The rule against the one before, same call (`--m 72,80,96 --cfgs=-,99`, bench_h200_m96_rule.txt):
 //     4096 x 4096 0.82-0.89 of the time, 11008 x 4096 0.86-0.90, 8192 x 8192 0.96-1.04 (fp16; the other 4-bit kinds
 //     0.99-1.06 there, 0.85-0.97 on the first two); geomean over the 8 shapes m = 80 / 96 0.85 -> 0.88x / 0.84 ->
 //     0.87x (group 128), 0.89 -> 0.93x / 0.88 -> 0.93x (channelwise).
+//   m = 97..128 (four row chunks) with one wave of 128-column blocks (SMs / 2 < 4 x n / 128 <= SMs: n = 2176..4224
+//     on 132 SMs) and k <= kFourChunkMaxK: 128-column tiles, no split. The 64-row kernel splits k in two there (its 2 x
+//     n / 128 blocks are half a wave), and short k leaves each of its blocks little work besides the reduction, so
+//     four 32-row chunks in one wave pay despite dequantizing each weight twice as often. H200 (twenty-first session,
+//     `--m 100,128 --cfgs=-,99`, kernel/NOTES.md), fp16 x 4-bit, time against the 64-row kernel, group 128 /
+//     channelwise: 2048 x 4096 0.71-0.73 / 0.69, 2560 x 2560 0.70-0.72 / 0.67, 3072 x 3072 0.78-0.79, 3584 x 3584
+//     0.75 / 0.74-0.76, 4096 x 2560 0.73-0.74, 4096 x 4096 0.87-0.89 / 0.83-0.84; with longer k the gain shrinks and
+//     turns: 5120 x 4096 0.89-0.93, 6144 x 4096 0.92-0.97, 8192 x 4096 0.98-1.02, 11008 x 4096 1.02-1.07. The other 4-bit
+//     kinds at m = 128: 4096 x 4096 0.85-0.96, 3584 x 3584 0.74-0.84, but 8192 x 4096 0.98-1.11 (the zero-point kinds
+//     1.05-1.11), so the bound is k <= 4096 for every kind.
+constexpr int kFourChunkMaxK = 4096;
 // Returns 0 (not these layers), 1 (64-column tiles) or 2 (128-column tiles).
 template <class K, bool GROUPED>
 int eight_strip_32_pick(const Launch& L, int optin) {
-  if (K::kBits != 4 || L.m <= 16 || L.m > 96) return 0;
+  if (K::kBits != 4 || L.m <= 16 || L.m > 128) return 0;
   const long chunks = (L.m + 31) / 32;
   const long blocks64 = chunks * (L.n / 64), blocks128 = chunks * (L.n / 128);
   const bool fits64 = optin >= Tile<2, 1, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes;
   const bool fits128 = L.n % 128 == 0 && optin >= Tile<2, 2, 8, 2, GROUPED, 4, K::kZp>::kSmemBytes;
+  if (chunks == 4)
+    return fits128 && 2 * blocks128 > L.sms && blocks128 <= L.sms && L.k <= kFourChunkMaxK ? 2 : 0;
   if (chunks == 3) return fits128 ? 2 : 0;
   if (2 * blocks64 > L.sms && blocks64 <= L.sms && L.k < 16384) return fits64 ? 1 : 0;
   if (chunks == 1)
@@ -1993,7 +2006,7 @@ int dispatch_kind(const Launch& L) {
       const int rc = try_wgmma<K, GROUPED>(L, launched);
       if (launched) return rc;
     }
-    if (cfg < 0) {  // m = 17..96, 4-bit: the 8-strip 32-row kernels where they pay
+    if (cfg < 0) {  // m = 17..128, 4-bit: the 8-strip 32-row kernels where they pay
       bool launched = false;
       const int rc = try_eight_strip_32<K, GROUPED>(L, optin, launched);
       if (launched) return rc;

@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                   (kind, 70, 528, 256, 16, False, 0),    # m = 65..96 (4-bit: three 32-row chunks, 8 strips x 2
                                                          # stages, 128 columns; 8-bit: 64-row chunks),
                   (kind, 100, 528, 256, 16, False, 0),   # m > 96 (fp16 4-bit: 64-row chunks, 8 strips x 2 stages),
+                  (kind, 100, 528, 2304, 16, False, 0),  # but one wave of 128-column blocks with k <= 4096 (4-bit:
+                                                         # four 32-row chunks, 8 strips x 2 stages, 128 columns),
                   (kind, 36, 16448, 128, 64, False, 0),  # and m = 33..64 with long k; partial last stages
                   (kind, 12, 512, 34816, 64, False, 0),  # m = 9..16, n / 128 >= 2 SMs (4-bit kinds: 128-column
                                                          # tiles, 8 strips x 2 stages)

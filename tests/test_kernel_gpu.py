@@ -174,15 +174,16 @@ CASES = [
     (8, 1040, 128, -1, False),  # k = 65 strips: a partial last stage
     (3, 1040, 128, 16, False),
     # m > 16: 32-row chunks at 4 strips x 2 stages; 64-row chunks at 8 strips x 2 stages (m > 96, or 33..64 with
-    # k >= 16384 or n >= 32768); 4-bit m = 65..96 (72, 96): three 32-row chunks at 8 strips x 2 stages: partial last
-    # stages, group 16 (strips of one warp cross groups), group 48 (not a power of two: a division), act-order,
-    # n % 128 != 0
+    # k >= 16384 or n >= 32768); 4-bit m = 65..96 (72, 96), and m = 97..128 on one wave of 128-column blocks with
+    # k <= 4096 (112 x 1040 x 2304): three / four 32-row chunks at 8 strips x 2 stages: partial last stages, group 16
+    # (strips of one warp cross groups), group 48 (not a power of two: a division), act-order, n % 128 != 0
     (20, 1040, 192, 16, False),
     (40, 16400, 256, 16, False),
     (48, 2048, 32768, -1, False),
     (129, 1536, 256, 48, False),
     (72, 2048, 320, 32, True),
     (96, 1040, 384, 16, True),
+    (112, 1040, 2304, 16, True),
     # m = 9..16, SMs / 2 < n / 64 <= SMs on a 132-SM GPU (any GPU: test_split_in_two_for_long_k_or_two_batch_blocks):
     # 4 strips x 2 stages split in two over k (a partial last stage)
     (13, 2048, 8192, 128, False),
@@ -663,11 +664,14 @@ def test_m32_eight_strip_configs(torch, monkeypatch, kind, cfg, m, k, n, group, 
 # the 8-strip 128-column kernel; SMs < n / 128 < 2 SMs -> the 4-strip kernel. m = 33..64 (two row chunks): one wave of
 # 64-column blocks -> 64 columns, of 128-column blocks -> 128 columns, with k < 16384; long k or wide layers -> not
 # these. m = 65..96 (three row chunks): 128 columns on every layer the wgmma kernel leaves (these layers have k / split
-# below wgmma_pays' 2048-2560); m = 97..128 (four): not these. Hopper with >= 132 SMs, where it was measured.
+# below wgmma_pays' 2048-2560); m = 97..128 (four): 128 columns on one wave of 128-column blocks with k <= 4096 (a
+# partial last chunk at m = 100), not with longer k or more blocks than SMs. Hopper with >= 132 SMs, where it was
+# measured.
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS + [("float16", 8, False)], ids=_kind_id)
 @pytest.mark.parametrize("layer", ["one_wave_short_k", "one_wave_long_k", "under_a_wave_of_128", "wide", "band",
                                    "two_chunks_64", "two_chunks_128", "two_chunks_long_k", "two_chunks_wide",
-                                   "three_chunks", "three_chunks_wide", "three_chunks_long_k", "four_chunks"])
+                                   "three_chunks", "three_chunks_wide", "three_chunks_long_k", "four_chunks",
+                                   "four_chunks_partial", "four_chunks_long_k", "four_chunks_over_a_wave"])
 @pytest.mark.parametrize("group", [128, -1])
 def test_eight_strip_32_rule_picks_its_layers(torch, kind, layer, group):
     _skip_unless_hopper_132(torch, "the rule's layers are sized for a Hopper GPU of >= 132 SMs")
@@ -688,7 +692,10 @@ def test_eight_strip_32_rule_picks_its_layers(torch, kind, layer, group):
         "three_chunks": (96, 4096, 4096, one_twenty_eight),
         "three_chunks_wide": (72, 1024, 128 * (2 * sms + 8), one_twenty_eight),
         "three_chunks_long_k": (80, 16384, 128 * 65, one_twenty_eight),  # (n / 256 not whole: no wgmma)
-        "four_chunks": (128, 4096, 4096, None),
+        "four_chunks": (128, 4096, 4096, one_twenty_eight),
+        "four_chunks_partial": (100, 2048, 128 * (sms // 4), one_twenty_eight),
+        "four_chunks_long_k": (128, 8192, 4096, None),
+        "four_chunks_over_a_wave": (112, 2048, 128 * (sms // 4 + 2), None),
     }[layer]
     _run_case(torch, m, k, n, group, False, seed=zlib.crc32(repr((kind, layer, group)).encode()), bits=bits,
               asym=asym, dtype=dtype)
