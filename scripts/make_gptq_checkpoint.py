@@ -4,6 +4,7 @@
     python scripts/make_gptq_checkpoint.py /tmp/tiny --preset tiny
     python scripts/make_gptq_checkpoint.py /tmp/llama7b --preset llama-7b --shards 4          # ~3.5 GB
     python scripts/make_gptq_checkpoint.py /tmp/qwen --preset qwen3-moe --experts 16 --stacked --act-order
+    python scripts/make_gptq_checkpoint.py /tmp/padded --hidden 1000 --intermediate 1000    # shapes that don't tile
 
 Importable too (``tests/conftest.py`` puts ``scripts/`` on ``sys.path``)::
 
@@ -555,6 +556,15 @@ def spec_from_args(args: argparse.Namespace) -> CheckpointSpec:
         raise SystemExit(f"--experts applies to the qwen3-moe and mixtral presets, not {args.preset}")
     if args.stacked and args.preset != "qwen3-moe":
         raise SystemExit(f"--stacked applies to the qwen3-moe preset, not {args.preset}")
+    for option, value in (("--hidden", args.hidden), ("--intermediate", args.intermediate)):
+        if value is not None and args.preset == "llama-7b":
+            raise SystemExit(f"{option} does not apply to the llama-7b preset (its shapes are Llama-2-7B's)")
+        if value is not None and value <= 0:
+            raise SystemExit(f"{option} {value}: expected a positive size")
+    if args.hidden is not None:
+        kw["hidden"] = args.hidden
+    if args.intermediate is not None:  # (qwen3-moe: each expert's)
+        kw["expert_intermediate" if args.preset == "qwen3-moe" else "intermediate"] = args.intermediate
     if args.preset == "tiny":
         spec = tiny_llama(**kw)
     elif args.preset == "llama-7b":
@@ -574,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, help="vocabulary size (embed_tokens, lm_head); not for llama-7b")
     parser.add_argument("--experts", type=int, help="experts per MoE layer (qwen3-moe, mixtral)")
     parser.add_argument("--stacked", action="store_true", help="qwen3-moe: stacked 3-D expert tensors")
+    parser.add_argument("--hidden", type=int, help="hidden size (preset default otherwise; not for llama-7b): sizes "
+                        "that do not divide by 64 / 128 give layers the converter pads, e.g. 1000")
+    parser.add_argument("--intermediate", type=int, help="MLP intermediate size (qwen3-moe: each expert's; preset "
+                        "default otherwise; not for llama-7b)")
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--group-size", type=int, default=128, help="-1 = channelwise")
     parser.add_argument("--act-order", action="store_true", help="shuffled, balanced g_idx (desc_act: true)")

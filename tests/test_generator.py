@@ -352,6 +352,25 @@ def test_cli_rejects_options_that_do_not_apply(tmp_path):
         main([str(tmp_path), "--preset", "mixtral", "--stacked"])
 
 
+def test_cli_sizes_give_shapes_that_do_not_tile(tmp_path, capsys):
+    """--hidden / --intermediate set the layers' shapes (1000: neither 64 nor 128 divides it, so the converter pads);
+    qwen3-moe's --intermediate is each expert's; llama-7b keeps its own and a size <= 0 is refused."""
+    assert main([str(tmp_path / "dense"), "--hidden", "1000", "--intermediate", "1000", "--layers", "1",
+                 "--vocab", "64"]) == 0
+    tensors = _read_all(tmp_path / "dense")
+    assert tuple(tensors["model.layers.0.self_attn.q_proj.qweight"][0].shape) == (1000 // 8, 1000)
+    assert tuple(tensors["model.layers.0.mlp.down_proj.qweight"][0].shape) == (1000 // 8, 1000)
+    assert main([str(tmp_path / "moe"), "--preset", "qwen3-moe", "--layers", "1", "--experts", "2", "--stacked",
+                 "--hidden", "320", "--intermediate", "200", "--vocab", "64"]) == 0
+    tensors = _read_all(tmp_path / "moe")
+    assert tuple(tensors["model.layers.0.mlp.experts.down_proj.qweight"][0].shape) == (2, 200 // 8, 320)
+    with pytest.raises(SystemExit, match="--hidden does not apply to the llama-7b preset"):
+        main([str(tmp_path / "big"), "--preset", "llama-7b", "--hidden", "1000"])
+    with pytest.raises(SystemExit, match="--intermediate 0: expected a positive size"):
+        main([str(tmp_path / "zero"), "--intermediate", "0"])
+    assert not (tmp_path / "big").exists() and not (tmp_path / "zero").exists()
+
+
 def test_cli_moe_preset(tmp_path, capsys):
     assert main([str(tmp_path), "--preset", "qwen3-moe", "--layers", "1", "--experts", "2", "--stacked",
                  "--act-order", "--label", "gptq_v2", "--zero-format", "v2", "--scale-dtype", "bfloat16",
