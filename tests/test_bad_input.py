@@ -1310,3 +1310,47 @@ def test_out_dir_on_a_read_only_file_system_is_refused_before_any_work(capsys, t
     _run_failing(capsys, tmp_path, [str(src), str(out), *(["--dry-run"] if dry_run else [])],
                  f"OUT_DIR {out} cannot be written", f"{place} is on a read-only file system")
     assert sorted(p.name for p in place.iterdir()) == (["out"] if exists else [])
+
+
+def _killed(*args, **kwargs):
+    os.kill(os.getpid(), 9)  # as the kernel's out-of-memory killer ends a process
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_a_worker_process_killed_is_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch, command):
+    """A worker ended by SIGKILL (the out-of-memory killer, on a machine too small for a layer) was 'internal error:
+    BrokenProcessPool: ...' with 'this is a bug in marlin-convert', exit 3, for convert and verify alike."""
+    import marlin_convert.convert as convert_module
+    import marlin_convert.verify as verify_module
+
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+        monkeypatch.setattr(verify_module, "_run", _killed)
+        args = ["verify", str(out), "--skip-kernel", "--workers", "2"]
+    else:
+        monkeypatch.setattr(convert_module, "run_job", _killed)
+        args = [str(src), str(out), "--workers", "2"]
+    line = _run_failing(capsys, tmp_path, args, "a worker process ended abruptly")
+    assert "internal error" not in line
+    assert main(args) == 2
+    if command == "convert":
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_running_out_of_memory_is_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch, workers):
+    """A MemoryError (a machine with overcommit off or a ulimit -v, too small for a layer) was 'internal error:
+    MemoryError: ...' and 'this is a bug in marlin-convert', exit 3."""
+    import marlin_convert.convert as convert_module
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 1.00 GiB for an array with shape (4096, 65536) and data type int32")
+
+    monkeypatch.setattr(convert_module, "run_job", no_memory)
+    out = tmp_path / "out"
+    line = _run_failing(capsys, tmp_path, [str(src), str(out), "--workers", workers], "out of memory",
+                        "Unable to allocate 1.00 GiB")
+    assert "internal error" not in line and "bug" not in capsys.readouterr().err
+    assert main([str(src), str(out), "--workers", workers]) == 2
+    assert not out.exists()
