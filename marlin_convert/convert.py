@@ -40,7 +40,8 @@ from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outp
                        write_manifest)
 from .outdir import PartialDir, check_free_space, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
-from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo, changed_since_read
+from .safetensors_io import (DTYPE_NAMES, SHARD_METADATA, PlannedTensor, ShardWriter, TensorInfo,
+                             changed_since_read)
 from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, check_in_dir, open_checkpoint,
                       plan_layers, plan_notes)
 from .spec import QuantSpec
@@ -853,7 +854,7 @@ def convert(
         out_shard: dict[str, str] = {}
         tasks = []
         for shard in plan.shards:
-            writer = ShardWriter(tmp / shard.file_name, shard.outputs, {"format": "pt"})
+            writer = ShardWriter(tmp / shard.file_name, shard.outputs, SHARD_METADATA)
             writers.append(writer)
             for job in shard.jobs:
                 out_shard[job.output.name] = shard.file_name

@@ -372,3 +372,28 @@ def test_a_key_the_converter_adds_may_be_absent_but_not_a_key_of_the_source(tmp_
     (out / "config.json").write_text(json.dumps(data, indent=2))
     resign(out)
     assert_fails(out, src, "config.json: vocab_size is absent")
+
+
+def _set_shard_metadata(path: Path, metadata) -> None:
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header.pop("__metadata__", None)
+    if metadata is not None:
+        header = {"__metadata__": metadata, **header}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size:])
+
+
+@pytest.mark.parametrize("metadata, said", [({"format": "tf"}, '{"format": "tf"}'), (None, "absent"),
+                                            ({"format": "pt", "note": "x"}, '{"format": "pt", "note": "x"}')])
+def test_a_shard_whose_metadata_was_edited_fails(out, metadata, said):
+    """The converter writes every shard's __metadata__ as {"format": "pt"}, which loaders read (transformers refuses a
+    format it does not know); one edited in a shard's header, files re-signed, passed verify, --source too."""
+    _set_shard_metadata(out / "model-00001-of-00002.safetensors", metadata)
+    resign(out)
+    shard = "model-00001-of-00002.safetensors"
+    expected = f'shard {shard}: __metadata__ is {said}, the converter writes {{"format": "pt"}}'
+    assert expected in verify(out, gpus=None, workers=1).problems
+    assert_fails(out, EXAMPLE, expected)

@@ -51,8 +51,8 @@ _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, er
                        errno.EFBIG, errno.ENXIO, errno.ENODEV, errno.ETXTBSY, errno.EBUSY, errno.ESTALE}
 
 
-#: what the machine ran out of, not a bug: memory (a MemoryError where overcommit is off or a ``ulimit -v`` is set), or a
-#: worker process the system killed (the out-of-memory killer sends SIGKILL): exit 2, as for a full disk
+#: what the machine ran out of, not a bug: memory (a MemoryError where overcommit is off or a ``ulimit -v`` is set), or
+#: a worker process the system killed (the out-of-memory killer sends SIGKILL): exit 2, as for a full disk
 _OUT_OF_RESOURCES = (MemoryError, BrokenProcessPool)
 
 
