@@ -14,8 +14,26 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import OutputError
-from ..fileio import is_hub_blob, replace_file
+from ..fileio import is_hub_blob, name_text, replace_file
 from ._errors import one_line
+
+
+def _as_text(value):
+    """``value`` (a report's data) with every string as JSON text can hold it: a path or name that is not UTF-8 (lone
+    surrogates from the file system) with \\xNN escapes (:func:`~marlin_convert.fileio.name_text`), as the manifest
+    records it; a lone surrogate in JSON is refused by strict readers."""
+    if isinstance(value, str):
+        return name_text(value)
+    if isinstance(value, dict):
+        return {_as_text(key): _as_text(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_text(item) for item in value]
+    return value
+
+
+def json_text(data: dict) -> str:
+    """A report's JSON (``str()`` of what JSON has no type for), every string as :func:`_as_text` gives it."""
+    return json.dumps(_as_text(data), indent=2, default=lambda value: name_text(str(value)))
 
 
 class OutputClosed(Exception):
@@ -92,7 +110,7 @@ class Output:
         needs and every line stays one line, so that logs can be searched."""
         console = _Console()
         if self.as_json:
-            print_stdout(json.dumps(self.data, indent=2, default=str))
+            print_stdout(json_text(self.data))
             return
         wrap = console.is_terminal
         if self.title:
@@ -138,7 +156,7 @@ class Output:
         if path is None:
             return
         try:
-            _write_report(path, json.dumps(self.data, indent=2, default=str) + "\n")
+            _write_report(path, json_text(self.data) + "\n")
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
         _written_report[:] = [path, self.data]
@@ -206,7 +224,7 @@ def amend_written_outcome(exit_code: int) -> None:
     if not _written_report:
         return
     path, data = _written_report
-    text = json.dumps({**data, "ok": exit_code == 0, "exit_code": exit_code}, indent=2, default=str) + "\n"
+    text = json_text({**data, "ok": exit_code == 0, "exit_code": exit_code}) + "\n"
     try:
         _write_report(path, text)
     except BaseException:  # (the exit code stands; the Error line says what happened)
@@ -221,7 +239,7 @@ def report_failure(message: str, exit_code: int, hint: str | None = None) -> Non
     path = _report_target[0]
     if path is None:
         return
-    text = json.dumps({"ok": False, "exit_code": exit_code, "error": message, "hint": hint}, indent=2) + "\n"
+    text = json_text({"ok": False, "exit_code": exit_code, "error": message, "hint": hint}) + "\n"
     try:
         if is_stdout(path):
             sys.stdout.write(text)
