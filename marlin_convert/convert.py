@@ -45,11 +45,11 @@ from .safetensors_io import (DTYPE_NAMES, SHARD_METADATA, PlannedTensor, ShardWr
 from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, check_in_dir, open_checkpoint,
                       plan_layers, plan_notes)
 from .spec import QuantSpec
-from .workers import check_workers, run_parallel
+from .workers import check_workers, run_parallel, usable_cpus
 
 ProgressCallback = Callable[[int], None]
 #: worker processes by default: one per core, at most 8 (each holds a few copies of the largest tensor)
-DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
+DEFAULT_WORKERS = min(8, usable_cpus())
 #: safetensors dtype code and bytes per element of each scale dtype a spec names
 SCALE_DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
 SCALE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}

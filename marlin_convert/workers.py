@@ -33,6 +33,15 @@ from .interrupts import held
 MAX_WORKERS = 256
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: ``taskset``, a Slurm job's or a container's cpuset), not the
+    machine's (``os.cpu_count()``, where the affinity cannot be read): the default number of workers."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def check_workers(workers: int) -> None:
     """Raise :class:`InputError` unless 1 <= ``workers`` <= MAX_WORKERS."""
     if not 1 <= workers <= MAX_WORKERS:

@@ -1007,3 +1007,17 @@ def test_json_reports_hold_paths_that_are_not_utf8_as_escapes_not_lone_surrogate
         assert data["in_dir"].endswith("src\\xff") and data["out_dir"].endswith("out\\xfe")
     if command == "failure":
         assert "out\\xfe" in data["error"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and at least two CPUs to run on")
+def test_default_workers_count_the_cpus_this_process_may_run_on():
+    """The default --workers came from os.cpu_count(), the machine's CPUs: under taskset, a Slurm job's cpuset or
+    docker --cpuset-cpus on a 128-core node allowed 4 of them, verify started 128 worker processes (each holding a
+    layer: tens of GB where the job had a few) and convert 8. Now they count the CPUs this process may run on."""
+    import subprocess
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "import marlin_convert.convert as c, marlin_convert.verify as v; print(c.DEFAULT_WORKERS, v.DEFAULT_WORKERS)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1", "1"], done.stdout
