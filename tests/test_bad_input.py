@@ -1354,3 +1354,21 @@ def test_running_out_of_memory_is_named_not_called_a_bug(capsys, tmp_path, src, 
     assert "internal error" not in line and "bug" not in capsys.readouterr().err
     assert main([str(src), str(out), "--workers", workers]) == 2
     assert not out.exists()
+
+
+def test_a_file_system_without_locks_leaves_no_working_directory_and_says_so(capsys, tmp_path, src, monkeypatch):
+    """Where flock is not supported (Lustre mounted noflock: ENOSYS; NFS without its lock daemon: ENOLCK) the run said
+    it 'cannot create the output's working directory' (it had created it) and left the empty hidden
+    .OUT.partial-PID behind, at every run."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "out"
+    line = _run_failing(capsys, tmp_path, [str(src), str(out)], "cannot lock the output's working directory",
+                        "Function not implemented")
+    assert "cannot create" not in line
+    assert not out.exists()
