@@ -397,3 +397,28 @@ def test_a_shard_whose_metadata_was_edited_fails(out, metadata, said):
     expected = f'shard {shard}: __metadata__ is {said}, the converter writes {{"format": "pt"}}'
     assert expected in verify(out, gpus=None, workers=1).problems
     assert_fails(out, EXAMPLE, expected)
+
+
+def test_a_deeply_nested_config_value_is_compared_without_an_internal_error(tmp_path, capsys):
+    """A config value nested 700 deep (JSON the reader takes) converted with exit 0, then 'verify --source' was exit 3,
+    'internal error: RecursionError' (the key-by-key comparison recursed), and since the --json reports' escapes a
+    report holding it too ('inspect --json-stdout'). Equal configs pass; an edited one fails, exit 1."""
+    from edit_checkpoint import set_quant_config
+
+    from marlin_convert.cli.app import main
+
+    src = tmp_path / "in"
+    shutil.copytree(EXAMPLE, src)
+    deep = json.loads("[" * 700 + "]" * 700)
+    set_quant_config(src, dynamic={"+:.*nothing": {"bits": 4, "x": deep}})
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["inspect", str(src), "--json-stdout"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q"]) == 0
+    _set_config(out, "config.json", lambda c: c["quantization_config"]["dynamic"]["+:.*nothing"].update(
+        x=json.loads("[" * 700 + "1" + "]" * 700)))
+    resign(out)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "Traceback" not in err

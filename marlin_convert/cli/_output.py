@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass, field
@@ -14,26 +15,21 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import OutputError
-from ..fileio import is_hub_blob, name_text, replace_file
+from ..fileio import is_hub_blob, replace_file
 from ._errors import one_line
 
 
-def _as_text(value):
-    """``value`` (a report's data) with every string as JSON text can hold it: a path or name that is not UTF-8 (lone
-    surrogates from the file system) with \\xNN escapes (:func:`~marlin_convert.fileio.name_text`), as the manifest
-    records it; a lone surrogate in JSON is refused by strict readers."""
-    if isinstance(value, str):
-        return name_text(value)
-    if isinstance(value, dict):
-        return {_as_text(key): _as_text(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_as_text(item) for item in value]
-    return value
+#: a lone surrogate as ``json.dumps`` escapes it (``\\udcff``, not after an escaping backslash): a byte of a path or
+#: name that is not UTF-8, as the file system gives it (surrogateescape)
+_SURROGATE_ESCAPE = re.compile(r"((?<!\\)(?:\\\\)*)\\udc([89a-f][0-9a-f])")
 
 
 def json_text(data: dict) -> str:
-    """A report's JSON (``str()`` of what JSON has no type for), every string as :func:`_as_text` gives it."""
-    return json.dumps(_as_text(data), indent=2, default=lambda value: name_text(str(value)))
+    """A report's JSON (``str()`` of what JSON has no type for), with every byte of a path or name that is not UTF-8
+    written ``\\xNN`` (as :func:`~marlin_convert.fileio.name_text` and the manifest write it), never as a lone surrogate
+    escape, which strict JSON readers refuse. Works on the text, so a report nests as deep as JSON itself allows."""
+    text = json.dumps(data, indent=2, default=str)
+    return _SURROGATE_ESCAPE.sub(lambda m: m.group(1) + "\\\\x" + m.group(2), text) if "\\udc" in text else text
 
 
 class OutputClosed(Exception):
