@@ -269,8 +269,18 @@ class PartialDir:
             self._fd = None
 
     def discard(self) -> None:
-        """Remove the partial directory (after a failure or an interrupt)."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the partial directory (after a failure or an interrupt), where it is now: a directory above it renamed
+        meanwhile moved it (Linux: its path is read from the lock's descriptor)."""
+        path = self.path
+        if self._fd is not None and not path.is_dir():
+            try:
+                now = os.readlink(f"/proc/self/fd/{self._fd}")
+            except OSError:
+                now = ""
+            if now.startswith("/") and not now.endswith(" (deleted)") and \
+                    Path(now).name == self.path.name:
+                path = Path(now)
+        shutil.rmtree(path, ignore_errors=True)
         self._unlock()
 
     def finalize(self, overwrite: bool) -> list[str]:

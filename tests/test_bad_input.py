@@ -1372,3 +1372,23 @@ def test_a_file_system_without_locks_leaves_no_working_directory_and_says_so(cap
                         "Function not implemented")
     assert "cannot create" not in line
     assert not out.exists()
+
+
+def test_output_parent_renamed_while_converting_leaves_no_working_directory(capsys, tmp_path, src, monkeypatch):
+    """OUT_DIR's parent renamed while the run worked (folders reorganised during a long conversion): the run failed,
+    rightly, but its clean-up removed the working directory by its old path, so the hidden .out.partial-PID, with
+    every shard written so far, stayed in the renamed folder for good."""
+    import marlin_convert.convert as convert_module
+
+    parent, moved = tmp_path / "parent", tmp_path / "moved"
+    parent.mkdir()
+    real = convert_module.output_file_digests
+
+    def rename_then_describe(*args, **kwargs):
+        parent.rename(moved)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "output_file_digests", rename_then_describe)
+    assert main([str(src), str(parent / "out"), "-q"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert sorted(p.name for p in moved.iterdir()) == []
