@@ -1392,3 +1392,25 @@ def test_output_parent_renamed_while_converting_leaves_no_working_directory(caps
     assert main([str(src), str(parent / "out"), "-q"]) == 2
     assert "Traceback" not in capsys.readouterr().err
     assert sorted(p.name for p in moved.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_worker_processes_that_cannot_be_started_are_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch,
+                                                                            command):
+    """fork refused (EAGAIN: the process limit, ulimit -u or a container's pids.max; ENOMEM): verify said 'internal
+    error: BlockingIOError ...', exit 3, and convert 'OUT_DIR: cannot write: Resource temporarily unavailable'."""
+    import errno
+
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+
+    def no_fork():
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    args = ([str(src), str(out), "--workers", "2"] if command == "convert" else
+            ["verify", str(out), "--skip-kernel", "--workers", "2"])
+    line = _run_failing(capsys, tmp_path, args, "cannot start worker processes", "Resource temporarily unavailable")
+    assert "internal error" not in line and "cannot write" not in line
+    assert main(args) == 2
