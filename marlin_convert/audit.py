@@ -24,7 +24,7 @@ from .fileio import outside_link, read_inside
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, parse_dynamic
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
-from .safetensors_io import SafetensorsFile, read_header
+from .safetensors_io import SHARD_METADATA, SafetensorsFile, read_header
 from .sources import KEPT_MODULES_KEYS, SOURCE_FORMAT_KEY
 from .spec import QuantSpec
 
@@ -210,6 +210,11 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
             headers[name] = read_header(path)
         except InputError as exc:
             problems.append(f"shard {name}: {exc.message}")
+            continue
+        if headers[name].metadata != SHARD_METADATA:  # (loaders read its format)
+            said = json.dumps(headers[name].metadata) if headers[name].metadata else "absent"
+            problems.append(f"shard {name}: __metadata__ is {said[:200]}, the converter writes "
+                            f"{json.dumps(SHARD_METADATA)}")
 
     # every tensor of every shard, claimed once: (shard, tensor) -> (who, dtype, shape) (None: not recorded)
     claims: dict[tuple[str, str], tuple[str, str | None, tuple | None]] = {}

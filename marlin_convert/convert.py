@@ -40,15 +40,16 @@ from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outp
                        write_manifest)
 from .outdir import PartialDir, check_free_space, check_out_dir, clear_stale_partials
 from .outfiles import output_file_digests, select_extra_files
-from .safetensors_io import DTYPE_NAMES, PlannedTensor, ShardWriter, TensorInfo, changed_since_read
+from .safetensors_io import (DTYPE_NAMES, SHARD_METADATA, PlannedTensor, ShardWriter, TensorInfo,
+                             changed_since_read)
 from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, check_in_dir, open_checkpoint,
                       plan_layers, plan_notes)
 from .spec import QuantSpec
-from .workers import check_workers, run_parallel
+from .workers import check_workers, run_parallel, usable_cpus
 
 ProgressCallback = Callable[[int], None]
 #: worker processes by default: one per core, at most 8 (each holds a few copies of the largest tensor)
-DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
+DEFAULT_WORKERS = min(8, usable_cpus())
 #: safetensors dtype code and bytes per element of each scale dtype a spec names
 SCALE_DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
 SCALE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -853,7 +854,7 @@ def convert(
         out_shard: dict[str, str] = {}
         tasks = []
         for shard in plan.shards:
-            writer = ShardWriter(tmp / shard.file_name, shard.outputs, {"format": "pt"})
+            writer = ShardWriter(tmp / shard.file_name, shard.outputs, SHARD_METADATA)
             writers.append(writer)
             for job in shard.jobs:
                 out_shard[job.output.name] = shard.file_name

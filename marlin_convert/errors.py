@@ -34,6 +34,10 @@ class OutputError(MarlinConvertError):
     """The output directory cannot be written (exists, is inside the input, disk full, permissions)."""
 
 
+class ResourceError(MarlinConvertError):
+    """The machine refused what the run needs: worker processes cannot be started (the process limit, memory)."""
+
+
 class ManifestError(MarlinConvertError):
     """A converted directory's manifest is missing or does not match the files beside it."""
 

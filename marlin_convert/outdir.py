@@ -250,10 +250,18 @@ class PartialDir:
         try:
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             self.path.mkdir()
-            self._fd = _lock(self.path)
         except OSError as exc:
             raise OutputError(f"{out_dir.parent}: cannot create the output's working directory {self.path.name} there "
                               f"(renamed to {out_dir.name} when complete): {exc.strerror or exc}") from exc
+        try:
+            self._fd = _lock(self.path)
+        except OSError as exc:  # (a file system without flock: Lustre mounted noflock, NFS without its lock daemon)
+            self._fd = None
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise OutputError(f"{out_dir.parent}: cannot lock the output's working directory {self.path.name} there "
+                              f"(the lock tells a running conversion from a killed one's leftovers): "
+                              f"{exc.strerror or exc}",
+                              hint="choose an OUT_DIR on a file system that supports flock (a local disk)") from exc
 
     def _unlock(self) -> None:
         if self._fd is not None:
@@ -261,8 +269,18 @@ class PartialDir:
             self._fd = None
 
     def discard(self) -> None:
-        """Remove the partial directory (after a failure or an interrupt)."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the partial directory (after a failure or an interrupt), where it is now: a directory above it renamed
+        meanwhile moved it (Linux: its path is read from the lock's descriptor)."""
+        path = self.path
+        if self._fd is not None and not path.is_dir():
+            try:
+                now = os.readlink(f"/proc/self/fd/{self._fd}")
+            except OSError:
+                now = ""
+            if now.startswith("/") and not now.endswith(" (deleted)") and \
+                    Path(now).name == self.path.name:
+                path = Path(now)
+        shutil.rmtree(path, ignore_errors=True)
         self._unlock()
 
     def finalize(self, overwrite: bool) -> list[str]:

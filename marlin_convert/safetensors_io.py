@@ -52,6 +52,9 @@ DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "f
                "I32": "int32", "I64": "int64", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
                "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
+#: the ``__metadata__`` of every shard the converter writes (loaders read its ``format``; ``verify`` checks it)
+SHARD_METADATA = {"format": "pt"}
+
 #: a header larger than this is not a plausible safetensors header (the reference implementation uses 100 MB)
 MAX_HEADER_BYTES = 100_000_000
 

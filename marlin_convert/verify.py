@@ -57,10 +57,11 @@ from .sources import FORM_NAMES, open_checkpoint
 from .manifest import layer_count, read_manifest
 from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .interrupts import held
-from .workers import MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, worker_pool
+from .workers import (MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, submit_all, usable_cpus,
+                      worker_pool)
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
-DEFAULT_WORKERS = max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+DEFAULT_WORKERS = min(MAX_WORKERS, usable_cpus())
 #: bytes read per positioned read when hashing a file
 READ_CHUNK = 8 << 20
 #: staging slots for the workers when the kernel runs (plus two per GPU and a spare); 16 or 32 measured no faster on
@@ -608,7 +609,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                 _STATE.free_slots.put(slot)
         pool = _pool(workers)
         with held():  # (pool calls: never interrupted halfway, :mod:`.interrupts`)
-            futures = {pool.submit(_run, task) for task in tasks} if pool is not None else set()
+            futures = submit_all(pool, _run, tasks) if pool is not None else set()
         mark("workers started")
         compared: dict = {}
         if source is not None:  # in a thread beside the workers and the GPU feeding (its reads and hashing release

@@ -16,6 +16,7 @@ interrupt), kills the workers instead of waiting for them.
 from __future__ import annotations
 
 import ctypes
+import errno
 import multiprocessing
 import os
 import signal
@@ -25,12 +26,21 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, TypeVar
 
-from .errors import InputError
+from .errors import InputError, ResourceError
 from .interrupts import held
 
 #: the most worker processes a command starts (``--workers``; each is a process with its own buffers: 100000
 #: exhausted a machine's memory)
 MAX_WORKERS = 256
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: ``taskset``, a Slurm job's or a container's cpuset), not the
+    machine's (``os.cpu_count()``, where the affinity cannot be read): the default number of workers."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def check_workers(workers: int) -> None:
@@ -80,6 +90,20 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
                                    initializer=worker_started, initargs=(os.getpid(),))
 
 
+def submit_all(pool: ProcessPoolExecutor, function: Callable, items: Iterable) -> set:
+    """``pool.submit(function, item)`` for every item (the pool starts its worker processes here). Raises
+    :class:`ResourceError` where the system refuses to start them (fork: EAGAIN at the process limit, ``ulimit -u``
+    or a container's pids limit; ENOMEM)."""
+    try:
+        return {pool.submit(function, item) for item in items}
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.ENOMEM):
+            raise
+        raise ResourceError(f"cannot start worker processes: {exc.strerror or exc}",
+                            hint="the process limit (ulimit -u, a container's pids limit) or memory is reached: free "
+                                 "some, or run with fewer --workers") from exc
+
+
 def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:
     """Yield ``function(item)`` for every item, in the order they finish: in ``workers`` forked processes (see
     the module docstring), or in this process when ``workers <= 1`` or fork is missing. Forked workers inherit
@@ -96,7 +120,7 @@ def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], work
     finished = False
     try:
         with held():
-            waiting = {pool.submit(function, item) for item in items}
+            waiting = submit_all(pool, function, items)
         while waiting:
             with held():
                 done, waiting = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)

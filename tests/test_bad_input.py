@@ -1310,3 +1310,107 @@ def test_out_dir_on_a_read_only_file_system_is_refused_before_any_work(capsys, t
     _run_failing(capsys, tmp_path, [str(src), str(out), *(["--dry-run"] if dry_run else [])],
                  f"OUT_DIR {out} cannot be written", f"{place} is on a read-only file system")
     assert sorted(p.name for p in place.iterdir()) == (["out"] if exists else [])
+
+
+def _killed(*args, **kwargs):
+    os.kill(os.getpid(), 9)  # as the kernel's out-of-memory killer ends a process
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_a_worker_process_killed_is_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch, command):
+    """A worker ended by SIGKILL (the out-of-memory killer, on a machine too small for a layer) was 'internal error:
+    BrokenProcessPool: ...' with 'this is a bug in marlin-convert', exit 3, for convert and verify alike."""
+    import marlin_convert.convert as convert_module
+    import marlin_convert.verify as verify_module
+
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+        monkeypatch.setattr(verify_module, "_run", _killed)
+        args = ["verify", str(out), "--skip-kernel", "--workers", "2"]
+    else:
+        monkeypatch.setattr(convert_module, "run_job", _killed)
+        args = [str(src), str(out), "--workers", "2"]
+    line = _run_failing(capsys, tmp_path, args, "a worker process ended abruptly")
+    assert "internal error" not in line
+    assert main(args) == 2
+    if command == "convert":
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_running_out_of_memory_is_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch, workers):
+    """A MemoryError (a machine with overcommit off or a ulimit -v, too small for a layer) was 'internal error:
+    MemoryError: ...' and 'this is a bug in marlin-convert', exit 3."""
+    import marlin_convert.convert as convert_module
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 1.00 GiB for an array with shape (4096, 65536) and data type int32")
+
+    monkeypatch.setattr(convert_module, "run_job", no_memory)
+    out = tmp_path / "out"
+    line = _run_failing(capsys, tmp_path, [str(src), str(out), "--workers", workers], "out of memory",
+                        "Unable to allocate 1.00 GiB")
+    assert "internal error" not in line and "bug" not in capsys.readouterr().err
+    assert main([str(src), str(out), "--workers", workers]) == 2
+    assert not out.exists()
+
+
+def test_a_file_system_without_locks_leaves_no_working_directory_and_says_so(capsys, tmp_path, src, monkeypatch):
+    """Where flock is not supported (Lustre mounted noflock: ENOSYS; NFS without its lock daemon: ENOLCK) the run said
+    it 'cannot create the output's working directory' (it had created it) and left the empty hidden
+    .OUT.partial-PID behind, at every run."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "out"
+    line = _run_failing(capsys, tmp_path, [str(src), str(out)], "cannot lock the output's working directory",
+                        "Function not implemented")
+    assert "cannot create" not in line
+    assert not out.exists()
+
+
+def test_output_parent_renamed_while_converting_leaves_no_working_directory(capsys, tmp_path, src, monkeypatch):
+    """OUT_DIR's parent renamed while the run worked (folders reorganised during a long conversion): the run failed,
+    rightly, but its clean-up removed the working directory by its old path, so the hidden .out.partial-PID, with
+    every shard written so far, stayed in the renamed folder for good."""
+    import marlin_convert.convert as convert_module
+
+    parent, moved = tmp_path / "parent", tmp_path / "moved"
+    parent.mkdir()
+    real = convert_module.output_file_digests
+
+    def rename_then_describe(*args, **kwargs):
+        parent.rename(moved)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "output_file_digests", rename_then_describe)
+    assert main([str(src), str(parent / "out"), "-q"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert sorted(p.name for p in moved.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_worker_processes_that_cannot_be_started_are_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch,
+                                                                            command):
+    """fork refused (EAGAIN: the process limit, ulimit -u or a container's pids.max; ENOMEM): verify said 'internal
+    error: BlockingIOError ...', exit 3, and convert 'OUT_DIR: cannot write: Resource temporarily unavailable'."""
+    import errno
+
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+
+    def no_fork():
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    args = ([str(src), str(out), "--workers", "2"] if command == "convert" else
+            ["verify", str(out), "--skip-kernel", "--workers", "2"])
+    line = _run_failing(capsys, tmp_path, args, "cannot start worker processes", "Resource temporarily unavailable")
+    assert "internal error" not in line and "cannot write" not in line
+    assert main(args) == 2

@@ -977,3 +977,47 @@ def test_json_onto_a_file_a_plain_checkpoint_links_to_is_refused(tmp_path, src, 
     assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(elsewhere / "README.md")]) == 2
     assert "is a link to it" in capsys.readouterr().err
     assert (elsewhere / "README.md").read_text() == "precious"
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify", "failure"])
+def test_json_reports_hold_paths_that_are_not_utf8_as_escapes_not_lone_surrogates(tmp_path, command):
+    """An IN_DIR or OUT_DIR path that is not UTF-8 went into the --json report as a lone surrogate ("in\\udcff"),
+    which strict JSON readers (Rust's serde_json; this tool's own reader) refuse; the manifest records such a path
+    with \\xNN escapes since 2026-11-29, and so does every report now."""
+    import os
+    import shutil as sh
+
+    from marlin_convert import strict_json
+
+    example = Path(__file__).parent.parent / "examples" / "tiny-gptq"
+    src = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/src\xff"))
+    out = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/out\xfe"))
+    sh.copytree(example, src)
+    report = tmp_path / "report.json"
+    args = {"convert": [str(src), str(out)], "inspect": ["inspect", str(src)],
+            "verify": ["verify", str(out), "--skip-kernel", "--source", str(src)],
+            "failure": ["verify", str(out / "missing"), "--skip-kernel"]}[command]
+    if command in ("verify", "failure"):
+        assert main([str(src), str(out), "-q"]) == 0
+    assert main([*args, "--json", str(report)]) == (2 if command == "failure" else 0)
+    text = report.read_text(encoding="utf-8")
+    data = strict_json.loads(text.encode("utf-8"))
+    assert "\\udc" not in text
+    if command == "convert":
+        assert data["in_dir"].endswith("src\\xff") and data["out_dir"].endswith("out\\xfe")
+    if command == "failure":
+        assert "out\\xfe" in data["error"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and at least two CPUs to run on")
+def test_default_workers_count_the_cpus_this_process_may_run_on():
+    """The default --workers came from os.cpu_count(), the machine's CPUs: under taskset, a Slurm job's cpuset or
+    docker --cpuset-cpus on a 128-core node allowed 4 of them, verify started 128 worker processes (each holding a
+    layer: tens of GB where the job had a few) and convert 8. Now they count the CPUs this process may run on."""
+    import subprocess
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "import marlin_convert.convert as c, marlin_convert.verify as v; print(c.DEFAULT_WORKERS, v.DEFAULT_WORKERS)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1", "1"], done.stdout

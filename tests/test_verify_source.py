@@ -372,3 +372,53 @@ def test_a_key_the_converter_adds_may_be_absent_but_not_a_key_of_the_source(tmp_
     (out / "config.json").write_text(json.dumps(data, indent=2))
     resign(out)
     assert_fails(out, src, "config.json: vocab_size is absent")
+
+
+def _set_shard_metadata(path: Path, metadata) -> None:
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header.pop("__metadata__", None)
+    if metadata is not None:
+        header = {"__metadata__": metadata, **header}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size:])
+
+
+@pytest.mark.parametrize("metadata, said", [({"format": "tf"}, '{"format": "tf"}'), (None, "absent"),
+                                            ({"format": "pt", "note": "x"}, '{"format": "pt", "note": "x"}')])
+def test_a_shard_whose_metadata_was_edited_fails(out, metadata, said):
+    """The converter writes every shard's __metadata__ as {"format": "pt"}, which loaders read (transformers refuses a
+    format it does not know); one edited in a shard's header, files re-signed, passed verify, --source too."""
+    _set_shard_metadata(out / "model-00001-of-00002.safetensors", metadata)
+    resign(out)
+    shard = "model-00001-of-00002.safetensors"
+    expected = f'shard {shard}: __metadata__ is {said}, the converter writes {{"format": "pt"}}'
+    assert expected in verify(out, gpus=None, workers=1).problems
+    assert_fails(out, EXAMPLE, expected)
+
+
+def test_a_deeply_nested_config_value_is_compared_without_an_internal_error(tmp_path, capsys):
+    """A config value nested 700 deep (JSON the reader takes) converted with exit 0, then 'verify --source' was exit 3,
+    'internal error: RecursionError' (the key-by-key comparison recursed), and since the --json reports' escapes a
+    report holding it too ('inspect --json-stdout'). Equal configs pass; an edited one fails, exit 1."""
+    from edit_checkpoint import set_quant_config
+
+    from marlin_convert.cli.app import main
+
+    src = tmp_path / "in"
+    shutil.copytree(EXAMPLE, src)
+    deep = json.loads("[" * 700 + "]" * 700)
+    set_quant_config(src, dynamic={"+:.*nothing": {"bits": 4, "x": deep}})
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["inspect", str(src), "--json-stdout"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q"]) == 0
+    _set_config(out, "config.json", lambda c: c["quantization_config"]["dynamic"]["+:.*nothing"].update(
+        x=json.loads("[" * 700 + "1" + "]" * 700)))
+    resign(out)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "Traceback" not in err

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import traceback
+from concurrent.futures.process import BrokenProcessPool
 
 from ..errors import MarlinConvertError
 
@@ -50,6 +51,11 @@ _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, er
                        errno.EFBIG, errno.ENXIO, errno.ENODEV, errno.ETXTBSY, errno.EBUSY, errno.ESTALE}
 
 
+#: what the machine ran out of, not a bug: memory (a MemoryError where overcommit is off or a ``ulimit -v`` is set), or
+#: a worker process the system killed (the out-of-memory killer sends SIGKILL): exit 2, as for a full disk
+_OUT_OF_RESOURCES = (MemoryError, BrokenProcessPool)
+
+
 def one_line(text: str) -> str:
     """``text`` with every control character written as ``\\xNN``: printed, it is one line."""
     return text.translate(_CONTROL)
@@ -85,6 +91,11 @@ def error_message(exc: BaseException) -> str:
         return "interrupted"
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         return f"{exc.filename if exc.filename is not None else 'standard output or a file'}: {exc.strerror or exc}"
+    if isinstance(exc, MemoryError):
+        return f"out of memory: {exc}" if str(exc) else "out of memory"
+    if isinstance(exc, BrokenProcessPool):
+        return ("a worker process ended abruptly (killed: by the system's out-of-memory killer, say); the run is "
+                "abandoned")
     return f"internal error: {type(exc).__name__}: {exc}"
 
 
@@ -98,6 +109,8 @@ def exit_code(exc: BaseException) -> int:
         return 128 + signal.SIGINT
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         return 2
+    if isinstance(exc, _OUT_OF_RESOURCES):
+        return 2
     return 3
 
 
@@ -108,6 +121,8 @@ def error_hint(exc: BaseException) -> str | None:
         return exc.hint or None
     if exit_code(exc) == 3:
         return f"this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it"
+    if isinstance(exc, _OUT_OF_RESOURCES):
+        return "free memory, or run with fewer --workers (each holds one layer or expert at a time)"
     return None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass, field
@@ -16,6 +17,19 @@ from rich.text import Text
 from ..errors import OutputError
 from ..fileio import is_hub_blob, replace_file
 from ._errors import one_line
+
+
+#: a lone surrogate as ``json.dumps`` escapes it (``\\udcff``, not after an escaping backslash): a byte of a path or
+#: name that is not UTF-8, as the file system gives it (surrogateescape)
+_SURROGATE_ESCAPE = re.compile(r"((?<!\\)(?:\\\\)*)\\udc([89a-f][0-9a-f])")
+
+
+def json_text(data: dict) -> str:
+    """A report's JSON (``str()`` of what JSON has no type for), with every byte of a path or name that is not UTF-8
+    written ``\\xNN`` (as :func:`~marlin_convert.fileio.name_text` and the manifest write it), never as a lone surrogate
+    escape, which strict JSON readers refuse. Works on the text, so a report nests as deep as JSON itself allows."""
+    text = json.dumps(data, indent=2, default=str)
+    return _SURROGATE_ESCAPE.sub(lambda m: m.group(1) + "\\\\x" + m.group(2), text) if "\\udc" in text else text
 
 
 class OutputClosed(Exception):
@@ -92,7 +106,7 @@ class Output:
         needs and every line stays one line, so that logs can be searched."""
         console = _Console()
         if self.as_json:
-            print_stdout(json.dumps(self.data, indent=2, default=str))
+            print_stdout(json_text(self.data))
             return
         wrap = console.is_terminal
         if self.title:
@@ -138,7 +152,7 @@ class Output:
         if path is None:
             return
         try:
-            _write_report(path, json.dumps(self.data, indent=2, default=str) + "\n")
+            _write_report(path, json_text(self.data) + "\n")
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
         _written_report[:] = [path, self.data]
@@ -206,7 +220,7 @@ def amend_written_outcome(exit_code: int) -> None:
     if not _written_report:
         return
     path, data = _written_report
-    text = json.dumps({**data, "ok": exit_code == 0, "exit_code": exit_code}, indent=2, default=str) + "\n"
+    text = json_text({**data, "ok": exit_code == 0, "exit_code": exit_code}) + "\n"
     try:
         _write_report(path, text)
     except BaseException:  # (the exit code stands; the Error line says what happened)
@@ -221,7 +235,7 @@ def report_failure(message: str, exit_code: int, hint: str | None = None) -> Non
     path = _report_target[0]
     if path is None:
         return
-    text = json.dumps({"ok": False, "exit_code": exit_code, "error": message, "hint": hint}, indent=2) + "\n"
+    text = json_text({"ok": False, "exit_code": exit_code, "error": message, "hint": hint}) + "\n"
     try:
         if is_stdout(path):
             sys.stdout.write(text)
