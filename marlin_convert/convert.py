@@ -317,16 +317,20 @@ def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> Unsupported
 
 
 def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
-    """A note when converted layers fall outside what the legacy Marlin loaders know (symmetric 4-bit, group size 128
-    or -1, no padding; README, "Who loads the output"): the configs say ``checkpoint_format: "marlin"`` all the same
-    (it names the layout), so the note says which layers need a reader of the manifest, and why."""
+    """A note when converted layers fall outside what the legacy Marlin loaders know (symmetric 4-bit, fp16 scales,
+    group size 128 or -1, no act-order, K a multiple of 128, no padding; README, "Who loads the output"): the configs
+    say ``checkpoint_format: "marlin"`` all the same (it names the layout), so the note says which layers need a
+    reader of the manifest, and why."""
     converted = [layer for layer in layers if layer.convertible]
     outside: list[LayerPlan] = []
     reasons: dict[str, list[LayerPlan]] = {}
     for layer in converted:
         spec = layer.spec
         found = [reason for reason, holds in ((f"{spec.bits}-bit", spec.bits != 4), ("asymmetric", not spec.sym),
+                                              (f"{spec.scale_dtype} scales", spec.scale_dtype != "float16"),
                                               (f"group size {spec.group_size}", spec.group_size not in (128, -1)),
+                                              ("act-order", spec.act_order),
+                                              ("K not a multiple of 128", not spec.padded and spec.in_features % 128),
                                               ("padded", spec.padded)) if holds]
         for reason in found:
             reasons.setdefault(reason, []).append(layer)
@@ -336,8 +340,9 @@ def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
         return []
     why = ", ".join(f"{count_layers(members)} {reason}" for reason, members in sorted(reasons.items()))
     return [f"{count_layers(outside)} of {count_layers(converted)} converted layer(s) are outside what "
-            f"the legacy Marlin loaders take (symmetric 4-bit, group size 128 or -1, no padding): {why}; load them "
-            "with a reader of the manifest (README: Who loads the output)"]
+            "the legacy Marlin loaders take (symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a "
+            f"multiple of 128, no padding): {why}; load them with a reader of the manifest (README: Who loads the "
+            "output)"]
 
 
 def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False,

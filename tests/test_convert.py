@@ -297,10 +297,18 @@ def test_the_output_is_flushed_to_disk_before_it_is_moved_into_place(tmp_path, m
     assert synced[-1][0] == str(tmp_path)  # OUT_DIR's parent, after the move
 
 
+LEGACY_SCOPE = "symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a multiple of 128, no padding"
+
+
+def legacy_note(count: str, reasons: str) -> str:
+    return (f"{count} converted layer(s) are outside what the legacy Marlin loaders take ({LEGACY_SCOPE}): {reasons}; "
+            "load them with a reader of the manifest (README: Who loads the output)")
+
+
 def test_a_note_names_the_layers_legacy_marlin_loaders_cannot_take(tmp_path):
     """The configs say checkpoint_format "marlin" (the layout) whatever the layers' settings; where some are outside
-    what the legacy loaders know (symmetric 4-bit, group size 128 or -1, no padding), a note says how many and why.
-    A checkpoint inside that scope gets no such note."""
+    what the legacy loaders know (LEGACY_SCOPE), a note says how many and why. A checkpoint inside that scope gets
+    no such note."""
     down = LinearSpec("model.layers.0.mlp.down_proj", 256, 128)
     down.bits = 8
     o_proj = LinearSpec("model.layers.0.self_attn.o_proj", 256, 128)
@@ -311,13 +319,42 @@ def test_a_note_names_the_layers_legacy_marlin_loaders_cannot_take(tmp_path):
                           dynamic={"+:.*down_proj": {"bits": 8}, "+:.*o_proj": {"group_size": 64}})
     src = write_checkpoint(tmp_path / "in", spec)
     notes = [note for note in build_plan(src).notes if "legacy Marlin loaders" in note]
-    assert notes == ["3 of 4 converted layer(s) are outside what the legacy Marlin loaders take (symmetric 4-bit, "
-                     "group size 128 or -1, no padding): 1 8-bit, 1 group size 64, 1 padded; load them with a reader "
-                     "of the manifest (README: Who loads the output)"], notes
+    assert notes == [legacy_note("3 of 4", "1 8-bit, 1 group size 64, 1 padded")], notes
     plain = write_checkpoint(tmp_path / "plain", CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj",
                                                                                     256, 128)], extras=[],
                                                                 group_size=128))
     assert not [note for note in build_plan(plain).notes if "legacy" in note]
+
+
+def test_the_legacy_loader_note_names_act_order_layers(tmp_path):
+    """The legacy Marlin loaders have no act-order form (AutoGPTQ's Marlin check refuses desc_act; the legacy layout
+    stores no perm): symmetric 4-bit group 128 layers with a non-trivial g_idx are outside their scope, and the note
+    says so. desc_act with a trivial g_idx is stored without perm and stays inside."""
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128)], extras=[], group_size=128,
+                          act_order=True)
+    notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
+    assert notes == [legacy_note("1 of 1", "1 act-order")], notes
+    trivial = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128)], extras=[], group_size=128,
+                             act_order=False, desc_act_label=True)
+    assert not [note for note in build_plan(write_checkpoint(tmp_path / "trivial", trivial)).notes if "legacy" in note]
+
+
+def test_the_legacy_loader_note_names_layers_whose_scales_are_not_fp16(tmp_path):
+    """IST-DASLab's Marlin kernel, and the legacy loaders built on it, take fp16 scales only (vLLM's MarlinConfig:
+    activations torch.half): bf16 (or fp32) scales are outside their scope even on symmetric 4-bit group 128."""
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128)], extras=[], group_size=128,
+                          scale_dtype="bfloat16")
+    notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
+    assert notes == [legacy_note("1 of 1", "1 bfloat16 scales")], notes
+
+
+def test_the_legacy_loader_note_names_unpadded_layers_whose_k_is_not_a_multiple_of_128(tmp_path):
+    """The legacy loaders take K in multiples of 128 (vLLM's MarlinConfig min_k_threads, IST-DASLab's and AutoGPTQ's
+    Marlin layer; the generator's test_default_presets_fit_the_legacy_shape_limits): a channelwise layer with
+    K = 1008 tiles for this converter (K % 16 == 0, not padded) but is outside their scope, and the note says so."""
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.down_proj", 1008, 128)], extras=[], group_size=-1)
+    notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
+    assert notes == [legacy_note("1 of 1", "1 K not a multiple of 128")], notes
 
 
 def test_names_that_are_not_utf8_do_not_make_a_manifest_verify_refuses(tmp_path):
