@@ -316,11 +316,12 @@ def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> Unsupported
     )
 
 
-def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
+def legacy_loader_notes(layers: list[LayerPlan], stacked: set[str] = frozenset()) -> list[str]:
     """A note when converted layers fall outside what the legacy Marlin loaders know (symmetric 4-bit, fp16 scales,
-    group size 128 or -1, no act-order, K a multiple of 128, no padding; README, "Who loads the output"): the configs
-    say ``checkpoint_format: "marlin"`` all the same (it names the layout), so the note says which layers need a
-    reader of the manifest, and why."""
+    group size 128 or -1, no act-order, K a multiple of 128, no padding, one 2-D matrix per linear; README, "Who loads
+    the output"): the configs say ``checkpoint_format: "marlin"`` all the same (it names the layout), so the note says
+    which layers need a reader of the manifest, and why. ``stacked``: prefixes of per-expert layers that
+    ``--stack-experts`` writes into stacked 3-D tensors (a stacked source layer is one already)."""
     converted = [layer for layer in layers if layer.convertible]
     outside: list[LayerPlan] = []
     reasons: dict[str, list[LayerPlan]] = {}
@@ -330,6 +331,7 @@ def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
                                               (f"{spec.scale_dtype} scales", spec.scale_dtype != "float16"),
                                               (f"group size {spec.group_size}", spec.group_size not in (128, -1)),
                                               ("act-order", spec.act_order),
+                                              ("stacked experts", spec.num_experts > 0 or layer.prefix in stacked),
                                               ("K not a multiple of 128", not spec.padded and spec.in_features % 128),
                                               ("padded", spec.padded)) if holds]
         for reason in found:
@@ -341,7 +343,7 @@ def legacy_loader_notes(layers: list[LayerPlan]) -> list[str]:
     why = ", ".join(f"{count_layers(members)} {reason}" for reason, members in sorted(reasons.items()))
     return [f"{count_layers(outside)} of {count_layers(converted)} converted layer(s) are outside what "
             "the legacy Marlin loaders take (symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a "
-            f"multiple of 128, no padding): {why}; load them with a reader of the manifest (README: Who loads the "
+            f"multiple of 128, no padding, 2-D): {why}; load them with a reader of the manifest (README: Who loads the "
             "output)"]
 
 
@@ -363,8 +365,9 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
         raise refusal_error(refused, len(layers))
-    notes = plan_notes(checkpoint, layers) + legacy_loader_notes(layers)
+    notes = plan_notes(checkpoint, layers)
     outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
+    notes += legacy_loader_notes(layers, taken)
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 
     # Each source tensor of a converted layer is consumed by one output layer (none is copied). The Marlin

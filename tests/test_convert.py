@@ -297,7 +297,8 @@ def test_the_output_is_flushed_to_disk_before_it_is_moved_into_place(tmp_path, m
     assert synced[-1][0] == str(tmp_path)  # OUT_DIR's parent, after the move
 
 
-LEGACY_SCOPE = "symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a multiple of 128, no padding"
+LEGACY_SCOPE = ("symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a multiple of 128, no padding, "
+                "2-D")
 
 
 def legacy_note(count: str, reasons: str) -> str:
@@ -355,6 +356,22 @@ def test_the_legacy_loader_note_names_unpadded_layers_whose_k_is_not_a_multiple_
     spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.down_proj", 1008, 128)], extras=[], group_size=-1)
     notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
     assert notes == [legacy_note("1 of 1", "1 K not a multiple of 128")], notes
+
+
+def test_the_legacy_loader_note_names_stacked_experts(tmp_path):
+    """The legacy loaders take one 2-D matrix per linear: stacked 3-D experts, stored so or fused by --stack-experts,
+    are outside their scope (each expert counted); per-expert keys written per expert are not."""
+    from make_gptq_checkpoint import qwen3_moe
+
+    def legacy(src, **kw):
+        return [note for note in build_plan(src, **kw).notes if "legacy" in note]
+
+    shape = dict(num_layers=1, num_experts=4, hidden=256, expert_intermediate=128, vocab=64)
+    stacked = write_checkpoint(tmp_path / "stacked", qwen3_moe(stacked=True, **shape))
+    assert legacy(stacked) == [legacy_note("8 of 12", "8 stacked experts")]
+    per_expert = write_checkpoint(tmp_path / "per_expert", qwen3_moe(**shape))
+    assert legacy(per_expert) == []
+    assert legacy(per_expert, stack_experts=True) == [legacy_note("12 of 16", "12 stacked experts")]
 
 
 def test_names_that_are_not_utf8_do_not_make_a_manifest_verify_refuses(tmp_path):
