@@ -240,17 +240,26 @@ def clear_stale_partials(out_dir: Path) -> list[str]:
 class PartialDir:
     """The hidden, locked directory a conversion writes into; :meth:`finalize` moves it to OUT_DIR.
 
-    Created on construction (``.OUT.partial-PID`` beside OUT_DIR, never an existing directory); the lock is held
-    until :meth:`finalize` or :meth:`discard`. Raises :class:`OutputError` when it cannot be created.
+    Created on construction (``.OUT.partial-PID`` beside OUT_DIR, never an existing directory; with the directories
+    above it that do not exist yet); the lock is held until :meth:`finalize` or :meth:`discard`. Raises
+    :class:`OutputError` when it cannot be created.
     """
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
         self.path = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+        # the directories above OUT_DIR this run creates, deepest first: a run that fails removes them again (where
+        # still empty), so that nothing of it is left behind
+        self._created_parents: list[Path] = []
+        parent = out_dir.parent
+        while not parent.exists() and parent != parent.parent:
+            self._created_parents.append(parent)
+            parent = parent.parent
         try:
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             self.path.mkdir()
         except OSError as exc:
+            self._remove_created_parents()
             raise OutputError(f"{out_dir.parent}: cannot create the output's working directory {self.path.name} there "
                               f"(renamed to {out_dir.name} when complete): {exc.strerror or exc}") from exc
         try:
@@ -258,6 +267,7 @@ class PartialDir:
         except OSError as exc:  # (a file system without flock: Lustre mounted noflock, NFS without its lock daemon)
             self._fd = None
             shutil.rmtree(self.path, ignore_errors=True)
+            self._remove_created_parents()
             raise OutputError(f"{out_dir.parent}: cannot lock the output's working directory {self.path.name} there "
                               f"(the lock tells a running conversion from a killed one's leftovers): "
                               f"{exc.strerror or exc}",
@@ -267,6 +277,15 @@ class PartialDir:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def _remove_created_parents(self) -> None:
+        """Remove the directories above OUT_DIR that this run created, deepest first, each only while empty (another
+        run, or the user, may have put something there meanwhile: then it and those above it stay)."""
+        for parent in self._created_parents:
+            try:
+                parent.rmdir()
+            except OSError:
+                return
 
     def discard(self) -> None:
         """Remove the partial directory (after a failure or an interrupt), where it is now: a directory above it renamed
@@ -282,6 +301,7 @@ class PartialDir:
                 path = Path(now)
         shutil.rmtree(path, ignore_errors=True)
         self._unlock()
+        self._remove_created_parents()
 
     def finalize(self, overwrite: bool) -> list[str]:
         """Move the finished directory to OUT_DIR: see the module docstring. Returns a note for each thing left

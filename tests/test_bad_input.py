@@ -81,6 +81,28 @@ def test_a_nan_or_infinite_scale_stops_the_conversion(capsys, tmp_path, scale_dt
                                           "column 5: the checkpoint is broken")
 
 
+def test_a_failed_run_removes_the_directories_it_created_above_out_dir(capsys, tmp_path):
+    """OUT_DIR's missing parents are created for the run; when it fails they go with its partial output (found by an
+    attack helper: empty directories were left behind), but not a directory that existed before, nor one that got
+    another file meanwhile."""
+    src = write_checkpoint(tmp_path / "in", _spec(group_size=64))
+    path = src / "model.safetensors"
+    info = read_header(path).tensors[f"{LAYER}.scales"]
+    data = bytearray(path.read_bytes())
+    data[info.begin:info.begin + 2] = (0x7E00).to_bytes(2, "little")  # a NaN scale: the run fails while writing
+    path.write_bytes(bytes(data))
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "new" / "deeper" / "out"
+    assert main([str(src), str(out)]) == 2
+    assert "NaN or infinite" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == []
+
+    (tmp_path / "kept" / "new").mkdir()
+    (tmp_path / "kept" / "new" / "user.txt").write_text("mine")
+    assert main([str(src), str(tmp_path / "kept" / "new" / "deeper" / "out")]) == 2
+    assert sorted(p.name for p in (tmp_path / "kept" / "new").iterdir()) == ["user.txt"]
+
+
 def test_missing_config(capsys, tmp_path, src):
     (src / "config.json").unlink()
     (src / "quantize_config.json").unlink()
