@@ -556,11 +556,13 @@ def spec_from_args(args: argparse.Namespace) -> CheckpointSpec:
         raise SystemExit(f"--experts applies to the qwen3-moe and mixtral presets, not {args.preset}")
     if args.stacked and args.preset != "qwen3-moe":
         raise SystemExit(f"--stacked applies to the qwen3-moe preset, not {args.preset}")
+    for option, value in (("--layers", args.layers), ("--vocab", args.vocab), ("--experts", args.experts),
+                          ("--hidden", args.hidden), ("--intermediate", args.intermediate)):
+        if value is not None and value <= 0:  # (0 or -1 layers wrote a checkpoint without a quantized linear)
+            raise SystemExit(f"{option} {value}: expected a positive size")
     for option, value in (("--hidden", args.hidden), ("--intermediate", args.intermediate)):
         if value is not None and args.preset == "llama-7b":
             raise SystemExit(f"{option} does not apply to the llama-7b preset (its shapes are Llama-2-7B's)")
-        if value is not None and value <= 0:
-            raise SystemExit(f"{option} {value}: expected a positive size")
     if args.hidden is not None:
         kw["hidden"] = args.hidden
     if args.intermediate is not None:  # (qwen3-moe: each expert's)

@@ -366,8 +366,11 @@ def test_cli_sizes_give_shapes_that_do_not_tile(tmp_path, capsys):
     assert tuple(tensors["model.layers.0.mlp.experts.down_proj.qweight"][0].shape) == (2, 200 // 8, 320)
     with pytest.raises(SystemExit, match="--hidden does not apply to the llama-7b preset"):
         main([str(tmp_path / "big"), "--preset", "llama-7b", "--hidden", "1000"])
-    with pytest.raises(SystemExit, match="--intermediate 0: expected a positive size"):
-        main([str(tmp_path / "zero"), "--intermediate", "0"])
+    for option, value in (("--intermediate", "0"), ("--layers", "0"), ("--layers", "-1"), ("--vocab", "0")):
+        with pytest.raises(SystemExit, match=f"{option} {value}: expected a positive size"):
+            main([str(tmp_path / "zero"), option, value])
+    with pytest.raises(SystemExit, match="--experts 0: expected a positive size"):
+        main([str(tmp_path / "zero"), "--preset", "qwen3-moe", "--experts", "0"])
     assert not (tmp_path / "big").exists() and not (tmp_path / "zero").exists()
 
 
