@@ -1,0 +1,132 @@
+"""``examples/run_marlin_layer.py``, the README's consumer recipe (Who loads the output), on the CPU: the steps it
+takes with a converted layer (the manifest's tensors, ``A`` zero-padded to ``K_pad``, ``perm``, ``zp``, the expert's
+slice, ``C[:, :N]``) give ``A @ W`` of the GPTQ source, with a CPU stand-in for the kernel that computes what
+:func:`marlin_convert.kernel.marlin_gemm` is documented to compute. With the kernel itself: the GPU test at the end
+(skipped without a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from make_gptq_checkpoint import qwen3_moe, tiny_llama, write_checkpoint
+from safetensors import safe_open
+
+from marlin_convert import layout
+from marlin_convert.convert import convert
+from marlin_convert.kernel import unavailable_reason
+from marlin_convert.manifest import load_manifest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "run_marlin_layer.py"
+_spec = importlib.util.spec_from_file_location("run_marlin_layer", EXAMPLE)
+run_marlin_layer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_marlin_layer)
+
+
+def cpu_gemm(A, B, s, workspace, perm=None, zp=None, bits=4):
+    """What marlin_gemm computes (its docstring), in fp32 on the CPU: ``A[:, perm] @ W``, ``W[k] = (q[k] - z[g]) s[g]``
+    with ``g = k // (K / G)`` (B's rows are in the sorted order), ``z = 2^(bits-1)`` without ``zp``."""
+    assert A.shape[1] == B.shape[0] * 16 and workspace.dtype == torch.int32 and not workspace.any()
+    n = B.shape[1] * 2 // bits
+    codes = layout.unpack_gptq_qweight(layout.marlin_to_gptq_weight(B.numpy(), bits=bits), bits).astype(np.float32)
+    scales = layout.unpermute_scales(s.float().numpy())
+    zeros = (layout.marlin_to_zero_points(zp.numpy(), n, bits).astype(np.float32) if zp is not None
+             else np.full_like(scales, 2 ** (bits - 1)))
+    groups = np.arange(codes.shape[0]) // (codes.shape[0] // scales.shape[0])
+    weights = torch.from_numpy((codes - zeros[groups]) * scales[groups])
+    return (A[:, perm.long()] if perm is not None else A) @ weights
+
+
+def source_weights(src: Path, names: dict, bits: int, expert: int | None) -> torch.Tensor:
+    """``W [K, N]`` in fp32 from the GPTQ source tensors (v1 zeros: stored + 1), expert ``expert`` of stacked ones."""
+    tensors = {}
+    for kind, name in names.items():
+        for shard in src.glob("*.safetensors"):
+            with safe_open(str(shard), framework="pt") as f:
+                if name in f.keys():
+                    tensor = f.get_tensor(name)
+                    tensors[kind] = (tensor[expert] if expert is not None else tensor).numpy()
+    n = tensors["scales"].shape[1]
+    codes = layout.unpack_gptq_qweight(tensors["qweight"], bits).astype(np.float32)
+    zeros = layout.unpack_gptq_qzeros(tensors["qzeros"], n, bits).astype(np.float32) + 1
+    g_idx = tensors["g_idx"].astype(np.int64)
+    scales = tensors["scales"].astype(np.float32)
+    return torch.from_numpy((codes - zeros[g_idx]) * scales[g_idx])
+
+
+CASES = {
+    "padded act-order asymmetric": (tiny_llama, dict(num_layers=1, hidden=1000, intermediate=200, vocab=64,
+                                                     group_size=128, act_order=True, sym=False)),
+    "8-bit channelwise": (tiny_llama, dict(num_layers=1, hidden=256, intermediate=192, vocab=64, group_size=-1,
+                                           bits=8)),
+    "stacked experts, act-order": (qwen3_moe, dict(num_layers=1, num_experts=3, hidden=256, expert_intermediate=128,
+                                                   vocab=64, stacked=True, act_order=True, group_size=64)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_consumer_recipe_gives_the_source_product(tmp_path, case):
+    make, kw = CASES[case]
+    src = write_checkpoint(tmp_path / "in", make(**kw))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    generator = torch.Generator().manual_seed(0)
+    checked = 0
+    for entry in load_manifest(out)["layers"]:
+        source = entry["sources"][0]
+        experts = range(entry["num_experts"]) if entry["num_experts"] else [None]
+        for expert in experts:
+            _, tensors = run_marlin_layer.load_layer(out, entry["name"], expert)
+            A = torch.randn(5, entry["in_features"], generator=generator)
+            C = run_marlin_layer.marlin_linear(A, entry, tensors, gemm=cpu_gemm)
+            W = source_weights(src, source["tensors"], entry["bits"], expert)
+            assert C.shape == (5, entry["out_features"]), entry["name"]
+            torch.testing.assert_close(C, A @ W, rtol=1e-4, atol=1e-4, msg=f"{entry['name']} expert {expert}")
+            # and the example's own dequantization (its --gpu check's reference) agrees, padded rows and columns zero
+            W_marlin = run_marlin_layer.dequantize(entry, tensors)
+            A_sorted = torch.nn.functional.pad(A, (0, entry["padded_in_features"] - entry["in_features"]))
+            if "perm" in tensors:
+                A_sorted = A_sorted[:, tensors["perm"].long()]
+            torch.testing.assert_close((A_sorted @ W_marlin)[:, :entry["out_features"]], A @ W, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 7
+
+
+def test_the_example_refuses_a_wrong_layer_or_expert(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=2, hidden=256,
+                                                       expert_intermediate=128, vocab=64, stacked=True))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    with pytest.raises(KeyError, match="not a converted layer"):
+        run_marlin_layer.load_layer(out, "model.layers.9.mlp.down_proj")
+    with pytest.raises(ValueError, match="a stacked layer of 2 experts"):
+        run_marlin_layer.load_layer(out, "model.layers.0.mlp.experts.down_proj", 2)
+    with pytest.raises(ValueError, match="not a stacked layer"):
+        run_marlin_layer.load_layer(out, "model.layers.0.self_attn.q_proj", 0)
+    assert run_marlin_layer.main([str(out), "model.layers.0.mlp.experts.down_proj"]) == 2
+    assert "give an expert index" in capsys.readouterr().err
+
+
+_REASON = unavailable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_REASON is not None, reason=f"GPU kernel unavailable: {_REASON}")
+@pytest.mark.parametrize("case", CASES)
+def test_the_example_runs_the_kernel(tmp_path, capsys, case):
+    """The example as a user runs it, on the GPU: every layer (each expert) within the kernel's error bound."""
+    import json
+
+    make, kw = CASES[case]
+    src = write_checkpoint(tmp_path / "in", make(**kw))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    for entry in load_manifest(out)["layers"]:
+        for expert in range(entry["num_experts"]) if entry["num_experts"] else [None]:
+            argv = [str(out), entry["name"], "--m", "16"] + ([] if expert is None else ["--expert", str(expert)])
+            assert run_marlin_layer.main(argv) == 0
+            report = json.loads(capsys.readouterr().out)
+            assert report["C"] == [16, entry["out_features"]] and report["max_relative_error"] < 1e-2, report
