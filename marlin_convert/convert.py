@@ -318,7 +318,8 @@ def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> Unsupported
 
 def legacy_loader_notes(layers: list[LayerPlan], stacked: set[str] = frozenset()) -> list[str]:
     """A note when converted layers fall outside what the legacy Marlin loaders know (symmetric 4-bit, fp16 scales,
-    group size 128 or -1, no act-order, K a multiple of 128, no padding, one 2-D matrix per linear; README, "Who loads
+    group size 128 or -1, no act-order, K a multiple of 128, N of 256 (IST-DASLab's, AutoGPTQ's and TGI's Marlin
+    layer; vLLM's took 64), no padding, one 2-D matrix per linear; README, "Who loads
     the output"): the configs say ``checkpoint_format: "marlin"`` all the same (it names the layout), so the note says
     which layers need a reader of the manifest, and why. ``stacked``: prefixes of per-expert layers that
     ``--stack-experts`` writes into stacked 3-D tensors (a stacked source layer is one already)."""
@@ -333,6 +334,7 @@ def legacy_loader_notes(layers: list[LayerPlan], stacked: set[str] = frozenset()
                                               ("act-order", spec.act_order),
                                               ("stacked experts", spec.num_experts > 0 or layer.prefix in stacked),
                                               ("K not a multiple of 128", not spec.padded and spec.in_features % 128),
+                                              ("N not a multiple of 256", not spec.padded and spec.out_features % 256),
                                               ("padded", spec.padded)) if holds]
         for reason in found:
             reasons.setdefault(reason, []).append(layer)
@@ -343,7 +345,7 @@ def legacy_loader_notes(layers: list[LayerPlan], stacked: set[str] = frozenset()
     why = ", ".join(f"{count_layers(members)} {reason}" for reason, members in sorted(reasons.items()))
     return [f"{count_layers(outside)} of {count_layers(converted)} converted layer(s) are outside what "
             "the legacy Marlin loaders take (symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a "
-            f"multiple of 128, no padding, 2-D): {why}; load them with a reader of the manifest (README: Who loads the "
+            f"multiple of 128, N of 256, no padding, 2-D): {why}; load them with a reader of the manifest (README: Who loads the "
             "output)"]
 
 

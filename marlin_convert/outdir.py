@@ -249,14 +249,23 @@ class PartialDir:
         self.out_dir = out_dir
         self.path = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
         # the directories above OUT_DIR this run creates, deepest first: a run that fails removes them again (where
-        # still empty), so that nothing of it is left behind
+        # still empty), so that nothing of it is left behind. Only those its own mkdir made: one that another process
+        # (a second run, the user) created between the look and the mkdir is not this run's to remove
         self._created_parents: list[Path] = []
+        missing = []
         parent = out_dir.parent
         while not parent.exists() and parent != parent.parent:
-            self._created_parents.append(parent)
+            missing.append(parent)
             parent = parent.parent
         try:
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            for directory in reversed(missing):
+                try:
+                    os.mkdir(directory)
+                except FileExistsError:
+                    if not directory.is_dir():
+                        raise
+                    continue
+                self._created_parents.insert(0, directory)
             self.path.mkdir()
         except OSError as exc:
             self._remove_created_parents()

@@ -1436,3 +1436,27 @@ def test_worker_processes_that_cannot_be_started_are_named_not_called_a_bug(caps
     line = _run_failing(capsys, tmp_path, args, "cannot start worker processes", "Resource temporarily unavailable")
     assert "internal error" not in line and "cannot write" not in line
     assert main(args) == 2
+
+
+def test_a_failed_run_leaves_a_parent_that_another_process_created_meanwhile(tmp_path, monkeypatch):
+    """PartialDir listed OUT_DIR's missing parents, then made them with mkdir(parents=True, exist_ok=True): one that
+    another process created in between (a second run's, the user's mkdir -p) was taken for this run's own, and a
+    failing run removed it while it was empty (a second run between its mkdir and its working directory's then
+    failed with ENOENT)."""
+    from pathlib import Path
+
+    from marlin_convert.outdir import PartialDir
+
+    shared = tmp_path / "shared"
+    real_mkdir = os.mkdir
+
+    def raced(path, *args, **kwargs):
+        if Path(path) == shared and not shared.exists():
+            real_mkdir(path)  # another process got there first
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", raced)
+    partial = PartialDir(shared / "mine" / "out")
+    assert partial.path.is_dir()
+    partial.discard()
+    assert shared.is_dir() and not (shared / "mine").exists()

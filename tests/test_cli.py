@@ -1021,3 +1021,25 @@ def test_default_workers_count_the_cpus_this_process_may_run_on():
             "import marlin_convert.convert as c, marlin_convert.verify as v; print(c.DEFAULT_WORKERS, v.DEFAULT_WORKERS)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["1", "1"], done.stdout
+
+
+def test_json_reports_keep_characters_beyond_u_ffff_whose_second_surrogate_looks_like_a_byte(tmp_path):
+    """json_text rewrote every '\\udc80'..'\\udcff' escape, also the second half of a surrogate pair: a character
+    beyond U+FFFF with it (U+1F480 '\\U0001F480' is written '\\ud83d\\udc80'; one in 8 of U+10000..) in a valid UTF-8
+    path came out as a lone high surrogate and '\\x80' ("in\\ud83d\\\\x80"): other data, which strict readers refuse."""
+    import os
+    import shutil as sh
+
+    from marlin_convert import strict_json
+    from marlin_convert.cli._output import json_text
+
+    example = Path(__file__).parent.parent / "examples" / "tiny-gptq"
+    src = Path(os.fsdecode(os.fsencode(str(tmp_path)) + "/src\U0001F480".encode() + b"\xff" + "\U0001F4BE".encode()))
+    sh.copytree(example, src)
+    report = tmp_path / "report.json"
+    assert main([str(src), str(tmp_path / "out\U00020080"), "-q", "--json", str(report)]) == 0
+    data = strict_json.loads(report.read_text(encoding="utf-8").encode("utf-8"))
+    assert data["in_dir"].endswith("src\U0001F480\\xff\U0001F4BE")
+    assert data["out_dir"].endswith("out\U00020080")
+    value = {"a\udcff": "\\udc80 \\\\\udcfe \U0001F480\udc80"}
+    assert json.loads(json_text(value)) == {"a\\xff": "\\udc80 \\\\\\xfe \U0001F480\\x80"}

@@ -297,8 +297,8 @@ def test_the_output_is_flushed_to_disk_before_it_is_moved_into_place(tmp_path, m
     assert synced[-1][0] == str(tmp_path)  # OUT_DIR's parent, after the move
 
 
-LEGACY_SCOPE = ("symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a multiple of 128, no padding, "
-                "2-D")
+LEGACY_SCOPE = ("symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a multiple of 128, N of 256, "
+                "no padding, 2-D")
 
 
 def legacy_note(count: str, reasons: str) -> str:
@@ -310,11 +310,11 @@ def test_a_note_names_the_layers_legacy_marlin_loaders_cannot_take(tmp_path):
     """The configs say checkpoint_format "marlin" (the layout) whatever the layers' settings; where some are outside
     what the legacy loaders know (LEGACY_SCOPE), a note says how many and why. A checkpoint inside that scope gets
     no such note."""
-    down = LinearSpec("model.layers.0.mlp.down_proj", 256, 128)
+    down = LinearSpec("model.layers.0.mlp.down_proj", 256, 256)
     down.bits = 8
-    o_proj = LinearSpec("model.layers.0.self_attn.o_proj", 256, 128)
+    o_proj = LinearSpec("model.layers.0.self_attn.o_proj", 256, 256)
     o_proj.group_size = 64
-    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128), down, o_proj,
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 256), down, o_proj,
                                    LinearSpec("model.layers.0.mlp.gate_proj", 256, 1000)],  # N = 1000: padded
                           extras=[], group_size=128,
                           dynamic={"+:.*down_proj": {"bits": 8}, "+:.*o_proj": {"group_size": 64}})
@@ -322,7 +322,7 @@ def test_a_note_names_the_layers_legacy_marlin_loaders_cannot_take(tmp_path):
     notes = [note for note in build_plan(src).notes if "legacy Marlin loaders" in note]
     assert notes == [legacy_note("3 of 4", "1 8-bit, 1 group size 64, 1 padded")], notes
     plain = write_checkpoint(tmp_path / "plain", CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj",
-                                                                                    256, 128)], extras=[],
+                                                                                    256, 256)], extras=[],
                                                                 group_size=128))
     assert not [note for note in build_plan(plain).notes if "legacy" in note]
 
@@ -331,11 +331,11 @@ def test_the_legacy_loader_note_names_act_order_layers(tmp_path):
     """The legacy Marlin loaders have no act-order form (AutoGPTQ's Marlin check refuses desc_act; the legacy layout
     stores no perm): symmetric 4-bit group 128 layers with a non-trivial g_idx are outside their scope, and the note
     says so. desc_act with a trivial g_idx is stored without perm and stays inside."""
-    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128)], extras=[], group_size=128,
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 256)], extras=[], group_size=128,
                           act_order=True)
     notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
     assert notes == [legacy_note("1 of 1", "1 act-order")], notes
-    trivial = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128)], extras=[], group_size=128,
+    trivial = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 256)], extras=[], group_size=128,
                              act_order=False, desc_act_label=True)
     assert not [note for note in build_plan(write_checkpoint(tmp_path / "trivial", trivial)).notes if "legacy" in note]
 
@@ -343,7 +343,7 @@ def test_the_legacy_loader_note_names_act_order_layers(tmp_path):
 def test_the_legacy_loader_note_names_layers_whose_scales_are_not_fp16(tmp_path):
     """IST-DASLab's Marlin kernel, and the legacy loaders built on it, take fp16 scales only (vLLM's MarlinConfig:
     activations torch.half): bf16 (or fp32) scales are outside their scope even on symmetric 4-bit group 128."""
-    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 128)], extras=[], group_size=128,
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 256)], extras=[], group_size=128,
                           scale_dtype="bfloat16")
     notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
     assert notes == [legacy_note("1 of 1", "1 bfloat16 scales")], notes
@@ -353,7 +353,7 @@ def test_the_legacy_loader_note_names_unpadded_layers_whose_k_is_not_a_multiple_
     """The legacy loaders take K in multiples of 128 (vLLM's MarlinConfig min_k_threads, IST-DASLab's and AutoGPTQ's
     Marlin layer; the generator's test_default_presets_fit_the_legacy_shape_limits): a channelwise layer with
     K = 1008 tiles for this converter (K % 16 == 0, not padded) but is outside their scope, and the note says so."""
-    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.down_proj", 1008, 128)], extras=[], group_size=-1)
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.down_proj", 1008, 256)], extras=[], group_size=-1)
     notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
     assert notes == [legacy_note("1 of 1", "1 K not a multiple of 128")], notes
 
@@ -366,12 +366,24 @@ def test_the_legacy_loader_note_names_stacked_experts(tmp_path):
     def legacy(src, **kw):
         return [note for note in build_plan(src, **kw).notes if "legacy" in note]
 
-    shape = dict(num_layers=1, num_experts=4, hidden=256, expert_intermediate=128, vocab=64)
+    shape = dict(num_layers=1, num_experts=4, hidden=256, expert_intermediate=256, vocab=64)
     stacked = write_checkpoint(tmp_path / "stacked", qwen3_moe(stacked=True, **shape))
     assert legacy(stacked) == [legacy_note("8 of 12", "8 stacked experts")]
     per_expert = write_checkpoint(tmp_path / "per_expert", qwen3_moe(**shape))
     assert legacy(per_expert) == []
     assert legacy(per_expert, stack_experts=True) == [legacy_note("12 of 16", "12 stacked experts")]
+
+
+def test_the_legacy_loader_note_names_unpadded_layers_whose_n_is_not_a_multiple_of_256(tmp_path):
+    """IST-DASLab's Marlin layer, AutoGPTQ's Marlin QuantLinear and TGI's MarlinLinear refuse out_features not
+    divisible by 256 ('`infeatures` must be divisible by 128 and `outfeatures` by 256'): Qwen2.5-0.5B's q_proj
+    (N = 896) or k_proj (N = 128), symmetric 4-bit group 128, tile for this converter (N % 64 == 0, not padded) but
+    converted with no note."""
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.self_attn.q_proj", 896, 896),
+                                   LinearSpec("model.layers.0.self_attn.k_proj", 896, 128),
+                                   LinearSpec("model.layers.0.mlp.up_proj", 896, 4864)], extras=[], group_size=128)
+    notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
+    assert notes == [legacy_note("2 of 3", "2 N not a multiple of 256")], notes
 
 
 def test_names_that_are_not_utf8_do_not_make_a_manifest_verify_refuses(tmp_path):

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from marlin_convert import layout
 from marlin_convert.convert import convert
-from marlin_convert.kernel import unavailable_reason
+from marlin_convert.kernel import required_workspace_ints, unavailable_reason
 from marlin_convert.manifest import load_manifest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "run_marlin_layer.py"
@@ -31,6 +31,12 @@ def cpu_gemm(A, B, s, workspace, perm=None, zp=None, bits=4):
     with ``g = k // (K / G)`` (B's rows are in the sorted order), ``z = 2^(bits-1)`` without ``zp``."""
     assert A.shape[1] == B.shape[0] * 16 and workspace.dtype == torch.int32 and not workspace.any()
     n = B.shape[1] * 2 // bits
+    # the rest of marlin_gemm's contract that the kernel checks (a recipe breaking it fails only there, on a GPU)
+    assert workspace.numel() >= required_workspace_ints(n), (workspace.numel(), n)
+    assert s.dtype == A.dtype and s.shape[1] == n and A.shape[1] % s.shape[0] == 0, (s.dtype, s.shape, A.dtype)
+    assert B.dtype == torch.int32 and B.is_contiguous() and A.is_contiguous()
+    assert perm is None or (perm.dtype == torch.int32 and perm.shape == (A.shape[1],))
+    assert zp is None or (zp.dtype == torch.int32 and zp.shape == (s.shape[0], n * bits // 32))
     codes = layout.unpack_gptq_qweight(layout.marlin_to_gptq_weight(B.numpy(), bits=bits), bits).astype(np.float32)
     scales = layout.unpermute_scales(s.float().numpy())
     zeros = (layout.marlin_to_zero_points(zp.numpy(), n, bits).astype(np.float32) if zp is not None

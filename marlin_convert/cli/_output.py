@@ -19,9 +19,10 @@ from ..fileio import is_hub_blob, replace_file
 from ._errors import one_line
 
 
-#: a lone surrogate as ``json.dumps`` escapes it (``\\udcff``, not after an escaping backslash): a byte of a path or
-#: name that is not UTF-8, as the file system gives it (surrogateescape)
-_SURROGATE_ESCAPE = re.compile(r"((?<!\\)(?:\\\\)*)\\udc([89a-f][0-9a-f])")
+#: the escapes of ``json.dumps``'s text read left to right: an escaped backslash, a surrogate pair (a character
+#: beyond U+FFFF, whose second half may be \\udc80..\\udcff: U+1F480 is \\ud83d\\udc80), or a lone surrogate
+#: (``\\udcff``: group 1), a byte of a path or name that is not UTF-8, as the file system gives it (surrogateescape)
+_SURROGATE_ESCAPE = re.compile(r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\udc([89a-f][0-9a-f])")
 
 
 def json_text(data: dict) -> str:
@@ -29,7 +30,8 @@ def json_text(data: dict) -> str:
     written ``\\xNN`` (as :func:`~marlin_convert.fileio.name_text` and the manifest write it), never as a lone surrogate
     escape, which strict JSON readers refuse. Works on the text, so a report nests as deep as JSON itself allows."""
     text = json.dumps(data, indent=2, default=str)
-    return _SURROGATE_ESCAPE.sub(lambda m: m.group(1) + "\\\\x" + m.group(2), text) if "\\udc" in text else text
+    return _SURROGATE_ESCAPE.sub(lambda m: m.group(0) if m.group(1) is None else "\\\\x" + m.group(1), text) \
+        if "\\udc" in text else text
 
 
 class OutputClosed(Exception):
