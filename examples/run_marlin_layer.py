@@ -12,9 +12,10 @@ largest difference from ``A @ W`` in fp32, where ``W`` is dequantized on the CPU
 1. the tensors ``B``, ``s`` and, where the entry has them, ``zp`` and ``perm``, from the shards the entry names
    (expert ``e`` of a stacked layer: index ``[e]`` of each);
 2. ``A`` zero-padded from ``in_features`` to ``padded_in_features`` columns (padded weight rows are zero);
-3. ``C = marlin_gemm(A, B, s, workspace, perm=perm, zp=zp, bits=bits)``, the workspace ``workspace.ints`` zeroed int32
-   words (it is left zeroed: reuse it);
-4. ``C[:, :out_features]`` (padded columns are zero).
+3. ``C = marlin_gemm(A, B, s, workspace, perm=perm, zp=zp, bits=bits)`` with ``s`` in ``A``'s dtype, the workspace
+   ``workspace.ints`` zeroed int32 words (it is left zeroed: reuse it);
+4. ``C[:, :out_features]`` (padded columns are zero), plus the layer's bias ``P.bias`` where the checkpoint has one
+   (passed through unchanged, in the manifest's ``passthrough``; not part of this example).
 
 :func:`marlin_linear` is those steps; ``gemm`` may be any function with :func:`marlin_gemm`'s arguments (the tests
 pass one that runs on the CPU).

@@ -1848,7 +1848,8 @@ int launch_m32_cfg(const Launch& L, int cfg, bool& launched) {
 //     0.75 / 0.74-0.76, 4096 x 2560 0.73-0.74, 4096 x 4096 0.87-0.89 / 0.83-0.84; with longer k the gain shrinks and
 //     turns: 5120 x 4096 0.89-0.93, 6144 x 4096 0.92-0.97, 8192 x 4096 0.98-1.02, 11008 x 4096 1.02-1.07. The other 4-bit
 //     kinds at m = 128: 4096 x 4096 0.85-0.96, 3584 x 3584 0.74-0.84, but 8192 x 4096 0.98-1.11 (the zero-point kinds
-//     1.05-1.11), so the bound is k <= 4096 for every kind.
+//     1.05-1.11), so the bound is k <= 4096 for every kind. Measured on the H200 only; the rule applies wherever the
+//     144 KB kernel fits (an A100's 108 SMs: n = 1792..3456), not measured there.
 constexpr int kFourChunkMaxK = 4096;
 // Returns 0 (not these layers), 1 (64-column tiles) or 2 (128-column tiles).
 template <class K, bool GROUPED>
