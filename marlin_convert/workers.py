@@ -34,13 +34,56 @@ from .interrupts import held
 MAX_WORKERS = 256
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: ``taskset``, a Slurm job's or a container's cpuset), not the
-    machine's (``os.cpu_count()``, where the affinity cannot be read): the default number of workers."""
+#: where the cgroup file systems and this process's cgroups are (tests point them elsewhere)
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+def _read_text(path: str) -> str | None:
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def cgroup_cpu_quota() -> int | None:
+    """The CPUs this process's cgroup quota allows, rounded up (``docker --cpus 4``, a Kubernetes CPU limit): cgroup
+    v2 ``cpu.max`` (``"400000 100000"``; ``"max ..."`` is none) of the process's own cgroup, else of the root, or
+    cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1 is none). None without a quota, or where the files
+    cannot be read or make no sense."""
+    own = ""
+    for line in (_read_text(PROC_SELF_CGROUP) or "").splitlines():
+        if line.startswith("0::"):
+            own = line[3:].strip().strip("/")
+    quota = period = None
+    for directory in dict.fromkeys([f"{CGROUP_ROOT}/{own}".rstrip("/"), CGROUP_ROOT]):
+        text = _read_text(f"{directory}/cpu.max")
+        if text is not None:
+            fields = text.split()
+            if len(fields) == 2 and fields[0] != "max":
+                quota, period = fields
+            break
+    else:
+        quota = _read_text(f"{CGROUP_ROOT}/cpu/cpu.cfs_quota_us")
+        period = _read_text(f"{CGROUP_ROOT}/cpu/cpu.cfs_period_us")
+    try:
+        quota, period = int(quota), int(period)
+    except (TypeError, ValueError):
+        return None
+    return -(-quota // period) if quota > 0 and period > 0 else None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity (``taskset``, a Slurm job's or a container's cpuset; the machine's
+    ``os.cpu_count()`` where it cannot be read), at most its cgroup's CPU quota (:func:`cgroup_cpu_quota`): the default
+    number of workers."""
+    try:
+        cpus = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(cpus, quota)) if quota is not None else cpus
 
 
 def check_workers(workers: int) -> None:

@@ -1023,6 +1023,36 @@ def test_default_workers_count_the_cpus_this_process_may_run_on():
     assert done.stdout.split() == ["1", "1"], done.stdout
 
 
+def test_default_workers_stay_within_the_cgroup_cpu_quota(tmp_path, monkeypatch):
+    """A container limited by a CPU quota (docker --cpus 4, a Kubernetes limit: cgroup v2 cpu.max, v1 cfs quota) sees
+    every CPU of the machine in its affinity, so the default --workers would start one per machine core (found by the
+    late attack helper). The quota, rounded up, caps them; none ('max', -1) or unreadable files leave the affinity."""
+    from marlin_convert import workers
+
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    root = tmp_path / "cgroup"
+    (root / "job").mkdir(parents=True)
+    (tmp_path / "self_cgroup").write_text("0::/job\n")
+    monkeypatch.setattr(workers, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(workers, "PROC_SELF_CGROUP", str(tmp_path / "self_cgroup"))
+    assert workers.cgroup_cpu_quota() is None and workers.usable_cpus() == affinity  # (no files)
+    (root / "job" / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: 2
+    assert workers.cgroup_cpu_quota() == 2 and workers.usable_cpus() == min(affinity, 2)
+    (root / "job" / "cpu.max").write_text("50000 100000\n")  # half a CPU: one worker
+    assert workers.usable_cpus() == 1
+    (root / "job" / "cpu.max").write_text("max 100000\n")
+    assert workers.cgroup_cpu_quota() is None
+    (root / "job" / "cpu.max").unlink()
+    (root / "cpu").mkdir()
+    (root / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    (root / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert workers.cgroup_cpu_quota() == 3
+    (root / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert workers.cgroup_cpu_quota() is None
+    (root / "cpu" / "cpu.cfs_quota_us").write_text("garbage\n")
+    assert workers.cgroup_cpu_quota() is None and workers.usable_cpus() == affinity
+
+
 def test_json_reports_keep_characters_beyond_u_ffff_whose_second_surrogate_looks_like_a_byte(tmp_path):
     """json_text rewrote every '\\udc80'..'\\udcff' escape, also the second half of a surrogate pair: a character
     beyond U+FFFF with it (U+1F480 '\\U0001F480' is written '\\ud83d\\udc80'; one in 8 of U+10000..) in a valid UTF-8

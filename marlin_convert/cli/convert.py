@@ -52,7 +52,7 @@ DryRunOpt = Annotated[bool, typer.Option(
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", metavar="N", help=f"Worker processes that repack, hash and copy tensors, 1 to {MAX_WORKERS} (default: one "
-    "per core this process may run on, at most 8).")]
+    "per core this process may run on, within its CPU quota, at most 8).")]
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress bar and no per-layer table: only the summary lines (and errors).")]
 

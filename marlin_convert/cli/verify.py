@@ -57,8 +57,8 @@ DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", metavar="DTYPE", help=f"Activation dtype for the kernel check ({' or '.join(ACTIVATION_DTYPES)}); default: the model's "
                     "(config.json torch_dtype), else float16.")]
 WorkersOpt = Annotated[int, typer.Option("--workers", metavar="N", help=f"Worker processes for hashing and the inverse "
-                                         f"repack, 1 to {MAX_WORKERS} (default: one per core this process may "
-                                         "run on).")]
+                                         f"repack, 1 to {MAX_WORKERS} (default: one per core this process may run on, "
+                                         "within its CPU quota).")]
 ManifestDigestOpt = Annotated[Optional[str], typer.Option(
     "--manifest-sha256", metavar="DIGEST", help="Fail unless the manifest's SHA-256 is this (as printed by an earlier run).")]
 
