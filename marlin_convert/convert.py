@@ -345,8 +345,8 @@ def legacy_loader_notes(layers: list[LayerPlan], stacked: set[str] = frozenset()
     why = ", ".join(f"{count_layers(members)} {reason}" for reason, members in sorted(reasons.items()))
     return [f"{count_layers(outside)} of {count_layers(converted)} converted layer(s) are outside what "
             "the legacy Marlin loaders take (symmetric 4-bit, fp16 scales, group size 128 or -1, no act-order, K a "
-            f"multiple of 128, N of 256, no padding, 2-D): {why}; load them with a reader of the manifest (README: Who loads the "
-            "output)"]
+            f"multiple of 128, N of 256, no padding, 2-D): {why}; load them with a reader of the manifest (README: "
+            "Who loads the output)"]
 
 
 def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: bool = False,
