@@ -7,7 +7,7 @@ manifest, in a few lines.
 It multiplies random activations ``A [m, K]`` by the layer with this project's kernel
 (:func:`marlin_convert.kernel.marlin_gemm`; a CUDA GPU of compute capability >= 8.0, nvcc and ninja) and prints the
 largest difference from ``A @ W`` in fp32, where ``W`` is dequantized on the CPU from the same Marlin tensors
-(:func:`dequantize`). The steps, for a layer entry of ``marlin_manifest.json`` (README: Output format):
+(:func:`reference`). The steps, for a layer entry of ``marlin_manifest.json`` (README: Output format):
 
 1. the tensors ``B``, ``s`` and, where the entry has them, ``zp`` and ``perm``, from the shards the entry names
    (expert ``e`` of a stacked layer: index ``[e]`` of each);
@@ -77,25 +77,30 @@ def marlin_linear(A: torch.Tensor, entry: dict, tensors: dict, gemm=None) -> tor
     return C[:, :entry["out_features"]]
 
 
-def dequantize(entry: dict, tensors: dict) -> torch.Tensor:
-    """The layer's weights ``W [padded_in_features, padded_out_features]`` in fp32, rows in the order ``B`` holds them
-    (sorted by group when act-order: ``A[:, perm] @ W`` is the product), computed on the CPU from the Marlin tensors
-    with the inverse layout functions of :mod:`marlin_convert.layout`: ``W[k, n] = (q - z) * s``, row ``k``'s group.
-    """
-    bits = entry["bits"]
-    k_pad, n_pad = entry["padded_in_features"], entry["padded_out_features"]
-    qweight = layout.marlin_to_gptq_weight(tensors["B"].cpu().numpy(), bits=bits)
-    codes = layout.unpack_gptq_qweight(qweight, bits).astype(np.float32)  # [k_pad, n_pad]
-    scales = layout.unpermute_scales(tensors["s"].cpu().float().numpy())  # [G, n_pad]
-    if "zp" in tensors:
-        zeros = layout.marlin_to_zero_points(tensors["zp"].cpu().numpy(), n_pad, bits).astype(np.float32)
-    else:
-        zeros = np.full_like(scales, 2 ** (bits - 1))
-    if "g_idx" in tensors:  # (act-order: the group of each row of B, sorted)
-        groups = tensors["g_idx"].cpu().numpy().astype(np.int64)
-    else:
-        groups = np.arange(k_pad) // (k_pad // scales.shape[0])
-    return torch.from_numpy((codes - zeros[groups]) * scales[groups])
+def marlin_weight(B: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None, bits: int,
+                  g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer's weights ``W [K_pad, N_pad]`` in fp32 on the CPU from its Marlin tensors, with the inverse layout
+    functions of :mod:`marlin_convert.layout`: ``W[k, n] = (q - z) * s`` of row ``k``'s group, rows in the order ``B``
+    holds them (sorted by group when act-order: ``A[:, perm] @ W`` is the product). Row ``k``'s group: ``g_idx[k]``
+    (the sorted ``g_idx``) where given, else ``k // (K_pad / G)``, as the kernel takes it."""
+    codes = layout.unpack_gptq_qweight(layout.marlin_to_gptq_weight(B.cpu().numpy(), bits=bits), bits)
+    k_pad, n_pad = codes.shape
+    scales = layout.unpermute_scales(s.cpu().float().numpy())  # [G, n_pad]
+    zeros = (layout.marlin_to_zero_points(zp.cpu().numpy(), n_pad, bits).astype(np.float32) if zp is not None
+             else np.full_like(scales, 2 ** (bits - 1)))
+    groups = (g_idx.cpu().numpy().astype(np.int64) if g_idx is not None
+              else np.arange(k_pad) // (k_pad // scales.shape[0]))
+    return torch.from_numpy((codes.astype(np.float32) - zeros[groups]) * scales[groups])
+
+
+def reference(A: torch.Tensor, entry: dict, tensors: dict) -> torch.Tensor:
+    """What :func:`marlin_linear` computes, in fp32 on the CPU: ``A`` padded and gathered by ``perm``, times
+    :func:`marlin_weight`, ``[:, :out_features]``."""
+    A = torch.nn.functional.pad(A.float().cpu(), (0, entry["padded_in_features"] - entry["in_features"]))
+    if "perm" in tensors:
+        A = A[:, tensors["perm"].cpu().long()]
+    W = marlin_weight(tensors["B"], tensors["s"], tensors.get("zp"), entry["bits"], tensors.get("g_idx"))
+    return (A @ W)[:, :entry["out_features"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,11 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if entry["scale_dtype"] == "bfloat16" else torch.float16
     A = torch.randn(args.m, entry["in_features"], dtype=dtype, device=f"cuda:{args.gpu}") * 0.1
     C = marlin_linear(A, entry, tensors).float().cpu()
-    A_sorted = torch.nn.functional.pad(A.float().cpu(), (0, entry["padded_in_features"] - entry["in_features"]))
-    if "perm" in tensors:
-        A_sorted = A_sorted[:, tensors["perm"].cpu().long()]
-    reference = (A_sorted @ dequantize(entry, tensors))[:, :entry["out_features"]]
-    error = ((C - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+    expected = reference(A, entry, tensors)
+    error = ((C - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
     print(json.dumps({"layer": args.layer, "expert": args.expert, "C": list(C.shape), "dtype": str(dtype),
                       "max_relative_error": error}))
     return 0

@@ -9,14 +9,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from make_gptq_checkpoint import qwen3_moe, tiny_llama, write_checkpoint
-from safetensors import safe_open
+from safetensors.torch import load_file
 
-from marlin_convert import layout
 from marlin_convert.convert import convert
+from marlin_convert.gpu_check import reference_weight
 from marlin_convert.kernel import required_workspace_ints, unavailable_reason
 from marlin_convert.manifest import load_manifest
 
@@ -37,30 +36,14 @@ def cpu_gemm(A, B, s, workspace, perm=None, zp=None, bits=4):
     assert B.dtype == torch.int32 and B.is_contiguous() and A.is_contiguous()
     assert perm is None or (perm.dtype == torch.int32 and perm.shape == (A.shape[1],))
     assert zp is None or (zp.dtype == torch.int32 and zp.shape == (s.shape[0], n * bits // 32))
-    codes = layout.unpack_gptq_qweight(layout.marlin_to_gptq_weight(B.numpy(), bits=bits), bits).astype(np.float32)
-    scales = layout.unpermute_scales(s.float().numpy())
-    zeros = (layout.marlin_to_zero_points(zp.numpy(), n, bits).astype(np.float32) if zp is not None
-             else np.full_like(scales, 2 ** (bits - 1)))
-    groups = np.arange(codes.shape[0]) // (codes.shape[0] // scales.shape[0])
-    weights = torch.from_numpy((codes - zeros[groups]) * scales[groups])
-    return (A[:, perm.long()] if perm is not None else A) @ weights
+    return (A[:, perm.long()] if perm is not None else A) @ run_marlin_layer.marlin_weight(B, s, zp, bits)
 
 
-def source_weights(src: Path, names: dict, bits: int, expert: int | None) -> torch.Tensor:
-    """``W [K, N]`` in fp32 from the GPTQ source tensors (v1 zeros: stored + 1), expert ``expert`` of stacked ones."""
-    tensors = {}
-    for kind, name in names.items():
-        for shard in src.glob("*.safetensors"):
-            with safe_open(str(shard), framework="pt") as f:
-                if name in f.keys():
-                    tensor = f.get_tensor(name)
-                    tensors[kind] = (tensor[expert] if expert is not None else tensor).numpy()
-    n = tensors["scales"].shape[1]
-    codes = layout.unpack_gptq_qweight(tensors["qweight"], bits).astype(np.float32)
-    zeros = layout.unpack_gptq_qzeros(tensors["qzeros"], n, bits).astype(np.float32) + 1
-    g_idx = tensors["g_idx"].astype(np.int64)
-    scales = tensors["scales"].astype(np.float32)
-    return torch.from_numpy((codes - zeros[g_idx]) * scales[g_idx])
+def source_weights(source: dict, names: dict, bits: int, zero_format: str, expert: int | None) -> torch.Tensor:
+    """``W [K, N]`` in fp32 from the GPTQ source tensors (verify's own reference), expert ``expert`` of stacked ones."""
+    q, s, z, g = ((source[names[kind]][expert] if expert is not None else source[names[kind]])
+                  for kind in ("qweight", "scales", "qzeros", "g_idx"))
+    return reference_weight(q, s, z, g, bits, zero_format)
 
 
 CASES = {
@@ -79,24 +62,21 @@ def test_the_consumer_recipe_gives_the_source_product(tmp_path, case):
     src = write_checkpoint(tmp_path / "in", make(**kw))
     out = tmp_path / "out"
     convert(src, out, workers=1)
+    source = {name: tensor for path in src.glob("*.safetensors") for name, tensor in load_file(path).items()}
     generator = torch.Generator().manual_seed(0)
     checked = 0
     for entry in load_manifest(out)["layers"]:
-        source = entry["sources"][0]
+        names = entry["sources"][0]["tensors"]
         experts = range(entry["num_experts"]) if entry["num_experts"] else [None]
         for expert in experts:
             _, tensors = run_marlin_layer.load_layer(out, entry["name"], expert)
             A = torch.randn(5, entry["in_features"], generator=generator)
             C = run_marlin_layer.marlin_linear(A, entry, tensors, gemm=cpu_gemm)
-            W = source_weights(src, source["tensors"], entry["bits"], expert)
+            W = source_weights(source, names, entry["bits"], entry["zero_format"], expert)
             assert C.shape == (5, entry["out_features"]), entry["name"]
             torch.testing.assert_close(C, A @ W, rtol=1e-4, atol=1e-4, msg=f"{entry['name']} expert {expert}")
-            # and the example's own dequantization (its --gpu check's reference) agrees, padded rows and columns zero
-            W_marlin = run_marlin_layer.dequantize(entry, tensors)
-            A_sorted = torch.nn.functional.pad(A, (0, entry["padded_in_features"] - entry["in_features"]))
-            if "perm" in tensors:
-                A_sorted = A_sorted[:, tensors["perm"].long()]
-            torch.testing.assert_close((A_sorted @ W_marlin)[:, :entry["out_features"]], A @ W, rtol=1e-4, atol=1e-4)
+            # and the example's own reference (its --gpu check's) agrees, padded rows and columns zero
+            torch.testing.assert_close(run_marlin_layer.reference(A, entry, tensors), A @ W, rtol=1e-4, atol=1e-4)
             checked += 1
     assert checked >= 7
 
