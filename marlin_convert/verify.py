@@ -57,7 +57,7 @@ from .sources import FORM_NAMES, open_checkpoint
 from .manifest import layer_count, read_manifest
 from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .interrupts import held
-from .workers import (MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, submit_all, usable_cpus,
+from .workers import (MAX_WORKERS, POLL_SECONDS, check_workers, shutdown_pool, start_thread, submit_all, usable_cpus,
                       worker_pool)
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
@@ -620,7 +620,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                     compared["error"] = exc
 
             comparing = threading.Thread(target=compare, name="compare copies with the source", daemon=True)
-            comparing.start()
+            start_thread(comparing)
 
         def absorb(outcome) -> None:
             peaks[outcome.pid] = max(peaks.get(outcome.pid, 0), outcome.peak_rss)

@@ -133,18 +133,43 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
                                    initializer=worker_started, initargs=(os.getpid(),))
 
 
+#: what the hint of a refused process or thread says
+_LIMIT_HINT = ("the process limit (ulimit -u, a container's pids limit) or memory is reached: free some, or run with "
+               "fewer --workers")
+
+
+def thread_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is Python's ``RuntimeError("can't start new thread")``: the system refused a thread (threads
+    count against the same process limit as processes, ``ulimit -u`` or a container's pids limit, and need memory
+    for their stacks)."""
+    return isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """``thread.start()``; raises :class:`ResourceError` where the system refuses the thread."""
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        if not thread_refused(exc):
+            raise
+        raise ResourceError(f"cannot start a thread ({thread.name}): {exc}", hint=_LIMIT_HINT) from exc
+
+
 def submit_all(pool: ProcessPoolExecutor, function: Callable, items: Iterable) -> set:
-    """``pool.submit(function, item)`` for every item (the pool starts its worker processes here). Raises
-    :class:`ResourceError` where the system refuses to start them (fork: EAGAIN at the process limit, ``ulimit -u``
-    or a container's pids limit; ENOMEM)."""
+    """``pool.submit(function, item)`` for every item (the pool starts its worker processes, and its own thread that
+    manages them, here). Raises :class:`ResourceError` where the system refuses to start them (fork: EAGAIN at the
+    process limit, ``ulimit -u`` or a container's pids limit; ENOMEM; the thread: ``can't start new thread``)."""
     try:
         return {pool.submit(function, item) for item in items}
     except OSError as exc:
         if exc.errno not in (errno.EAGAIN, errno.ENOMEM):
             raise
-        raise ResourceError(f"cannot start worker processes: {exc.strerror or exc}",
-                            hint="the process limit (ulimit -u, a container's pids limit) or memory is reached: free "
-                                 "some, or run with fewer --workers") from exc
+        raise ResourceError(f"cannot start worker processes: {exc.strerror or exc}", hint=_LIMIT_HINT) from exc
+    except RuntimeError as exc:
+        if not thread_refused(exc):
+            raise
+        raise ResourceError(f"cannot start worker processes: the thread that manages them was refused ({exc})",
+                            hint=_LIMIT_HINT) from exc
 
 
 def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:

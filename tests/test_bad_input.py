@@ -1438,6 +1438,29 @@ def test_worker_processes_that_cannot_be_started_are_named_not_called_a_bug(caps
     assert main(args) == 2
 
 
+@pytest.mark.parametrize("command", ["convert", "verify", "verify --source"])
+def test_threads_that_cannot_be_started_are_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch, command):
+    """A thread refused (RuntimeError "can't start new thread": threads count against the process limit, ulimit -u or
+    a container's pids.max): the pool's own managing thread in convert and verify, verify --source's comparing thread.
+    Each was 'internal error: RuntimeError', exit 3."""
+    import threading
+
+    out = tmp_path / "out"
+    if command != "convert":
+        assert main([str(src), str(out), "-q"]) == 0
+
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    args = {"convert": [str(src), str(out), "--workers", "2"],
+            "verify": ["verify", str(out), "--skip-kernel", "--workers", "2"],
+            "verify --source": ["verify", str(out), "--skip-kernel", "--workers", "1", "--source", str(src)]}[command]
+    line = _run_failing(capsys, tmp_path, args, "cannot start", "can't start new thread")
+    assert "internal error" not in line
+    assert main(args) == 2
+
+
 def test_a_failed_run_leaves_a_parent_that_another_process_created_meanwhile(tmp_path, monkeypatch):
     """PartialDir listed OUT_DIR's missing parents, then made them with mkdir(parents=True, exist_ok=True): one that
     another process created in between (a second run's, the user's mkdir -p) was taken for this run's own, and a
