@@ -891,4 +891,11 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
         notes.append(f"{count_layers(reordered)} layer(s) have a g_idx that is not trivial while the config says "
                      "desc_act false: converted with act-order (perm, as the g_idx says); the configs keep desc_act "
                      "false, so a loader that goes by desc_act alone would ignore perm")
+    in_order = [layer for layer in layers
+                if layer.convertible and not layer.spec.act_order and layer.settings.desc_act]
+    if in_order:
+        notes.append(f"{count_layers(in_order)} layer(s) have desc_act true in the config but a g_idx in order "
+                     "(GPTQModel's static_groups, or none stored): converted without act-order (no perm); the "
+                     "configs keep desc_act true, so a loader that goes by desc_act alone would look for perm, and "
+                     "the legacy Marlin loaders refuse the checkpoint")
     return notes

@@ -132,6 +132,15 @@ def test_desc_act_with_trivial_g_idx_is_not_act_order(tmp_path):
     entry = load_manifest(out)["layers"][0]
     assert entry["act_order"] is False and entry["sources"][0]["g_idx"] == "trivial"
     assert "model.layers.0.mlp.down_proj.perm" not in _all_tensors(out)
+    # the configs keep desc_act true (GPTQModel's static_groups writes such checkpoints): the notes say what a loader
+    # going by that key would do
+    assert json.loads((out / "quantize_config.json").read_text())["desc_act"] is True
+    assert [note for note in build_plan(src).notes if "desc_act true" in note] == [
+        "1 layer(s) have desc_act true in the config but a g_idx in order (GPTQModel's static_groups, or none stored): "
+        "converted without act-order (no perm); the configs keep desc_act true, so a loader that goes by desc_act "
+        "alone would look for perm, and the legacy Marlin loaders refuse the checkpoint"]
+    plain = write_checkpoint(tmp_path / "plain", _linear_spec(act_order=False))
+    assert not [note for note in build_plan(plain).notes if "desc_act" in note]
 
 
 def test_bf16_extras_and_scales_keep_their_dtype(tmp_path):
@@ -330,14 +339,16 @@ def test_a_note_names_the_layers_legacy_marlin_loaders_cannot_take(tmp_path):
 def test_the_legacy_loader_note_names_act_order_layers(tmp_path):
     """The legacy Marlin loaders have no act-order form (AutoGPTQ's Marlin check refuses desc_act; the legacy layout
     stores no perm): symmetric 4-bit group 128 layers with a non-trivial g_idx are outside their scope, and the note
-    says so. desc_act with a trivial g_idx is stored without perm and stays inside."""
+    says so. desc_act with a trivial g_idx is stored without perm and its layers stay inside (the config's desc_act
+    has a note of its own: test_desc_act_with_trivial_g_idx_is_not_act_order)."""
     spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 256)], extras=[], group_size=128,
                           act_order=True)
     notes = [note for note in build_plan(write_checkpoint(tmp_path / "in", spec)).notes if "legacy" in note]
     assert notes == [legacy_note("1 of 1", "1 act-order")], notes
     trivial = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.up_proj", 256, 256)], extras=[], group_size=128,
                              act_order=False, desc_act_label=True)
-    assert not [note for note in build_plan(write_checkpoint(tmp_path / "trivial", trivial)).notes if "legacy" in note]
+    assert not [note for note in build_plan(write_checkpoint(tmp_path / "trivial", trivial)).notes
+                if "outside what the legacy" in note]
 
 
 def test_the_legacy_loader_note_names_layers_whose_scales_are_not_fp16(tmp_path):
