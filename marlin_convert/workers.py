@@ -23,7 +23,8 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from .errors import InputError, ResourceError
@@ -172,6 +173,39 @@ def submit_all(pool: ProcessPoolExecutor, function: Callable, items: Iterable) -
                             hint=_LIMIT_HINT) from exc
 
 
+#: the signals that end a process when it crashes (a fault in native code: this package's C extension, numpy, torch),
+#: not when something kills it (the out-of-memory killer sends SIGKILL)
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+
+
+#: how long :func:`results_of` waits for a broken pool's processes to end (the pool kills the rest itself)
+_REAP_SECONDS = 2.0
+
+
+class WorkerCrashed(RuntimeError):
+    """A worker process ended on a crash signal (:data:`CRASH_SIGNALS`): a bug, reported as an internal error, not
+    as the machine running out of something (:class:`~concurrent.futures.process.BrokenProcessPool` alone)."""
+
+
+def results_of(pool: ProcessPoolExecutor, done: Iterable[Future]) -> list:
+    """``[future.result() for future in done]``, where a broken pool whose worker crashed raises
+    :class:`WorkerCrashed` naming the signal instead of ``BrokenProcessPool``. (The exit codes are read from the
+    pool's processes, which it exposes no public handle on; they are there until the pool is shut down.)"""
+    try:
+        return [future.result() for future in done]
+    except BrokenProcessPool as exc:
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        deadline = time.monotonic() + _REAP_SECONDS
+        for process in processes:  # (the pool's own thread reaps them too, and a code it took is there once it has)
+            process.join(max(0.0, deadline - time.monotonic()))
+        codes = [process.exitcode for process in processes]
+        crashes = sorted({signal.Signals(-code).name for code in codes
+                          if code is not None and code < 0 and -code in CRASH_SIGNALS})
+        if crashes:
+            raise WorkerCrashed(f"a worker process crashed ({', '.join(crashes)})") from exc
+        raise
+
+
 def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:
     """Yield ``function(item)`` for every item, in the order they finish: in ``workers`` forked processes (see
     the module docstring), or in this process when ``workers <= 1`` or fork is missing. Forked workers inherit
@@ -192,7 +226,7 @@ def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], work
         while waiting:
             with held():
                 done, waiting = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
-                results = [future.result() for future in done]
+                results = results_of(pool, done)
             yield from results
         finished = True
     finally:
