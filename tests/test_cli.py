@@ -346,9 +346,14 @@ def test_dry_run_fails_where_the_conversion_would(tmp_path, src, capsys):
     odd = write_checkpoint(tmp_path / "g8", odd_spec)
     assert main([str(odd), str(tmp_path / "o"), "--dry-run", "--json", str(tmp_path / "plan.json")]) == 2
     captured = capsys.readouterr()
-    assert "kept in GPTQ form" in captured.out and "cannot be converted" in captured.err
+    assert "cannot be converted" in captured.err
     assert "--skip-incompatible" in captured.err and (tmp_path / "plan.json").exists()
-    assert main([str(odd), str(tmp_path / "o"), "--dry-run", "-q", "--skip-incompatible"]) == 0
+    # the table and the summary say what the run would do with that layer: refuse it, not keep it
+    assert "kept in GPTQ form" not in captured.out and "1 refused (no Marlin form: the conversion stops" in captured.out
+    assert "keep GPTQ" not in captured.out and "refuse: " in captured.out and "of kept layers" not in captured.out
+    assert main([str(odd), str(tmp_path / "o"), "--dry-run", "--skip-incompatible"]) == 0
+    captured = capsys.readouterr().out
+    assert "1 kept in GPTQ form" in captured and "keep GPTQ: " in captured and "refuse" not in captured
     assert main([str(odd), str(tmp_path / "o"), "-q"]) == 2  # what the dry run predicted
     assert not (tmp_path / "o").exists()
 

@@ -39,8 +39,14 @@ def _joined(values) -> str:
     return ", ".join(dict.fromkeys(values))
 
 
-def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
-    """Fill ``output`` with columns layer / experts / bits / group / zeros / act-order / K x N / padded / action."""
+def add_layer_rows(output: Output, layers: list[LayerPlan], refusing: bool = False) -> None:
+    """Fill ``output`` with columns layer / experts / bits / group / zeros / act-order / K x N / padded / action.
+    A layer with no Marlin form is kept in its source form (``--skip-incompatible``), or where the run would stop at
+    it (``refusing``: a dry run without that option) refused."""
+    def refused_action(layer: LayerPlan, count: str = "") -> str:
+        verb = "refuse" if refusing else f"keep {FORM_NAMES[layer.spec.source_format]}"
+        return f"{verb}{count}: {layer.reason}"
+
     output.columns = ["layer", "experts", "bits", "group", "zeros", "act-order", "K x N", "padded to", "action"]
     by_prefix = {layer.prefix: layer for layer in layers}
     groups, plain = group_experts([layer.prefix for layer in layers])
@@ -49,7 +55,7 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
         layer = by_prefix[prefix]
         spec = layer.spec
         experts = str(spec.num_experts) + " (stacked)" if spec.num_experts else "-"
-        action = "convert" if layer.convertible else f"keep {FORM_NAMES[spec.source_format]}: {layer.reason}"
+        action = "convert" if layer.convertible else refused_action(layer)
         rows.append(([prefix, experts, str(spec.bits), _group_label(spec.group_size), _zeros_label(layer),
                       "yes" if spec.act_order else "no", f"{spec.in_features} x {spec.out_features}",
                       _padded_label(layer), action],
@@ -58,8 +64,7 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
         for projection, members in group.members.items():
             member_layers = [by_prefix[p] for p in members.values()]
             refused = [m for m in member_layers if not m.convertible]
-            action = ("convert" if not refused else
-                      f"keep {FORM_NAMES[refused[0].spec.source_format]} ({len(refused)}): {refused[0].reason}")
+            action = "convert" if not refused else refused_action(refused[0], f" ({len(refused)})")
             rows.append(([f"{group.base}.*.{projection}", str(len(members)),
                           _joined(str(m.spec.bits) for m in member_layers),
                           _joined(_group_label(m.spec.group_size) for m in member_layers),
@@ -78,18 +83,20 @@ def add_layer_rows(output: Output, layers: list[LayerPlan]) -> None:
 
 
 def counts_line(layers: int, entries: int, kept: int, form: str, passthrough: int, kept_tensors: int, shards: int,
-                done: bool) -> str:
+                done: bool, refusing: bool = False) -> str:
     """The summary line of ``convert`` (``done``) and ``inspect``, in the units ``verify`` and the manifest use.
 
     ``layers`` counts each expert as one layer (as verify does); ``entries`` are the manifest's ``layers`` (one per
     layer or stack of experts); ``passthrough`` the manifest's ``passthrough`` tensors; ``kept_tensors`` those of the
-    ``kept`` layers, which are copied too but listed apart."""
+    ``kept`` layers, which are copied too but listed apart. ``refusing``: the ``kept`` layers stop the run (a dry run
+    without ``--skip-incompatible``)."""
     experts = " (each expert counts as one)" if layers != entries else ""
     entry_word = "entry" if entries == 1 else "entries"
+    kept_words = (f"{kept} refused (no Marlin form: the conversion stops; --skip-incompatible keeps them in {form} "
+                  "form)" if refusing else f"{kept} kept in {form} form")
     line = (f"{layers} layer(s) {'converted' if done else 'to convert'}{experts} into {entries} Marlin manifest "
-            f"{entry_word}, {kept} kept in {form} form; {passthrough} tensor(s) "
-            f"{'passed' if done else 'to pass'} through")
-    if kept_tensors:
+            f"{entry_word}, {kept_words}; {passthrough} tensor(s) {'passed' if done else 'to pass'} through")
+    if kept_tensors and not refusing:
         line += f", {kept_tensors} tensor(s) of kept layers {'copied' if done else 'to copy'} unchanged"
     return line + f"; {shards} shard(s)"
 

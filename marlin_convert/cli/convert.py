@@ -88,8 +88,8 @@ def convert(
     check_out_dir(in_dir, Path(os.path.abspath(out_dir)), overwrite)  # before the plan, which reads every header
     plan = build_plan(in_dir, skip_incompatible=skip_incompatible or dry_run, stack_experts=stack_experts)
     if dry_run:
-        output = plan_output(plan, quiet=quiet)
         refusal = plan_refusal(plan, skip_incompatible)
+        output = plan_output(plan, quiet=quiet, refusing=refusal is not None)
         if refusal is None:  # the real run's last check before it writes
             try:
                 check_free_space(Path(os.path.abspath(out_dir)), plan.tensor_bytes_out)

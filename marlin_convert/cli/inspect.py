@@ -25,8 +25,10 @@ JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="
 JsonStdoutOpt = Annotated[bool, typer.Option("--json-stdout", help="Print the plan as JSON instead of a table.")]
 
 
-def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False) -> Output:
-    """The plan for people (a table of layers unless ``quiet``, then summary lines) and as JSON data."""
+def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False, refusing: bool = False) -> Output:
+    """The plan for people (a table of layers unless ``quiet``, then summary lines) and as JSON data. ``refusing``:
+    the layers with no Marlin form stop the run (a dry run without ``--skip-incompatible``), so the table and the
+    summary call them refused, not kept."""
     config = plan.checkpoint.config
     source_format = plan.checkpoint.source_format
     data = {
@@ -49,10 +51,11 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
     }
     output = Output(f"Plan for {plan.checkpoint.path}", data, as_json=as_json)
     if not quiet:
-        add_layer_rows(output, plan.layers)
+        add_layer_rows(output, plan.layers, refusing=refusing)
     output.lines += [
         counts_line(data["converted_layers"], data["marlin_entries"], data["kept_gptq"], FORM_NAMES[source_format],
-                    data["passthrough_tensors"], data["kept_tensors"], len(plan.shards), done=False),
+                    data["passthrough_tensors"], data["kept_tensors"], len(plan.shards), done=False,
+                    refusing=refusing),
         f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
         f"{config.describe()} (from {', '.join(config.sources)}); each layer's own settings are in the table",
         *(f"note: {note}" for note in plan.notes),
