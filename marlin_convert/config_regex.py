@@ -11,6 +11,11 @@ config's place named:
   repeat whose count is a choice, or alternatives of more than one character (``(a|b)`` is a character class):
   ``(a+)+``, ``(?:a{1,16}){1,16}``, ``(a|aa)*c``, ``(a|aa){2,16}``; a fixed count inside one is fine
   (``(\\d{2}\\.)+``);
+- repeats whose iterations, multiplied through the repeats around them and summed over the pattern, can come to
+  more than :data:`MAX_ITERATIONS` (``(?:\\b){100000000}``: a zero-width part repeated a fixed number of times is
+  run that many times whatever the name, 10 s a name; ``(?:(?:\\b){60000}){60000}``, minutes); a repeat of more than
+  the longest name allows counts as the longest name plus one (``.{0,1000}``: one whose part consumes a character stops
+  at the name's end, one whose part matched nothing stops too, once its minimum count is met);
 - more than :data:`MAX_RANGES` repeats of more than one whose count is a choice (``*``, ``+``, ``{2,9}``: each one a
   factor of up to the name's length in the time), or more than :data:`MAX_OPTIONALS` optional parts (``?``,
   ``{0,1}``) and alternatives (``(a|bc)``; each one a factor of two or more), in one pattern.
@@ -44,6 +49,10 @@ MAX_OPTIONALS = 8
 #: name's length (up to MAX_RANGES), and the name comes from the checkpoint too (``.*a.*a.*a!`` took 29 s on one name
 #: of 2,000 characters, 6 minutes on 4,000; 0.04 s on 256). The committed producer fixtures' names are at most 52.
 MAX_MATCHED_NAME = 256
+#: the most iterations the repeats of one pattern can be made to run for one name (see :func:`_iterations`): about
+#: 7 ms (a zero-width repeat ran 1e8 iterations in 10.9 s), the order of what MAX_RANGES allows
+#: (``.*a.*a.*a!``: 0.04 s on 256 characters); the committed fixtures' and the documented rules need at most 771
+MAX_ITERATIONS = 1 << 16
 
 _REPEATS = {sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT}
 if hasattr(sre_constants, "POSSESSIVE_REPEAT"):
@@ -90,6 +99,24 @@ def _choices(pattern) -> tuple[int, int]:
     return ranges, optionals
 
 
+def _iterations(pattern, enclosing: int) -> int:
+    """The most iterations the repeats in ``pattern`` (a parsed sequence) can run for one name of at most
+    :data:`MAX_MATCHED_NAME` characters, each repeat counted ``enclosing`` times (the product of the counts of the
+    repeats around it). A repeat runs at most its maximum count, and past its minimum count at most one iteration more
+    than the name has characters (an iteration that consumed nothing ends it). Alternatives are tried one after
+    another: their iterations add up."""
+    total = 0
+    for op, av in pattern:
+        if op in _REPEATS:
+            low, high = av[0], av[1]
+            count = min(high, max(low, MAX_MATCHED_NAME + 1))
+            total += enclosing * count + _iterations(av[2], enclosing * count)
+            continue
+        for child in _children(op, av):
+            total += _iterations(child, enclosing)
+    return total
+
+
 def _choice_inside_a_repeat(pattern, in_repeat: bool) -> bool:
     """Whether ``pattern`` (a parsed sequence) holds, inside a repeat of more than one (``in_repeat``: the enclosing
     one is such a repeat), a repeat whose count is a choice or alternatives."""
@@ -120,12 +147,17 @@ def compile_config_regex(text: str, where: str) -> re.Pattern:
         parsed = sre_parse.parse(text)
         nested = _choice_inside_a_repeat(parsed, False)
         ranges, optionals = _choices(parsed)
+        iterations = _iterations(parsed, 1)
     except RecursionError:
-        nested, ranges, optionals = True, 0, 0
+        nested, ranges, optionals, iterations = True, 0, 0, 0
     if nested:
         raise InputError(f"{where}: regular expression {text!r} repeats a repeat or alternatives (such as "
                          f"'(a+)+', '(a{{1,16}}){{1,16}}' or '(a|aa)*'), which can take hours to match a layer name; "
                          f"write it without the nesting")
+    if iterations > MAX_ITERATIONS:
+        raise InputError(f"{where}: regular expression {text!r} repeats its parts up to {iterations} times (counts such "
+                         f"as '{{100000}}', multiplied where repeats nest), more than {MAX_ITERATIONS}: matching it "
+                         "against a layer name can take hours, whatever the name")
     if ranges > MAX_RANGES:
         raise InputError(f"{where}: regular expression {text!r} has {ranges} repeats of a chosen count ('*', '+', "
                          f"'{{2,9}}'), more than {MAX_RANGES}: matching it against a layer name can take hours")

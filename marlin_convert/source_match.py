@@ -11,7 +11,9 @@ and holds the output to it:
 - every file the conversion copies from the source is in the output and equal to it, and the output holds no other
   file than those and what the converter writes (shards, index, configs);
 - the configs are equal to what the converter writes from the source's configs
-  (:func:`marlin_convert.convert.output_configs`), key for key (``4.0`` is not ``4``).
+  (:func:`marlin_convert.convert.output_configs`), key for key (``4.0`` is not ``4``);
+- what the manifest records of the source's configs (``quantization_defaults``, ``source.quantization_config``) is
+  what converting the source records.
 """
 
 from __future__ import annotations
@@ -150,8 +152,35 @@ def config_problems(plan: ConversionPlan, out_dir: Path) -> list[str]:
             continue
         if found is not None:
             key, said, made = found
-            shown = [json.dumps(value)[:80] if value is not ... else "absent" for value in (said, made)]
-            problems.append(f"{name}: {key or 'the whole file'} is {shown[0]}, converting --source writes {shown[1]}")
+            problems.append(f"{name}: {key or 'the whole file'} is {_shown(said)}, converting --source writes "
+                            f"{_shown(made)}")
+    return problems
+
+
+def _shown(value) -> str:
+    """A config value in a problem: its JSON, cut at 80 characters; ``...`` (absent) as ``absent``."""
+    return json.dumps(value)[:80] if value is not ... else "absent"
+
+
+def manifest_record_problems(plan: ConversionPlan, manifest: dict) -> list[str]:
+    """The manifest's record of the source's configs against what converting the source records: its
+    ``quantization_defaults`` (the config's global settings as read) and ``source.quantization_config`` (the config
+    files read). A reader of the manifest may take the defaults from there; a manifest edited to say 8 bits where
+    the source says 4 passed ``--source``."""
+    config = plan.checkpoint.config
+    problems = []
+    for key, said, made in (("quantization_defaults", manifest["quantization_defaults"], config.defaults()),
+                            ("source.quantization_config", manifest["source"]["quantization_config"],
+                             config.sources)):
+        if json.dumps(said) == json.dumps(made):  # (as JSON: 4.0 is not 4)
+            continue
+        try:
+            found = _first_difference(said, made, key, made) or (key, said, made)
+        except RecursionError:  # (nested too deeply to walk: named as a whole)
+            found = (key, said, made)
+        where, said_value, made_value = found
+        problems.append(f"the manifest's {where} is {_shown(said_value)}, converting --source records "
+                        f"{_shown(made_value)}")
     return problems
 
 
@@ -237,7 +266,8 @@ def compare_with_source(plan: ConversionPlan, source_dir: Path, out_dir: Path, m
     """Everything above (the module docstring). Returns the problems and the copied tensors and files compared."""
     problems, tensors = tensor_copy_problems(plan.checkpoint, source_dir, manifest, headers)
     found, files = file_problems(plan, source_dir, manifest)
-    return accounting_problems(plan, manifest) + problems + found + config_problems(plan, out_dir), tensors + files
+    return (accounting_problems(plan, manifest) + problems + found + config_problems(plan, out_dir)
+            + manifest_record_problems(plan, manifest), tensors + files)
 
 
 __all__ = ["compare_with_source", "plan_source"]

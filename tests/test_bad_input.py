@@ -961,7 +961,12 @@ def _bounded_fails(args, *fragments, seconds=120, memory_bytes=8 << 30):
                                               "28 optional parts or alternatives"),
                                              # 16 alternatives: a factor of 16, four optional parts (8.9 s a name)
                                              (("(?:" + "|".join("." * i for i in range(16)) + ")") * 8 + "!",
-                                              "32 optional parts or alternatives")])
+                                              "32 optional parts or alternatives"),
+                                             # a fixed count of a zero-width part runs that often whatever the name:
+                                             # 10 s a name, and minutes where two nest
+                                             ("(?:){100000000}", "repeats its parts up to 100000000 times"),
+                                             ("(?:(?:){60000}){60000}", "up to 3600060000 times"),
+                                             ("(?:^){60000}" * 2, "up to 120000 times")])
 def test_a_dynamic_rule_that_could_match_for_hours_is_refused(tmp_path, src, regex, fragment):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"]["dynamic"] = {f"-:{regex}": {}}
@@ -994,6 +999,7 @@ def test_a_module_name_too_long_to_match_against_the_config_regexes_is_refused(t
     r"model\.layers\.(0|1)\..*", r"model\.layers\.(\d+)\.mlp\..*", r".*lm_head", r".*mlp.gate$",
     r"model.layers.\d+.mlp.experts.\d+.(gate|up|down)_proj", r"(\d{2}\.)+x",
     r".*q_proj.*|.*k_proj.*|.*v_proj.*",  # alternatives: the costliest one counts, not their sum
+    r"[\w.]{1,1000}proj", r"(?:\b){5,}",  # a count beyond the longest name stops at the name's end
 ])
 def test_the_rules_producers_write_compile(regex):
     from marlin_convert.config_regex import compile_config_regex

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from make_gptq_checkpoint import tiny_llama, write_checkpoint
 
+from marlin_convert.cli._signals import REPEAT_SECONDS
 from marlin_convert.cli.app import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -616,3 +617,36 @@ def test_an_interrupt_after_the_report_was_written_amends_it(tmp_path, monkeypat
     monkeypatch.setattr(_output, "_written_report", [str(report), {"ok": True, "exit_code": 0, "layers": []}])
     assert app._failed(Interrupted(signal.SIGINT)) == 130
     assert json.loads(report.read_text()) == {"ok": False, "exit_code": 130, "layers": []}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_ends_a_finished_conversion_blocked_on_its_report(tmp_path, src, signum):
+    """--json naming a FIFO that nobody reads: the conversion completes, moves its output into place, then waits in
+    the report's open() for a reader. Signals were only noted from the move on, so neither Ctrl-C nor SIGTERM, however
+    often, ended it (found by an attack helper: 'timeout 20 marlin-convert IN OUT --json FIFO' still waited 10 minutes
+    later; only SIGKILL ended it). The same signal again, a second after the first, now ends it at once, by the
+    signal; the output stays complete."""
+    out, fifo = tmp_path / "out", tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "marlin_convert.cli.launch", str(src), str(out), "-q",
+                                "--json", str(fifo)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        _wait_for(lambda: (out / "marlin_manifest.json").is_file(), "the output to be in place")
+        time.sleep(0.5)  # (in the report's open() by now)
+        process.send_signal(signum)
+        time.sleep(0.3)
+        assert process.poll() is None  # the first one is noted: the run would finish were its report taken
+        time.sleep(REPEAT_SECONDS)
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=WAIT_SECONDS)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == -signum, (process.returncode, err)
+    assert "Traceback" not in err
+    assert _leftovers(tmp_path) == []
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0

@@ -331,6 +331,23 @@ def test_configs_that_differ_from_what_the_source_converts_to_fail(out, name, ch
     assert_fails(out, EXAMPLE, found)
 
 
+@pytest.mark.parametrize("change, found", [
+    (lambda m: m["quantization_defaults"].update(bits=8), "the manifest's quantization_defaults.bits is 8, converting "
+                                                          "--source records 4"),
+    (lambda m: m["quantization_defaults"].update(desc_act=True),
+     "the manifest's quantization_defaults.desc_act is true, converting --source records false"),
+    (lambda m: m["source"].update(quantization_config=["quantize_config.json"]),
+     "the manifest's source.quantization_config is [\"quantize_config.json\"], converting --source records"),
+])
+def test_a_manifest_whose_record_of_the_source_config_was_edited_fails(out, change, found):
+    """The manifest's ``quantization_defaults`` (the config's global settings, exactly as read) and
+    ``source.quantization_config`` were compared with nothing: edited to say 8 bits where the source says 4, verify
+    --source passed (found by an attack helper). They are now held to what converting the source records."""
+    edit_manifest(out, change)
+    assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, EXAMPLE, found)
+
+
 def test_a_compressed_tensors_source_config_edited_in_the_output_fails(tmp_path):
     fixture = Path(__file__).resolve().parent / "fixtures" / "llmcompressor" / "w4a16_g128"
     out = tmp_path / "out"

@@ -1,7 +1,10 @@
 """SIGINT and SIGTERM while a command runs: the first one of a kind raises (the caller's clean-up runs), the same one
 again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends the process at once. Once a
 command's output is complete they are only noted (:func:`defer_signals`), and once it has ended they are noted and
-turn an exit code of 0 into 130 / 143 (:func:`finish_at_exit`, :func:`exit_now`).
+turn an exit code of 0 into 130 / 143 (:func:`finish_at_exit`, :func:`exit_now`); there too the same signal again,
+:data:`REPEAT_SECONDS` or more after the first one noted, ends the process at once (a report that cannot be written,
+``--json`` naming a FIFO nobody reads, or stdout a pipe nobody drains, would otherwise leave a process that only
+SIGKILL ends).
 
 The first one's exception goes through :func:`marlin_convert.interrupts.interrupt`: held back while the library is
 inside a worker pool's calls, raised at their end. Python drops an exception raised in a handler that runs inside an
@@ -30,6 +33,7 @@ from ..interrupts import interrupt, reset
 REPEAT_SECONDS = 1.0
 _first_signal_at: dict[int, float] = {}
 _deferred: list[int] = []  # signals noted once the output was complete (defer_signals)
+_noted_at: dict[int, float] = {}  # when each kind was first noted (_note), for a repeat that ends the process
 _owner_pid = os.getpid()  # the process whose handlers these are (forked workers inherit them)
 
 
@@ -39,6 +43,7 @@ def forget_signals() -> None:
     global _owner_pid
     _first_signal_at.clear()
     _deferred.clear()
+    _noted_at.clear()
     _owner_pid = os.getpid()
     reset()
 
@@ -70,6 +75,15 @@ def child_signal(signum: int) -> None:
 
 
 def _note(signum: int, _frame) -> None:
+    """A signal once the output is complete: noted; the same one again :data:`REPEAT_SECONDS` or more after the first
+    one noted is a second request, which ends the process at once by the signal's default action (as
+    :func:`_repeated` does while a command runs), whatever it is waiting for. The output is finished and in place,
+    or the command is over: a report left unwritten is all it costs."""
+    first = _noted_at.setdefault(signum, time.monotonic())
+    if time.monotonic() - first >= REPEAT_SECONDS:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     _deferred.append(signum)
 
 
