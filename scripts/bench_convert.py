@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the converter on a generated checkpoint: throughput, the same-run `cp -r` baseline, peak RSS.
 
-    python scripts/bench_convert.py                      # Llama-7B-shaped, ~3.5 GB, 4 shards
+    python scripts/bench_convert.py                      # Llama-7B-shaped, ~3.9 GB, 4 shards
     python scripts/bench_convert.py --preset qwen3-moe   # Qwen3-30B-A3B-shaped MoE slice (128 experts)
     python scripts/bench_convert.py --preset tiny        # seconds, for a smoke run
 

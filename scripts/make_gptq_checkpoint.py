@@ -2,7 +2,7 @@
 """Generate realistic GPTQ safetensors checkpoints with random weights, for tests and benchmarks.
 
     python scripts/make_gptq_checkpoint.py /tmp/tiny --preset tiny
-    python scripts/make_gptq_checkpoint.py /tmp/llama7b --preset llama-7b --shards 4          # ~3.5 GB
+    python scripts/make_gptq_checkpoint.py /tmp/llama7b --preset llama-7b --shards 4          # ~3.9 GB
     python scripts/make_gptq_checkpoint.py /tmp/qwen --preset qwen3-moe --experts 16 --stacked --act-order
     python scripts/make_gptq_checkpoint.py /tmp/padded --hidden 1000 --intermediate 1000    # shapes that don't tile
 

@@ -259,6 +259,8 @@ MALFORMED = {
     "another-format": ({"format": "float-quantized"}, None, 'compressed-tensors format "float-quantized"'),
     "sparse": ({"sparsity_config": {"format": "sparse-24-bitmask"}}, None, "sparse checkpoints are not read"),
     "not-compressed": ({"quantization_status": "frozen"}, None, "quantization_status is \"frozen\""),
+    "transformed": ({"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}, None,
+                    "transform_config is set"),
     "ambiguous-class-targets": ({"second": config_group(["Linear"], scheme(8))}, None,
                                 "cannot tell which applies"),
     "stacked-3d": ({}, _replace(f"{DOWN}.weight_packed", "I32", np.zeros((2, 128, 32), np.int32)),
@@ -273,7 +275,8 @@ def test_malformed_input_is_an_error_naming_what_and_where(tmp_path, case, capsy
     group = config_group(settings.get("targets", ["Linear"]), settings.get("weights", scheme()))
     groups = {"group_0": group, **({"group_1": settings["second"]} if "second" in settings else {})}
     config = quantization_config(groups, **{key: settings[key] for key in
-                                            ("ignore", "format", "sparsity_config", "quantization_status")
+                                            ("ignore", "format", "sparsity_config", "quantization_status",
+                                             "transform_config")
                                             if key in settings})
     src = write_compressed_tensors(tmp_path / "ct", [settings.get("stored", Linear(DOWN, 256, 128))], config)
     if change is not None:

@@ -45,7 +45,8 @@ OutDirArg = Annotated[Path, typer.Argument(metavar="OUT_DIR", help="A directory 
 GpuOpt = Annotated[str, typer.Option("--gpu", metavar="LIST", help="GPU index, or a comma-separated list to spread layers over (each once).")]
 BatchOpt = Annotated[str, typer.Option("--batch", metavar="LIST", help=f"Comma-separated batch sizes (rows of A, 1 to {MAX_BATCH}, each once) to run per layer.")]
 SkipKernelOpt = Annotated[bool, typer.Option(
-    "--skip-kernel", help="Only prove the round trip lossless (CPU, no GPU needed).")]
+    "--skip-kernel", help="Do not run the kernel: check the manifest, every file and digest, and the lossless round "
+    "trip only (CPU, no GPU needed; --source still compares with IN_DIR).")]
 SourceOpt = Annotated[Optional[Path], typer.Option(
     "--source", metavar="IN_DIR", help="The original GPTQ or compressed-tensors directory: also compare rebuilt "
     "tensors with it byte for byte, and the copied tensors and files with its own.")]
