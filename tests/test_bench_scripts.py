@@ -76,7 +76,8 @@ def test_trace_script_needs_the_trace_build():
     assert done.returncode == 2 and "MARLIN_CONVERT_TRACE=1" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("script, env", [("trace_kernel.py", {"MARLIN_CONVERT_TRACE": "1"}), ("bench_kernel.py", {})])
+@pytest.mark.parametrize("script, env", [("trace_kernel.py", {"MARLIN_CONVERT_TRACE": "1"}), ("bench_kernel.py", {}),
+                                         ("bench_host_overhead.py", {})])
 def test_kernel_scripts_say_why_when_the_kernel_cannot_run(script, env):
     """Without a usable GPU (CI: a CPU build of torch) the kernel scripts print one line and exit 2, not a traceback."""
     torch = pytest.importorskip("torch")
