@@ -148,8 +148,8 @@ def _get(obj: dict, key: str, where: str, kind, *, null: bool = False, choices=N
         ok = isinstance(value, kind)
     if not ok:
         expected = {int: "an integer", bool: "a boolean", str: "a string", list: "a list", dict: "an object"}[kind]
-        raise _FieldError(f"'{field}': expected {expected}{' or null' if null else ''}, got {_kind(value)} "
-                          f"{json.dumps(value)[:60]}")
+        shown = "" if value is None else f" {json.dumps(value)[:60]}"  # (null is its own value: not "null null")
+        raise _FieldError(f"'{field}': expected {expected}{' or null' if null else ''}, got {_kind(value)}{shown}")
     if choices is not None and value not in choices:
         raise _FieldError(f"'{field}': {json.dumps(value)[:60]} is not one of {', '.join(map(json.dumps, choices))}")
     if minimum is not None and value < minimum:
