@@ -213,10 +213,10 @@ def marlin_outputs(layer: OutputLayer) -> dict[str, PlannedTensor]:
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def _stated_expert_count(config_json: dict | None) -> tuple[str, int] | None:
-    """(key, count) of the routed experts config.json states (top level, or a multimodal model's text_config); null
-    and 0 (a dense model's) state none. Raises :class:`InputError` for a count that is not a JSON integer >= 0 ("5",
-    5.0, true, -1)."""
+def _stated_expert_count(config_json: dict | None, config_path: Path) -> tuple[str, int] | None:
+    """(key, count) of the routed experts config.json (``config_path``) states (top level, or a multimodal model's
+    text_config); null and 0 (a dense model's) state none. Raises :class:`InputError` for a count that is not a JSON
+    integer >= 0 ("5", 5.0, true, -1)."""
     for name, section in (("", config_json or {}), ("text_config.", (config_json or {}).get("text_config"))):
         if isinstance(section, dict):
             for key in EXPERT_COUNT_KEYS:
@@ -224,7 +224,7 @@ def _stated_expert_count(config_json: dict | None) -> tuple[str, int] | None:
                 if value is None:
                     continue
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise InputError(f"config.json: '{name}{key}' must be a JSON integer >= 0 (the number of "
+                    raise InputError(f"{config_path}: '{name}{key}' must be a JSON integer >= 0 (the number of "
                                      f"experts), got {json.dumps(value)}")
                 if value > 0:
                     return f"{name}{key}", value
@@ -232,16 +232,17 @@ def _stated_expert_count(config_json: dict | None) -> tuple[str, int] | None:
 
 
 def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
-                       config_json: dict | None = None) -> None:
+                       config_json: dict | None = None, config_path: Path = Path(CONFIG_FILE)) -> None:
     """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1, all with the
     same number of scale groups, and E is the number of experts config.json states (where it states one: the
-    last experts missing altogether leave no gap to see); stacked 3-D layers hold that many too."""
-    stated = _stated_expert_count(config_json)
+    last experts missing altogether leave no gap to see); stacked 3-D layers hold that many too. ``config_path``:
+    where config.json is, for the errors."""
+    stated = _stated_expert_count(config_json, config_path)
     if stated is not None:
         key, count = stated
         for layer in by_prefix.values():
             if layer.spec.num_experts and layer.spec.num_experts != count:
-                raise InputError(f"layer '{layer.prefix}': {layer.spec.num_experts} stacked experts, config.json "
+                raise InputError(f"layer '{layer.prefix}': {layer.spec.num_experts} stacked experts, {config_path} "
                                  f"says {key} = {count}")
     for group in groups:
         top = max(group.expert_indices) + 1
@@ -257,7 +258,7 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
             )
         if stated is not None and top != stated[1]:
             missing = f" (expert(s) {top}..{stated[1] - 1} missing)" if top < stated[1] else ""
-            raise InputError(f"layer '{group.base}': experts 0..{top - 1} stored, config.json says {stated[0]} = "
+            raise InputError(f"layer '{group.base}': experts 0..{top - 1} stored, {config_path} says {stated[0]} = "
                              f"{stated[1]}{missing}")
         for projection, per_expert in group.members.items():
             sizes = {by_prefix[p].spec.num_groups for p in per_expert.values()}
@@ -363,7 +364,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     layers = plan_layers(checkpoint)
     by_prefix = {layer.prefix: layer for layer in layers}
     groups, _ = group_experts(list(by_prefix))
-    _check_expert_sets(groups, by_prefix, checkpoint.config_json)
+    _check_expert_sets(groups, by_prefix, checkpoint.config_json, checkpoint.path / CONFIG_FILE)
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
         raise refusal_error(refused, len(layers))

@@ -197,8 +197,9 @@ def test_experts_missing_at_the_end_are_named_by_the_configs_count(tmp_path, cap
     (src / "config.json").write_text(json.dumps(config))
     assert main([str(src), str(tmp_path / "out"), "-q", "--stack-experts"]) == 2
     err = capsys.readouterr().err
-    expected = "4 stacked experts, config.json says num_experts = 5" if stacked else \
-        "experts 0..3 stored, config.json says num_experts = 5 (expert(s) 4..4 missing)"
+    config_path = src / "config.json"  # (named whole, as every other error names its file)
+    expected = f"4 stacked experts, {config_path} says num_experts = 5" if stacked else \
+        f"experts 0..3 stored, {config_path} says num_experts = 5 (expert(s) 4..4 missing)"
     assert expected in err, err
     assert not (tmp_path / "out").exists()
 
@@ -212,5 +213,5 @@ def test_an_expert_count_of_another_type_is_refused_not_ignored(tmp_path, capsys
     (src / "config.json").write_text(json.dumps(config))
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
     err = capsys.readouterr().err
-    assert "num_experts" in err and fragment in err, err
+    assert f"{src / 'config.json'}: 'num_experts' must be" in err and fragment in err, err
     assert not (tmp_path / "out").exists()
