@@ -165,13 +165,14 @@ def _shown(value) -> str:
 def manifest_record_problems(plan: ConversionPlan, manifest: dict) -> list[str]:
     """The manifest's record of the source's configs against what converting the source records: its
     ``quantization_defaults`` (the config's global settings as read) and ``source.quantization_config`` (the config
-    files read). A reader of the manifest may take the defaults from there; a manifest edited to say 8 bits where
-    the source says 4 passed ``--source``."""
+    files read), and ``source.bytes`` (the source's shards' bytes). A reader of the manifest may take the defaults from
+    there; a manifest edited to say 8 bits where the source says 4 passed ``--source``."""
     config = plan.checkpoint.config
     problems = []
     for key, said, made in (("quantization_defaults", manifest["quantization_defaults"], config.defaults()),
                             ("source.quantization_config", manifest["source"]["quantization_config"],
-                             config.sources)):
+                             config.sources),
+                            ("source.bytes", manifest["source"]["bytes"], plan.bytes_in)):
         if json.dumps(said) == json.dumps(made):  # (as JSON: 4.0 is not 4)
             continue
         try:

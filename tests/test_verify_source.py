@@ -338,6 +338,7 @@ def test_configs_that_differ_from_what_the_source_converts_to_fail(out, name, ch
      "the manifest's quantization_defaults.desc_act is true, converting --source records false"),
     (lambda m: m["source"].update(quantization_config=["quantize_config.json"]),
      "the manifest's source.quantization_config is [\"quantize_config.json\"], converting --source records"),
+    (lambda m: m["source"].update(bytes=2**63), f"the manifest's source.bytes is {2**63}, converting --source records"),
 ])
 def test_a_manifest_whose_record_of_the_source_config_was_edited_fails(out, change, found):
     """The manifest's ``quantization_defaults`` (the config's global settings, exactly as read) and
