@@ -82,15 +82,20 @@ def _unwritable(directory: Path) -> str | None:
 def check_free_space(out_dir: Path, needed: int) -> None:
     """Refuse the conversion when the file system that takes ``out_dir`` (absolute; it and its parent need not
     exist: the nearest existing directory above it is asked) has fewer than ``needed`` bytes free. The real run and
-    ``--dry-run`` ask the same. Where the free space cannot be read, nothing is refused. Raises
+    ``--dry-run`` ask the same; one of size 0 (proc, sysfs) is named as such. Where the free space cannot be read,
+    nothing is refused. Raises
     :class:`OutputError`; reads only."""
     probe = out_dir.parent
     while not os.path.isdir(probe) and probe != probe.parent:
         probe = probe.parent
     try:
-        free = shutil.disk_usage(probe).free
+        usage = shutil.disk_usage(probe)
     except OSError:
         return
+    free = usage.free
+    if free < needed and usage.total == 0:  # (proc, sysfs: "0 are free" would send one after space to free)
+        raise OutputError(f"{out_dir.parent} is on a file system that stores no files (its size is 0, as /proc's and "
+                          "/sys's are)", hint="choose an OUT_DIR on a disk")
     if free < needed:
         raise OutputError(f"{out_dir.parent}: not enough disk space: the conversion writes {needed} bytes, "
                           f"{free} are free", hint="free disk space or choose another OUT_DIR")

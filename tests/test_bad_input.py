@@ -414,6 +414,18 @@ def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, 
     assert ("layers" in data) == dry_run  # the plan
 
 
+def test_an_out_dir_on_a_file_system_that_stores_nothing_is_named_as_such(capsys, tmp_path, src, monkeypatch):
+    """OUT_DIR under /proc (a file system of size 0) was refused for 'not enough disk space: ... 0 are free', which
+    sends the user to free space that cannot exist (found by an attack helper). It is named as what it is."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 0))
+    line = _run_failing(capsys, tmp_path, [str(src), str(tmp_path / "out")], "stores no files", "its size is 0")
+    assert "disk space" not in line and not (tmp_path / "out").exists()
+
+
 def test_unsupported_layer_without_skip_names_layer_and_reason(capsys, tmp_path):
     src = write_checkpoint(tmp_path / "in", _spec(bits=2))
     line = _convert_fails(capsys, tmp_path, src, LAYER, "2-bit")
