@@ -58,3 +58,37 @@ def test_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path):
     assert peak_large - baseline < model_bytes / 2
     # all processes together (each worker counted with the parent's RSS it was forked with): still << model
     assert summed_large < 3 * baseline + 24 * largest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_source", [False, True])
+def test_verify_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path, with_source):
+    """The same for ``verify --skip-kernel`` (and with ``--source``, which also reads the source's tensors and files):
+    each worker holds one slice being rebuilt and hashed, so four times the model must not raise the peak."""
+    from marlin_convert.convert import convert
+
+    largest = K // 8 * N * 4
+    sources = {name: _checkpoint(tmp_path / f"{name}-in", layers=layers, shards=1)
+               for name, layers in (("small", 8), ("large", 32))}
+    for name, src in sources.items():
+        convert(src, tmp_path / f"{name}-out", workers=1)
+    check = ("from pathlib import Path; from marlin_convert.verify import verify; "
+             "report = verify(Path({out!r}), gpus=None, workers=2, source_dir={source}); "
+             "assert report.ok, report; Path({out!r} + '.rss').write_text(str(report.peak_rss_bytes))")
+    plan_only = "import marlin_convert.cli.app; from marlin_convert.manifest import read_manifest"
+
+    def peak(name: str) -> int:
+        source = f"Path({str(sources[name])!r})" if with_source else "None"
+        return _peak_rss(check.format(out=str(tmp_path / f"{name}-out"), source=source))
+
+    baseline = _peak_rss(plan_only)
+    peak_small, peak_large = peak("small"), peak("large")
+    model_bytes = sum(p.stat().st_size for p in (tmp_path / "large-out").glob("*.safetensors"))
+    summed_large = int((tmp_path / "large-out.rss").read_text())
+    print(f"baseline {baseline / MIB:.0f} MiB, peak small {peak_small / MIB:.0f} MiB, "
+          f"peak large {peak_large / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB, "
+          f"large model {model_bytes / MIB:.0f} MiB, summed over processes {summed_large / MIB:.0f} MiB")
+    assert peak_large - peak_small < 2 * largest
+    assert peak_large - baseline < 12 * largest
+    assert peak_large - baseline < model_bytes / 2
+    assert summed_large < 3 * baseline + 24 * largest
