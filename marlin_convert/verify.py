@@ -57,8 +57,8 @@ from .sources import FORM_NAMES, open_checkpoint
 from .manifest import layer_count, read_manifest
 from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .interrupts import held
-from .workers import (MAX_WORKERS, POLL_SECONDS, check_workers, results_of, shutdown_pool, start_thread, submit_all,
-                      usable_cpus, worker_pool)
+from .workers import (MAX_WORKERS, POLL_SECONDS, check_pool, check_workers, results_of, shutdown_pool, start_thread,
+                      submit_all, usable_cpus, worker_pool)
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
 DEFAULT_WORKERS = min(MAX_WORKERS, usable_cpus())
@@ -687,6 +687,7 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
                     done, _ = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
                 done = list(done)
                 outcomes = list(zip(done, results_of(pool, done)))
+                check_pool(pool, waiting.difference(done))
             if not checking and gpu_workers is not None:
                 gpu_workers.poll()  # a GPU that cannot run the kernel is reported now, not at the end
             for future, outcome in outcomes:

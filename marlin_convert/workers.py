@@ -206,6 +206,21 @@ def results_of(pool: ProcessPoolExecutor, done: Iterable[Future]) -> list:
         raise
 
 
+def check_pool(pool: ProcessPoolExecutor | None, waiting: Iterable[Future]) -> None:
+    """Raise :class:`ResourceError` where ``pool``'s own managing thread has ended while work in ``waiting`` is not
+    done: nothing would ever complete it, and the caller's wait would go on for good. It ends so when a thread it
+    starts is refused (its call queue's feeder, started on its first item: ``can't start new thread`` at the process
+    limit, ``ulimit -u`` or a container's pids limit), or memory runs out there; a pool that broke (a worker killed)
+    completes its work with :class:`BrokenProcessPool` before its thread ends. (The thread is the pool's private
+    ``_executor_manager_thread``: no public handle on it.)"""
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is None or manager.ident is None or manager.is_alive():
+        return
+    if any(not future.done() for future in waiting):
+        raise ResourceError("cannot run worker processes: the thread that manages them ended with work pending (a "
+                            "thread it starts was refused, or memory ran out)", hint=_LIMIT_HINT)
+
+
 def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:
     """Yield ``function(item)`` for every item, in the order they finish: in ``workers`` forked processes (see
     the module docstring), or in this process when ``workers <= 1`` or fork is missing. Forked workers inherit
@@ -227,6 +242,7 @@ def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], work
             with held():
                 done, waiting = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
                 results = results_of(pool, done)
+                check_pool(pool, waiting)
             yield from results
         finished = True
     finally:

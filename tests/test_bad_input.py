@@ -1493,6 +1493,41 @@ def test_threads_that_cannot_be_started_are_named_not_called_a_bug(capsys, tmp_p
     assert main(args) == 2
 
 
+# refuses the thread a pool's managing thread starts for its call queue (the queue's feeder) as the system would at the
+# process limit; argv: marlin-convert's arguments
+_FEEDER_REFUSED = """
+import sys, threading
+from marlin_convert.cli.app import main
+real = threading.Thread.start
+def start(self):
+    if self.name == "QueueFeederThread":
+        raise RuntimeError("can't start new thread")
+    return real(self)
+threading.Thread.start = start
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_a_thread_the_worker_pool_starts_itself_refused_ends_the_run(tmp_path, src, command):
+    """The pool's managing thread starts a thread of its own (its call queue's feeder) on the first item. Refused
+    (threads count against the process limit), it ended the managing thread, no item ever reached a worker, and the
+    run waited for them for good: convert and verify hung until killed. Now exit 2, naming it, with the
+    process-limit hint, and nothing left behind."""
+    out = tmp_path / "out"
+    if command == "verify":
+        assert main([str(src), str(out), "-q"]) == 0
+    args = {"convert": [str(src), str(out), "--workers", "2"],
+            "verify": ["verify", str(out), "--skip-kernel", "--workers", "2"]}[command]
+    proc = subprocess.run([sys.executable, "-c", _FEEDER_REFUSED, *args], capture_output=True, text=True, timeout=60)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "the thread that manages them ended with work pending" in errors[0] and "internal error" not in errors[0]
+    assert "ulimit -u" in proc.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert (command == "verify") == out.exists()
+
+
 def test_a_failed_run_leaves_a_parent_that_another_process_created_meanwhile(tmp_path, monkeypatch):
     """PartialDir listed OUT_DIR's missing parents, then made them with mkdir(parents=True, exist_ok=True): one that
     another process created in between (a second run's, the user's mkdir -p) was taken for this run's own, and a

@@ -358,6 +358,23 @@ def test_dry_run_fails_where_the_conversion_would(tmp_path, src, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_dry_run_where_no_layer_converts_does_not_offer_skip_incompatible(tmp_path, capsys, skip):
+    """Every quantized layer without a Marlin form (2-bit): the run stops with --skip-incompatible too (there would be
+    nothing to convert), yet the dry run's summary said '1 refused (...; --skip-incompatible keeps them in GPTQ form)',
+    also to a user who had given it. It now says that with none converted the run stops either way."""
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.down_proj", 256, 128)],
+                          extras=[TensorSpec("model.norm.weight", (128,), "float16")], bits=2)
+    src = write_checkpoint(tmp_path / "in", spec)
+    args = [str(src), str(tmp_path / "out"), "--dry-run", *(["--skip-incompatible"] if skip else [])]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert "--skip-incompatible keeps them" not in captured.out and "refuse: 2-bit weights" in captured.out
+    assert "1 refused (no Marlin form, and none converted: the conversion stops, --skip-incompatible or not)" \
+        in captured.out
+    assert not (tmp_path / "out").exists()
+
+
 def test_inspect_groups_experts(tmp_path, capsys):
     linears = [LinearSpec(f"model.layers.0.mlp.experts.{e}.{p}", 128, 64) for e in range(16)
                for p in ("gate_proj", "up_proj", "down_proj")]

@@ -47,6 +47,7 @@ SLOW_STEP = {
     "inspect": ("marlin_convert.convert", "build_plan"),
     "verify": ("marlin_convert.verify", "verify"),
     "publish": ("marlin_convert.outdir", "_exchange"),  # convert --overwrite: the finished output being moved in
+    "flush": ("marlin_convert.outdir", "_sync_tree"),  # convert: the finished output flushed to disk before the move
 }
 
 
@@ -633,7 +634,8 @@ def test_a_second_signal_ends_a_finished_conversion_blocked_on_its_report(tmp_pa
                                 "--json", str(fifo)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
+
+    def signals() -> None:
         _wait_for(lambda: (out / "marlin_manifest.json").is_file(), "the output to be in place")
         time.sleep(0.5)  # (in the report's open() by now)
         process.send_signal(signum)
@@ -641,6 +643,15 @@ def test_a_second_signal_ends_a_finished_conversion_blocked_on_its_report(tmp_pa
         assert process.poll() is None  # the first one is noted: the run would finish were its report taken
         time.sleep(REPEAT_SECONDS)
         process.send_signal(signum)
+
+    _assert_ended_by(process, signum, signals, out)
+
+
+def _assert_ended_by(process: subprocess.Popen, signum: int, signals, out: Path) -> None:
+    """Run ``signals()`` (what the test sends ``process``, a conversion into ``out``), then check that the process
+    ended by ``signum`` with no traceback, nothing left beside ``out``, and ``out`` complete (it verifies)."""
+    try:
+        signals()
         _, err = process.communicate(timeout=WAIT_SECONDS)
     finally:
         if process.poll() is None:
@@ -648,5 +659,27 @@ def test_a_second_signal_ends_a_finished_conversion_blocked_on_its_report(tmp_pa
             process.communicate()
     assert process.returncode == -signum, (process.returncode, err)
     assert "Traceback" not in err
-    assert _leftovers(tmp_path) == []
+    assert _leftovers(out.parent) == []
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_while_the_finished_output_is_flushed_waits_until_it_is_in_place(tmp_path, src, signum):
+    """Signals are only noted from the output's completion on, and the same one again a second later ends the process
+    (for a report that cannot be written). It ended it at once also while the output was still flushed to disk (fsync
+    of every file: seconds to minutes for a large model) and not yet moved in: a Ctrl-C pressed twice there left the
+    hidden partial directory (the whole output) and no OUT_DIR, without a word. The repeat now ends the process as
+    soon as the output is in place."""
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    process = _start("flush", [str(src), str(out), "-q"], markers)
+
+    def signals() -> None:
+        _wait_for(lambda: any(markers.iterdir()), "the output to be flushed")
+        process.send_signal(signum)
+        time.sleep(REPEAT_SECONDS + 0.3)
+        process.send_signal(signum)
+        time.sleep(0.3)
+        assert process.poll() is None  # still flushing: not ended halfway
+        _open_gate(markers)
+
+    _assert_ended_by(process, signum, signals, out)

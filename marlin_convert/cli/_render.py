@@ -89,11 +89,17 @@ def counts_line(layers: int, entries: int, kept: int, form: str, passthrough: in
     ``layers`` counts each expert as one layer (as verify does); ``entries`` are the manifest's ``layers`` (one per
     layer or stack of experts); ``passthrough`` the manifest's ``passthrough`` tensors; ``kept_tensors`` those of the
     ``kept`` layers, which are copied too but listed apart. ``refusing``: the ``kept`` layers stop the run (a dry run
-    without ``--skip-incompatible``)."""
+    without ``--skip-incompatible``, or one where no layer converts, which stops with that option too)."""
     experts = " (each expert counts as one)" if layers != entries else ""
     entry_word = "entry" if entries == 1 else "entries"
-    kept_words = (f"{kept} refused (no Marlin form: the conversion stops; --skip-incompatible keeps them in {form} "
-                  "form)" if refusing else f"{kept} kept in {form} form")
+    if not refusing:
+        kept_words = f"{kept} kept in {form} form"
+    elif layers:
+        kept_words = (f"{kept} refused (no Marlin form: the conversion stops; --skip-incompatible keeps them in {form} "
+                      "form)")
+    else:  # (nothing would be converted: --skip-incompatible stops too)
+        kept_words = (f"{kept} refused (no Marlin form, and none converted: the conversion stops, --skip-incompatible "
+                      "or not)")
     line = (f"{layers} layer(s) {'converted' if done else 'to convert'}{experts} into {entries} Marlin manifest "
             f"{entry_word}, {kept_words}; {passthrough} tensor(s) {'passed' if done else 'to pass'} through")
     if kept_tensors and not refusing:

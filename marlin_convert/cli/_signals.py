@@ -2,9 +2,11 @@
 again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends the process at once. Once a
 command's output is complete they are only noted (:func:`defer_signals`), and once it has ended they are noted and
 turn an exit code of 0 into 130 / 143 (:func:`finish_at_exit`, :func:`exit_now`); there too the same signal again,
-:data:`REPEAT_SECONDS` or more after the first one noted, ends the process at once (a report that cannot be written,
+:data:`REPEAT_SECONDS` or more after the first one noted, ends the process (a report that cannot be written,
 ``--json`` naming a FIFO nobody reads, or stdout a pipe nobody drains, would otherwise leave a process that only
-SIGKILL ends).
+SIGKILL ends): at once where the output is in place or the command is over, and while the complete output is still
+being flushed and moved into place only once it is there (:func:`output_in_place`), so that it never leaves a
+partial directory and no OUT_DIR.
 
 The first one's exception goes through :func:`marlin_convert.interrupts.interrupt`: held back while the library is
 inside a worker pool's calls, raised at their end. Python drops an exception raised in a handler that runs inside an
@@ -34,6 +36,9 @@ REPEAT_SECONDS = 1.0
 _first_signal_at: dict[int, float] = {}
 _deferred: list[int] = []  # signals noted once the output was complete (defer_signals)
 _noted_at: dict[int, float] = {}  # when each kind was first noted (_note), for a repeat that ends the process
+#: [True] while the complete output is being flushed and moved into place (defer_signals .. output_in_place): a repeat
+#: noted then ends the process only once it is in place; then the repeat's signal number follows
+_publishing: list = []
 _owner_pid = os.getpid()  # the process whose handlers these are (forked workers inherit them)
 
 
@@ -44,6 +49,7 @@ def forget_signals() -> None:
     _first_signal_at.clear()
     _deferred.clear()
     _noted_at.clear()
+    _publishing.clear()
     _owner_pid = os.getpid()
     reset()
 
@@ -76,23 +82,43 @@ def child_signal(signum: int) -> None:
 
 def _note(signum: int, _frame) -> None:
     """A signal once the output is complete: noted; the same one again :data:`REPEAT_SECONDS` or more after the first
-    one noted is a second request, which ends the process at once by the signal's default action (as
-    :func:`_repeated` does while a command runs), whatever it is waiting for. The output is finished and in place,
-    or the command is over: a report left unwritten is all it costs."""
+    one noted is a second request, which ends the process by the signal's default action (as :func:`_repeated` does
+    while a command runs), whatever it is waiting for: at once where the output is in place or the command is over (a
+    report left unwritten is all it costs), else once the output is in place (:func:`output_in_place`; killed while
+    it is flushed or moved, the run would leave its partial directory and no OUT_DIR)."""
     first = _noted_at.setdefault(signum, time.monotonic())
     if time.monotonic() - first >= REPEAT_SECONDS:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
+        if not _publishing:
+            _end_by(signum)
+            return
+        if len(_publishing) == 1:
+            _publishing.append(signum)
     _deferred.append(signum)
+
+
+def _end_by(signum: int) -> None:
+    """End the process at once by ``signum``'s default action."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def output_in_place() -> None:
+    """The output deferred by :func:`defer_signals` is in place: a repeated signal noted while it was flushed and
+    moved ends the process now, and a later one at once (:func:`_note`)."""
+    repeated = _publishing[1] if len(_publishing) > 1 else None
+    _publishing.clear()
+    if repeated is not None:
+        _end_by(repeated)
 
 
 def defer_signals() -> None:
     """From now on SIGINT and SIGTERM do not raise: the command's output is complete and is being moved into place
     (an interrupt there would report a failure beside a finished OUT_DIR). They are noted for
-    :func:`deferred_signal`. Only in the main thread, and only for a signal the process does not ignore."""
+    :func:`deferred_signal`; a repeat that ends the process waits for :func:`output_in_place`. Only in the main thread,
+    and only for a signal the process does not ignore."""
     if threading.current_thread() is not threading.main_thread():
         return
+    _publishing[:] = [True]
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _note)
@@ -113,6 +139,7 @@ def finish_at_exit(code: int, on_signal) -> None:
     process with ``code``, or with ``on_signal(signum)`` where a signal came meanwhile and ``code`` is 0 (it reports
     the interruption and returns the exit code): an interrupted run never exits 0."""
     _deferred.clear()
+    _publishing.clear()  # (the command is over: a repeat ends the process at once)
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -192,5 +219,4 @@ def _repeated(signum: int, _frame) -> None:
     twice); later, a second Ctrl-C (or SIGTERM) that ends the process at once, by the signal's default action."""
     if is_repeat(signum):
         return
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    _end_by(signum)

@@ -26,7 +26,7 @@ from ._errors import Interrupted, InterruptedAfterPublish
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
 from ._render import add_layer_rows, counts_line
-from ._signals import defer_signals, deferred_signal, raise_if_signalled
+from ._signals import defer_signals, deferred_signal, output_in_place, raise_if_signalled
 from .inspect import plan_output
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
@@ -106,6 +106,7 @@ def convert(
         report = run_conversion(in_dir, out_dir, overwrite=overwrite, skip_incompatible=skip_incompatible,
                                 stack_experts=stack_experts, workers=workers, progress=advance, plan=plan,
                                 before_publish=_before_publish)
+    output_in_place()  # (a second signal noted while the output was flushed and moved ends the process now)
     report.seconds = time.perf_counter() - started  # the whole command: planning (headers, small tensors) included
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
     output.set_outcome(0)
