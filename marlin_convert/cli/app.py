@@ -26,6 +26,7 @@ from typer.core import TyperCommand
 
 from .. import __version__
 from ..errors import InputError
+from ..workers import thread_refused
 from ._errors import Interrupted, InterruptedAfterPublish, InterruptedAtExit, error_hint, error_message, report_error
 from ._output import (OutputClosed, amend_written_outcome, forget_report_target, forget_written_report, report_written,
                       print_stdout, report_failure)
@@ -204,6 +205,25 @@ def _parser_error(exc: Exception) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run marlin-convert with ``argv`` (default: the process's arguments); returns the exit code. While it runs, a
+    thread that ended because a thread it starts was refused (the worker pool's managing thread, whose call queue's
+    feeder the system refused at the process limit) prints nothing: the command reports it as one ``Error:`` line
+    (:func:`marlin_convert.workers.check_pool`); ``threading.excepthook`` is as before for anything else, and after."""
+    previous = threading.excepthook
+
+    def thread_died(args) -> None:
+        if thread_refused(args.exc_value) and not os.environ.get("MARLIN_CONVERT_DEBUG"):
+            return
+        previous(args)
+
+    threading.excepthook = thread_died
+    try:
+        return _main(argv)
+    finally:
+        threading.excepthook = previous
+
+
+def _main(argv: list[str] | None) -> int:
     forget_report_target()
     forget_written_report()
     try:
