@@ -135,7 +135,7 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
 
 
 #: what the hint of a refused process or thread says
-_LIMIT_HINT = ("the process limit (ulimit -u, a container's pids limit) or memory is reached: free some, or run with "
+LIMIT_HINT = ("the process limit (ulimit -u, a container's pids limit) or memory is reached: free some, or run with "
                "fewer --workers")
 
 
@@ -153,7 +153,7 @@ def start_thread(thread: threading.Thread) -> None:
     except RuntimeError as exc:
         if not thread_refused(exc):
             raise
-        raise ResourceError(f"cannot start a thread ({thread.name}): {exc}", hint=_LIMIT_HINT) from exc
+        raise ResourceError(f"cannot start a thread ({thread.name}): {exc}", hint=LIMIT_HINT) from exc
 
 
 def submit_all(pool: ProcessPoolExecutor, function: Callable, items: Iterable) -> set:
@@ -165,12 +165,12 @@ def submit_all(pool: ProcessPoolExecutor, function: Callable, items: Iterable) -
     except OSError as exc:
         if exc.errno not in (errno.EAGAIN, errno.ENOMEM):
             raise
-        raise ResourceError(f"cannot start worker processes: {exc.strerror or exc}", hint=_LIMIT_HINT) from exc
+        raise ResourceError(f"cannot start worker processes: {exc.strerror or exc}", hint=LIMIT_HINT) from exc
     except RuntimeError as exc:
         if not thread_refused(exc):
             raise
         raise ResourceError(f"cannot start worker processes: the thread that manages them was refused ({exc})",
-                            hint=_LIMIT_HINT) from exc
+                            hint=LIMIT_HINT) from exc
 
 
 #: the signals that end a process when it crashes (a fault in native code: this package's C extension, numpy, torch),
@@ -218,7 +218,7 @@ def check_pool(pool: ProcessPoolExecutor | None, waiting: Iterable[Future]) -> N
         return
     if any(not future.done() for future in waiting):
         raise ResourceError("cannot run worker processes: the thread that manages them ended with work pending (a "
-                            "thread it starts was refused, or memory ran out)", hint=_LIMIT_HINT)
+                            "thread it starts was refused, or memory ran out)", hint=LIMIT_HINT)
 
 
 def run_parallel(function: Callable[[Item], Result], items: Iterable[Item], workers: int) -> Iterator[Result]:

@@ -1493,6 +1493,26 @@ def test_threads_that_cannot_be_started_are_named_not_called_a_bug(capsys, tmp_p
     assert main(args) == 2
 
 
+def test_a_thread_refused_anywhere_else_is_named_not_called_a_bug(capsys, tmp_path, src, monkeypatch):
+    """A thread refused where the library does not start it itself (multiprocessing's queue feeders, which verify's
+    GPU staging starts on its first put, in the main thread) reached the CLI as 'internal error: RuntimeError', exit 3.
+    The CLI's one place for errors names it: exit 2 and the process-limit hint."""
+    import marlin_convert.verify as verify_module
+
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(verify_module, "_pool", refused)
+    args = ["verify", str(out), "--skip-kernel", "--workers", "2"]
+    line = _run_failing(capsys, tmp_path, args, "cannot start a thread: can't start new thread")
+    assert "internal error" not in line
+    assert main(args) == 2
+    assert "Hint: the process limit (ulimit -u" in capsys.readouterr().err
+
+
 # refuses the thread a pool's managing thread starts for its call queue (the queue's feeder) as the system would at the
 # process limit; argv: marlin-convert's arguments
 _FEEDER_REFUSED = """

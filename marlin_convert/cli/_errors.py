@@ -10,6 +10,7 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 
 from ..errors import MarlinConvertError
+from ..workers import LIMIT_HINT, thread_refused
 
 DEBUG_VARIABLE = "MARLIN_CONVERT_DEBUG"
 
@@ -93,6 +94,8 @@ def error_message(exc: BaseException) -> str:
         return f"{exc.filename if exc.filename is not None else 'standard output or a file'}: {exc.strerror or exc}"
     if isinstance(exc, MemoryError):
         return f"out of memory: {exc}" if str(exc) else "out of memory"
+    if thread_refused(exc):  # (one the library did not meet itself: multiprocessing's queue feeders, say)
+        return f"cannot start a thread: {exc}"
     if isinstance(exc, BrokenProcessPool):
         return ("a worker process ended abruptly (killed: by the system's out-of-memory killer, say); the run is "
                 "abandoned")
@@ -109,7 +112,7 @@ def exit_code(exc: BaseException) -> int:
         return 128 + signal.SIGINT
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         return 2
-    if isinstance(exc, _OUT_OF_RESOURCES):
+    if isinstance(exc, _OUT_OF_RESOURCES) or thread_refused(exc):
         return 2
     return 3
 
@@ -123,6 +126,8 @@ def error_hint(exc: BaseException) -> str | None:
         return f"this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it"
     if isinstance(exc, _OUT_OF_RESOURCES):
         return "free memory, or run with fewer --workers (each holds one layer or expert at a time)"
+    if thread_refused(exc):
+        return LIMIT_HINT
     return None
 
 
