@@ -1,4 +1,4 @@
-"""Streaming is real: the converter's peak memory follows the largest tensor, not the shard or the model.
+"""Streaming is real: the converter's and verify's peak memory follows the largest tensor, not the shard or the model.
 
 Each conversion runs in a child process whose peak resident set size is read from the OS (wait4's
 ru_maxrss, through scripts/peak_rss.py's small launcher). Two checkpoints with the same layer shape, one four times the size of the other, must peak at
@@ -16,6 +16,7 @@ from peak_rss import measure
 
 MIB = 1 << 20
 K = N = 4096  # qweight of one layer: K/8 * N * 4 bytes = 8 MiB
+LARGEST = K // 8 * N * 4
 
 
 def _peak_rss(code: str) -> int:
@@ -32,9 +33,22 @@ def _checkpoint(path, layers: int, shards: int):
     return write_checkpoint(path, spec)
 
 
+def _assert_streams(baseline: int, peak_small: int, peak_large: int, model_bytes: int, summed_large: int) -> None:
+    """The peaks (bytes) of one command on the small and the large checkpoint, against the bounds of streaming."""
+    print(f"baseline {baseline / MIB:.0f} MiB, peak small {peak_small / MIB:.0f} MiB, "
+          f"peak large {peak_large / MIB:.0f} MiB, largest tensor {LARGEST / MIB:.0f} MiB, "
+          f"large model {model_bytes / MIB:.0f} MiB, summed over processes {summed_large / MIB:.0f} MiB")
+    # four times the model, the same peak (within two tensors' worth of allocator noise)
+    assert peak_large - peak_small < 2 * LARGEST
+    # above the baseline: a few working copies of the largest tensor per worker, far below the model size
+    assert peak_large - baseline < 12 * LARGEST
+    assert peak_large - baseline < model_bytes / 2
+    # all processes together (each worker counted with the parent's RSS it was forked with): still << model
+    assert summed_large < 3 * baseline + 24 * LARGEST
+
+
 @pytest.mark.slow
 def test_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path):
-    largest = K // 8 * N * 4
     small = _checkpoint(tmp_path / "small", layers=8, shards=1)  # ~66 MiB in one shard
     large = _checkpoint(tmp_path / "large", layers=32, shards=1)  # ~264 MiB in one shard
     convert = ("from pathlib import Path; from marlin_convert.convert import convert; "
@@ -48,16 +62,7 @@ def test_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path):
     # the OS figure is the largest single process; the converter also sums every process's peak (2 workers)
     summed_large = int((tmp_path / "out-large.rss").read_text())
 
-    print(f"baseline {baseline / MIB:.0f} MiB, peak small {peak_small / MIB:.0f} MiB, "
-          f"peak large {peak_large / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB, "
-          f"large model {model_bytes / MIB:.0f} MiB, summed over processes {summed_large / MIB:.0f} MiB")
-    # four times the model, the same peak (within two tensors' worth of allocator noise)
-    assert peak_large - peak_small < 2 * largest
-    # above the baseline: a few working copies of the largest tensor per worker, far below the model size
-    assert peak_large - baseline < 12 * largest
-    assert peak_large - baseline < model_bytes / 2
-    # all processes together (each worker counted with the parent's RSS it was forked with): still << model
-    assert summed_large < 3 * baseline + 24 * largest
+    _assert_streams(baseline, peak_small, peak_large, model_bytes, summed_large)
 
 
 @pytest.mark.slow
@@ -67,7 +72,6 @@ def test_verify_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path, w
     each worker holds one slice being rebuilt and hashed, so four times the model must not raise the peak."""
     from marlin_convert.convert import convert
 
-    largest = K // 8 * N * 4
     sources = {name: _checkpoint(tmp_path / f"{name}-in", layers=layers, shards=1)
                for name, layers in (("small", 8), ("large", 32))}
     for name, src in sources.items():
@@ -85,10 +89,4 @@ def test_verify_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path, w
     peak_small, peak_large = peak("small"), peak("large")
     model_bytes = sum(p.stat().st_size for p in (tmp_path / "large-out").glob("*.safetensors"))
     summed_large = int((tmp_path / "large-out.rss").read_text())
-    print(f"baseline {baseline / MIB:.0f} MiB, peak small {peak_small / MIB:.0f} MiB, "
-          f"peak large {peak_large / MIB:.0f} MiB, largest tensor {largest / MIB:.0f} MiB, "
-          f"large model {model_bytes / MIB:.0f} MiB, summed over processes {summed_large / MIB:.0f} MiB")
-    assert peak_large - peak_small < 2 * largest
-    assert peak_large - baseline < 12 * largest
-    assert peak_large - baseline < model_bytes / 2
-    assert summed_large < 3 * baseline + 24 * largest
+    _assert_streams(baseline, peak_small, peak_large, model_bytes, summed_large)
