@@ -36,9 +36,9 @@ REPEAT_SECONDS = 1.0
 _first_signal_at: dict[int, float] = {}
 _deferred: list[int] = []  # signals noted once the output was complete (defer_signals)
 _noted_at: dict[int, float] = {}  # when each kind was first noted (_note), for a repeat that ends the process
-#: [True] while the complete output is being flushed and moved into place (defer_signals .. output_in_place): a repeat
-#: noted then ends the process only once it is in place; then the repeat's signal number follows
-_publishing: list = []
+#: one item while the complete output is being flushed and moved into place (defer_signals .. output_in_place): None,
+#: or the signal number of a repeat noted meanwhile, which ends the process once the output is in place
+_publishing: list[int | None] = []
 _owner_pid = os.getpid()  # the process whose handlers these are (forked workers inherit them)
 
 
@@ -91,8 +91,8 @@ def _note(signum: int, _frame) -> None:
         if not _publishing:
             _end_by(signum)
             return
-        if len(_publishing) == 1:
-            _publishing.append(signum)
+        if _publishing[0] is None:
+            _publishing[0] = signum
     _deferred.append(signum)
 
 
@@ -105,7 +105,7 @@ def _end_by(signum: int) -> None:
 def output_in_place() -> None:
     """The output deferred by :func:`defer_signals` is in place: a repeated signal noted while it was flushed and
     moved ends the process now, and a later one at once (:func:`_note`)."""
-    repeated = _publishing[1] if len(_publishing) > 1 else None
+    repeated = _publishing[0] if _publishing else None
     _publishing.clear()
     if repeated is not None:
         _end_by(repeated)
@@ -118,7 +118,7 @@ def defer_signals() -> None:
     and only for a signal the process does not ignore."""
     if threading.current_thread() is not threading.main_thread():
         return
-    _publishing[:] = [True]
+    _publishing[:] = [None]
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _note)
