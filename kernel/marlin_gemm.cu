@@ -84,6 +84,10 @@ int hopper_switch(const char* name) {
 // (try_wgmma).
 int wgmma_variant() { return hopper_switch("MARLIN_CONVERT_WGMMA"); }
 
+// [RED] in a cluster for the wgmma kernel (launch_config), MARLIN_CONVERT_WGMMA_CLUSTER: 0 = never, else where
+// cluster_split allows.
+int wgmma_cluster_variant() { return hopper_switch("MARLIN_CONVERT_WGMMA_CLUSTER"); }
+
 // [PDL] on compute capability 9.0 (sm_90a build) unless MARLIN_CONVERT_PDL=0; read at every launch, as the switches
 // above.
 bool pdl_enabled() { return hopper_switch("MARLIN_CONVERT_PDL") != 0; }
@@ -98,12 +102,13 @@ void count_pdl_launch() { pdl_launch_count.fetch_add(1, std::memory_order_relaxe
 // by marlin_last_launch, so a launch pays a few stores, not a string's formatting).
 struct LastLaunch {
   const char* family = nullptr;
-  int mb = 0, wn = 0, strips = 0, stages = 0, swap = 0, schedule = 0;
+  int mb = 0, wn = 0, strips = 0, stages = 0, swap = 0, schedule = 0, cluster = 0;
   long grid = 0;
 };
 thread_local LastLaunch last_launch;
-void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid) {
-  last_launch = LastLaunch{family, mb, wn, strips, stages, swap, schedule, grid};
+void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid,
+                 int cluster) {
+  last_launch = LastLaunch{family, mb, wn, strips, stages, swap, schedule, cluster, grid};
 }
 
 #if defined(MARLIN_CONVERT_TRACE)
@@ -317,8 +322,8 @@ int marlin_last_launch(char* buf, int len) {
   if (l.family == nullptr) return snprintf(buf, len, "%s", "");
   if (l.family[0] == 'd')
     return snprintf(buf, len, "direct MB8=%d cluster=%d units_per_block=%d grid=%ld", l.mb, l.wn, l.schedule, l.grid);
-  return snprintf(buf, len, "%s MB=%d WN=%d STRIPS=%d STAGES=%d SWAP=%d stream_k=%d grid=%ld", l.family, l.mb, l.wn,
-                  l.strips, l.stages, l.swap, l.schedule, l.grid);
+  return snprintf(buf, len, "%s MB=%d WN=%d STRIPS=%d STAGES=%d SWAP=%d stream_k=%d cluster=%d grid=%ld", l.family,
+                  l.mb, l.wn, l.strips, l.stages, l.swap, l.schedule, l.cluster, l.grid);
 }
 
 int marlin_gemm_launch(const void* A, const void* B, const void* s, const void* zp, void* C, int* workspace,

@@ -75,42 +75,6 @@ __device__ __forceinline__ uint4 ldg_stream16(const int4* p) {
   return r;
 }
 
-// Cluster helpers (sm_90): the barrier of all blocks of the cluster (release / acquire: shared-memory writes before it
-// are visible to the other blocks after it), in two halves where the arrival comes early (cluster_arrive at the
-// kernel's start, cluster_wait before the first store into a peer: every block of the cluster has started, so its
-// shared memory may be written), and a float2 store into block `rank`'s shared memory at the address `addr` has in this
-// block.
-__device__ __forceinline__ void cluster_barrier() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void st_cluster_f2(uint32_t addr, uint32_t rank, float2 v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(remote), "f"(v.x), "f"(v.y) : "memory");
-#else
-  __trap();
-#endif
-}
-
 constexpr int kARowBytes = kDirectChunkK * 2 + 16;  // one A row of a chunk (128 16-bit values) + 16 bytes of pad
 
 // Shared memory of one block: each warp's two A slots (m rows of kARowBytes each); behind them the warps' accumulators

@@ -51,6 +51,14 @@
 // (tile, k-stage) units across tile boundaries; a tile's contributors are consecutive blocks, and the lock protocol is
 // the same with contributor index for split.
 //
+// [RED] in a cluster (the wgmma kernel, Hopper, split-K with one row chunk): the `splits` blocks of a tile form one
+// thread-block cluster (rank = split), and their partial sums meet in distributed shared memory instead of C: each
+// block pushes every output pair it does not own into the owner's shared memory (st.shared::cluster), one cluster
+// barrier, and each block adds the `splits` partial sums of the pairs it owns, in split order, and writes them. No
+// lock, no wait for the other contributors' writes to C, and the sums stay fp32 until the one write. Why: the serial
+// chain through C cost each contributor of a 256-column tile several microseconds (H200, 4096 x 4096 m = 128 with 8
+// splits: 77 us against 18 for the mma.sync kernels), which kept the wgmma kernel off the small layers.
+//
 // No L2 cache-hint variants (`.L2::cache_hint`, createpolicy) are used: published Marlin's small-batch path died
 // with an illegal instruction on an H200 because of them.
 
@@ -62,6 +70,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -74,6 +83,7 @@ namespace detail {
 
 constexpr int kThreads = 256;  // 8 warps per block
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaxClusterRed = 8;  // blocks of a [RED] cluster at most: the portable cluster size limit
 constexpr int kSmemPerSm = 228 * 1024;  // shared memory of one sm_90 multiprocessor (blocks per SM bound, 8-bit)
 
 // ------------------------------------------------------------------------------------------------ PTX helpers
@@ -191,6 +201,42 @@ struct TraceClock {
 #endif
   }
 };
+
+// Cluster helpers (sm_90; the direct kernel's and the wgmma kernel's [RED] in a cluster): the barrier of all blocks
+// of the cluster (release / acquire: shared-memory writes before it are visible to the other blocks after it), in two
+// halves where the arrival comes early (cluster_arrive at the kernel's start, cluster_wait before the first store into
+// a peer: every block of the cluster has started, so its shared memory may be written), and a float2 store into block
+// `rank`'s shared memory at the address `addr` has in this block.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void st_cluster_f2(uint32_t addr, uint32_t rank, float2 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(remote), "f"(v.x), "f"(v.y) : "memory");
+#else
+  __trap();
+#endif
+}
 
 // [S2R] four 8x8 16-bit matrices; lane l gives the row address of matrix l / 8, row l % 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
@@ -600,6 +646,11 @@ struct Tile {
   static constexpr int kRedBytes = kWarps * 8 * 4 * 32 * 4;
   static constexpr int kAlignBytes = WG ? 1024 : 0;
   static constexpr int kSmemBytes = (kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes) + kAlignBytes;
+  // [RED] in a cluster (wgmma): behind the in-block area, the partial sums pushed to this block, one float2 per
+  // thread for each of the (splits x ceil(kClusterPairs / splits)) entries, at most kClusterPairs + kMaxClusterRed - 1
+  // (kClusterPairs = the output pairs each thread holds: MB m-blocks x WN * 512 / kThreads).
+  static constexpr int kClusterPairs = MB * (WN * 512 / kThreads);
+  static constexpr int kClusterSmemBytes = kAlignBytes + kRedBytes + (kClusterPairs + kMaxClusterRed - 1) * kThreads * 8;
 
   static_assert(kWarps % WN == 0, "WN must divide the 8 warps");
   static_assert(kAChunks >= 8, "the A swizzle XORs 3 bits of the chunk index: a stage needs >= 64 k");
@@ -661,13 +712,16 @@ __host__ __device__ constexpr int min_blocks() {
 //   tile_units, units_per_block   the work of block blockIdx.x / m_chunks (see "which rows, which tiles" below):
 //              split-K over `splits` ranges of stages_per_split stages: splits * stages_per_split, stages_per_split;
 //              stream-K: the k stages of one tile, the stages each block takes (across tile boundaries)
+//   cluster_red   1: [RED] in a cluster (the wgmma kernel in split-K, m_chunks == 1, launched in clusters of
+//              `splits` blocks with T::kClusterSmemBytes of shared memory; the locks are not touched); 0: the lock chain
 template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, bool NO_F32_SCALE = false,
           bool SEGMENTS = false>
 __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, GROUPED, NO_F32_SCALE ? 0 : SWAP,
                                                        K::kBits, K::kZp>())
     marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
                        const int4* __restrict__ Z, typename K::ActT* __restrict__ C, int* __restrict__ locks, int m,
-                       int n, int k, int group_size, int group_shift, int tile_units, int units_per_block) {
+                       int n, int k, int group_size, int group_shift, int tile_units, int units_per_block,
+                       int cluster_red) {
   static_assert(SWAP >= 0 && SWAP <= 3 && (SWAP == 0 || SWAP == 3 || MB == 1),
                 "the swapped mma.sync (W^T x A^T) path serves m <= 16 only");
   static_assert(SWAP != 3 || (WN == 4 && !NO_F32_SCALE), "wgmma: a warpgroup is 4 warps of 64 columns");
@@ -1290,9 +1344,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     }
     trace.stamp(4, 0.0f);
 
-    // ---- [RED] across blocks: wait for our turn on this tile's lock
+    // ---- [RED] across blocks: wait for our turn on this tile's lock; or, in a cluster, for every block of it to be done
+    // with its pipeline, whose shared memory the peers write from here on (entries of the pairs this block owns)
+    const bool in_cluster = WG && !SEGMENTS && cluster_red != 0 && splits > 1;
     int* lock = locks + ntile * m_chunks + mchunk;
-    if (splits > 1) {
+    if (in_cluster) {
+      cluster_barrier();
+    } else if (splits > 1) {
       if (tid == 0) {
         int v;
         do {
@@ -1307,6 +1365,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     float2* red = reinterpret_cast<float2*>(smem);
     const uint32_t* S2 = reinterpret_cast<const uint32_t*>(S);  // scale pairs
     uint32_t* C2 = reinterpret_cast<uint32_t*>(C);              // output pairs
+    // [RED] in a cluster: thread tid's pair q of m-block mb is its pair idx = mb * kPairs + q (of T::kClusterPairs),
+    // owned by rank idx % splits, where it is entry e = idx / splits; the owner keeps the partial sum of contributor
+    // c at float2 (c * entries + e) * kThreads + tid of its slot area (behind the in-block area `red`)
+    const int entries = (T::kClusterPairs + splits - 1) / splits;
+    const uint32_t slots = smem_u32(smem) + (uint32_t)T::kRedBytes;
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
       // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
@@ -1378,6 +1441,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
         ok[q] = row < m;
         at[q] = ((size_t)row * n + col) >> 1;
       }
+      if (in_cluster) {  // push every pair to its owner (this block included), which adds and writes it below
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q) {
+          const int idx = mb * kPairs + q;
+          st_cluster_f2(slots + (uint32_t)(((split * entries + idx / splits) * kThreads + tid) * 8),
+                        (uint32_t)(idx % splits), v[q]);
+        }
+        __syncthreads();  // `red` is rewritten by the next m-block
+        continue;
+      }
       if (splits > 1 && split > 0) {  // add the partial sums of contributors 0 .. split - 1 (read from L2)
         unsigned int old[kPairs];
 #pragma unroll
@@ -1396,8 +1469,31 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       __syncthreads();  // `red` is rewritten by the next m-block
     }
 
+    // ---- [RED] in a cluster: the pairs this block owns, each the sum of the `splits` contributors' in split order
+    if (in_cluster) {
+      constexpr int kPairs = WN * 512 / kThreads;
+      cluster_barrier();  // every push is in place (and the peers read nothing of ours after this)
+      const float2* pushed = reinterpret_cast<const float2*>(smem + T::kRedBytes);
+      for (int e = 0; e < entries; ++e) {
+        const int idx = e * splits + split;
+        if (idx >= T::kClusterPairs) break;
+        const int mb = idx / kPairs, p = tid + (idx % kPairs) * kThreads;
+        const int ln = p & 31, hi = (p >> 5) & 1, nb = (p >> 6) & 7, pwn = p >> 9;
+        const int row = row0 + mb * 16 + (ln >> 2) + 8 * hi;
+        if (row >= m) continue;
+        float2 sum = pushed[e * kThreads + tid];
+        for (int c = 1; c < splits; ++c) {
+          const float2 x = pushed[(c * entries + e) * kThreads + tid];
+          sum.x += x.x;
+          sum.y += x.y;
+        }
+        const int col = col0 + pwn * 64 + nb * 8 + 2 * (ln & 3);
+        C2[((size_t)row * n + col) >> 1] = Ops::pack(sum.x, sum.y);
+      }
+    }
+
     // ---- [RED] across blocks: hand the tile to the next split (the last one re-zeroes the lock)
-    if (splits > 1) {
+    if (splits > 1 && !in_cluster) {
       __threadfence();  // our C writes are visible device-wide before the lock moves
       __syncthreads();
       if (tid == 0) atomicExch(lock, split == splits - 1 ? 0 : split + 1);
@@ -1446,6 +1542,10 @@ inline bool wants_64_row_chunks(const Launch& L) {
 // schedule launch_config picks), 0 = split-K, N = stream-K with at most N blocks per SM.
 int stream_k_per_sm();
 
+// [RED] in a cluster for the wgmma kernel (marlin_gemm.cu, MARLIN_CONVERT_WGMMA_CLUSTER; 0 where the device or the
+// build has no sm_90a code): 0 = never (the lock chain), else wherever cluster_split allows.
+int wgmma_cluster_variant();
+
 // [PDL] Whether launches carry cudaLaunchAttributeProgrammaticStreamSerialization (marlin_gemm.cu): compute
 // capability 9.0 in an sm_90a build, unless MARLIN_CONVERT_PDL=0 (benchmark and tests: the kernels' results are the
 // same either way, only when they may start differs).
@@ -1454,9 +1554,11 @@ bool pdl_enabled();
 void count_pdl_launch();
 // Notes the configuration of a kernel this host thread launched (marlin_gemm.cu; marlin_last_launch reads it back, so
 // tests can check which kernel a dispatch rule chose): `family` "pipelined" (MB, WN, STRIPS, STAGES, SWAP as the
-// template parameters, `schedule` 1 for stream-K) or "direct" (MB = batch blocks of 8 rows, WN = blocks per tile's
-// cluster, `schedule` = units per block, 0 in cluster mode; the rest 0).
-void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid);
+// template parameters, `schedule` 1 for stream-K, `cluster` the blocks of a [RED] cluster, 1 for none) or "direct"
+// (MB = batch blocks of 8 rows, WN = blocks per tile's cluster, `schedule` = units per block, 0 in cluster mode; the
+// rest 0).
+void note_launch(const char* family, int mb, int wn, int strips, int stages, int swap, int schedule, long grid,
+                 int cluster = 1);
 
 // Largest dynamic shared memory a block may opt in to on the current device (0 when the query fails).
 inline int smem_optin() {
@@ -1522,9 +1624,63 @@ struct LaunchShape {
   LaunchShape& operator=(const LaunchShape&) = delete;
 };
 
-// Pick the split over k, then launch one instantiation.
+// [RED] in a cluster: the blocks per tile (its split over k) for the wgmma kernel `kernel` on n_tiles tiles of
+// total_stages stages, with `smem` bytes of shared memory per block; 1 = no cluster. The largest s <= kMaxClusterRed
+// with s <= SMs / n_tiles (one block per SM: the grid in one wave), each split >= 2 stages and none empty, and all
+// n_tiles clusters of s resident at once (cudaOccupancyMaxActiveClusters: a cluster's blocks must share one GPC, so
+// a GPC of 16 or 18 SMs holds two clusters of 8 and the GPU fewer than SMs / 8). The query's answer is cached per
+// kernel, device and s (it costs microseconds; an answer of 0 or an error counts as "does not fit").
+template <class Kernel>
+int cluster_split(Kernel kernel, long n_tiles, int total_stages, int sms, int smem) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  static std::atomic<int> fits[16][kMaxClusterRed + 1];  // clusters that fit + 1; 0 = not asked yet
+  for (int s = (int)min((long)kMaxClusterRed, sms / max(n_tiles, 1L)); s >= 2; --s) {
+    if (total_stages / s < 2) continue;
+    const int per_split = (total_stages + s - 1) / s;
+    if ((total_stages + per_split - 1) / per_split != s) continue;  // (an empty split)
+    int clusters = dev < 16 ? fits[dev][s].load(std::memory_order_relaxed) - 1 : -1;
+    if (clusters < 0) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr[1];
+      cfg.gridDim = dim3((unsigned)(n_tiles * s), 1, 1);
+      cfg.blockDim = dim3(kThreads, 1, 1);
+      cfg.dynamicSmemBytes = (size_t)smem;
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = (unsigned)s;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        clusters = 0;
+      }
+      if (dev < 16) fits[dev][s].store(clusters + 1, std::memory_order_relaxed);
+    }
+    if (clusters >= n_tiles) return s;
+  }
+  return 1;
+}
+
+// [RED] in a cluster, where launch_config takes it over the lock chain (H200, fp16 x 4-bit, twenty-third session,
+// kernel/NOTES.md): wherever its split keeps as many blocks as the lock chain's, or where the lock chain's blocks would
+// keep less than kClusterLongK of k each. 4096 x 12288 (both split in two) at m = 64 / 128 took 0.85-0.89 of the time;
+// 8192 x 10240 (a cluster of 2 blocks, 80 in all, against 3-way lock chains of 2730 k, 120 blocks) 0.96-0.99; but
+// 28672 x 8192 (clusters of 3, 96 blocks: 32 clusters of 4 did not fit the H200's GPCs; against 4-way chains of 7168 k,
+// 128 blocks) 1.00-1.05x, the SMs left idle costing more than the chain there.
+constexpr int kClusterLongK = 4096;
+// The 128-row wgmma kernel (m = 65..128) on layers wgmma_pays leaves, in a cluster only, where each block keeps at
+// least kClusterMinK of k (same measurements, against the mma.sync kernels' default): 11008 x 4096 (clusters of 6,
+// 1835 k) 0.86 / 0.90 of the time (group 128 / channelwise), 8192 x 8192 (3, 2730 k) 0.93 / 0.99; not 4096 x 4096
+// (6, 683 k): 1.12 / 1.25. At m = 33..64 the same layers were mixed (0.94-1.03), so the 64-row kernel keeps wgmma_pays.
+constexpr int kClusterMinK = 1536;
+
+// Pick the split over k, then launch one instantiation. cluster_only (the wgmma kernel where wgmma_pays says no):
+// launch only with [RED] in a cluster that leaves each block >= kClusterMinK of k; else set *cluster_only = false
+// and return MARLIN_OK without launching.
 template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
-int launch_config(const Launch& L) {
+int launch_config(const Launch& L, bool* cluster_only = nullptr) {
   using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, SWAP == 3>;
   using ActT = typename K::ActT;
   auto kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
@@ -1570,6 +1726,35 @@ int launch_config(const Launch& L) {
   splits = (total_stages + stages_per_split - 1) / stages_per_split;  // no empty split
   int tile_units = splits * stages_per_split, units_per_block = stages_per_split;
   long grid = base_blocks * splits;
+
+  // [RED] in a cluster (the wgmma kernel, one row chunk, where split-K would split): the split cluster_split picks
+  int cluster = 1;
+  int launch_smem = smem;
+  if constexpr (SWAP == 3) {
+    constexpr int kClusterSmem = T::kClusterSmemBytes > T::kSmemBytes ? T::kClusterSmemBytes : T::kSmemBytes;
+    if (L.split_k <= 0 && stream_k_per_sm() <= 0 && m_chunks == 1 && base_blocks < L.sms && kClusterSmem <= optin &&
+        wgmma_cluster_variant() != 0) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kClusterSmem);
+      if (e != cudaSuccess) {
+        set_error(L.err, L.errlen, "cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", kClusterSmem,
+                  cudaGetErrorString(e));
+        return MARLIN_CUDA_ERROR;
+      }
+      const int fits = cluster_split(kernel, n_tiles, total_stages, L.sms, kClusterSmem);
+      if (fits > 1 && (cluster_only != nullptr || fits >= splits || L.k / splits < kClusterLongK)) cluster = fits;
+      if (cluster > 1) {
+        splits = cluster;
+        units_per_block = (total_stages + splits - 1) / splits;
+        tile_units = splits * units_per_block;
+        grid = base_blocks * splits;
+        launch_smem = kClusterSmem;
+      }
+    }
+    if (cluster_only != nullptr && (cluster == 1 || L.k / cluster < kClusterMinK)) {
+      *cluster_only = false;
+      return MARLIN_OK;
+    }
+  }
 
   // Stream-K: every block takes the same number of (tile, stage) units, across tile boundaries, and the grid is what
   // the GPU holds resident, so no SM idles while others finish a last, partial wave. A tile of S stages then has at
@@ -1622,7 +1807,7 @@ int launch_config(const Launch& L) {
     // 0.88-0.95 of the time, 8192 x 57344 (224 tiles, 1.7 waves) 0.85-0.99, the other 4-bit kinds alike; but where
     // split-K splits, 1.04-1.13x (4096 x 12288 in two, 8192 x 10240 in three, 28672 x 8192 in four).
     const bool wgmma_whole_k = SWAP != 3 || splits == 1;
-    if (upb > 0 && (sk_env > 0 || (gain > cost && wgmma_whole_k) || fill_one_wave)) {
+    if (cluster == 1 && upb > 0 && (sk_env > 0 || (gain > cost && wgmma_whole_k) || fill_one_wave)) {
       int sk_per_sm = 0;
       if (cudaFuncSetAttribute(sk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_attribute(smem, optin)) !=
               cudaSuccess ||
@@ -1651,15 +1836,15 @@ int launch_config(const Launch& L) {
     group_shift = 0;
     while ((1 << group_shift) < group_size) ++group_shift;
   }
-  const PdlLaunch pl = pdl_launch(grid, smem, per_sm, L.sms, optin);
-  const LaunchShape shape(grid, pl.smem, L.stream, 1, pl.pdl);
+  const PdlLaunch pl = pdl_launch(grid, launch_smem, per_sm, L.sms, optin);
+  const LaunchShape shape(grid, pl.smem, L.stream, cluster, pl.pdl);
 #if defined(MARLIN_CONVERT_TRACE)
   trace_arm(L.stream);
 #endif
   e = cudaLaunchKernelEx(&shape.cfg, stream_k ? sk_kernel : kernel, static_cast<const int4*>(L.A),
                          static_cast<const int4*>(L.B), static_cast<const int4*>(L.s), static_cast<const int4*>(L.zp),
                          static_cast<ActT*>(L.C), L.workspace, L.m, L.n, L.k, group_size, group_shift, tile_units,
-                         units_per_block);
+                         units_per_block, cluster > 1 ? 1 : 0);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // (leave no error behind for the caller's next launch check)
@@ -1667,7 +1852,7 @@ int launch_config(const Launch& L) {
               WN, grid, smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
-  note_launch("pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid);
+  note_launch("pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid, cluster);
   return MARLIN_OK;
 }
 
@@ -1701,7 +1886,7 @@ inline bool wgmma_pays(const Launch& L) {
 }
 
 template <class K, int STRIPS, int STAGES, bool GROUPED>
-int launch_wgmma(const Launch& L, bool& launched) {
+int launch_wgmma(const Launch& L, bool& launched, bool cluster_only = false) {
   launched = false;
   if (L.n % 256 != 0) return MARLIN_OK;
   // grouped: every stage (16 * STRIPS k, stages start at multiples of it) inside one group (kOnlyOneGroup)
@@ -1713,6 +1898,11 @@ int launch_wgmma(const Launch& L, bool& launched) {
     return launch_config<K, 4, 4, STRIPS, STAGES, GROUPED, 3>(L);
   }
   if (optin < Tile<8, 4, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, true>::kSmemBytes) return MARLIN_OK;
+  if (cluster_only) {  // (launch_config clears the flag where it does not launch)
+    const int rc = launch_config<K, 8, 4, STRIPS, STAGES, GROUPED, 3>(L, &cluster_only);
+    launched = cluster_only;
+    return rc;
+  }
   launched = true;
   return launch_config<K, 8, 4, STRIPS, STAGES, GROUPED, 3>(L);
 }
@@ -1720,8 +1910,9 @@ int launch_wgmma(const Launch& L, bool& launched) {
 // Hopper: MARLIN_CONVERT_WGMMA's value where the wgmma kernels can run (marlin_gemm.cu), else 0.
 int wgmma_variant();
 
-// m > 32, 4-bit kinds: the wgmma kernel where wgmma_variant allows it (1: the default, where wgmma_pays; 2..4 a fixed
-// configuration wherever it fits). launched = false: the caller takes the mma.sync kernels.
+// m > 32, 4-bit kinds: the wgmma kernel where wgmma_variant allows it (1: the default, where wgmma_pays, and at m =
+// 65..128 in a cluster where launch_config's kClusterMinK allows; 2..4 a fixed configuration wherever it fits).
+// launched = false: the caller takes the mma.sync kernels.
 template <class K, bool GROUPED>
 int try_wgmma(const Launch& L, bool& launched) {
   launched = false;
@@ -1729,7 +1920,12 @@ int try_wgmma(const Launch& L, bool& launched) {
   if constexpr (K::kBits == 4) {
     if (L.m <= 32) return MARLIN_OK;  // (before wgmma_variant's environment and device queries)
     const int wg = wgmma_variant();
-    if (wg == 0 || (wg == 1 && !wgmma_pays(L))) return MARLIN_OK;
+    if (wg == 0) return MARLIN_OK;
+    bool cluster_only = false;
+    if (wg == 1 && !wgmma_pays(L)) {
+      if (L.m <= 64 || L.m > 128 || wgmma_cluster_variant() == 0) return MARLIN_OK;
+      cluster_only = true;
+    }
     if (wg == 2) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
     if (wg == 3) return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
     if (wg == 4) return launch_wgmma<K, 4, 4, GROUPED>(L, launched);
@@ -1738,8 +1934,8 @@ int try_wgmma(const Launch& L, bool& launched) {
     // else the mma.sync kernels. Grouped 128-row chunks took 4 x 6 until the wgmma kernel had one path per stage: 8 x 3
     // was then serialised by ptxas; without that, H200 group 128 m = 128 (seventh session): 8192 x 57344 253 -> 226
     // us, 28672 x 8192 144 -> 133, 4096 x 22016 67 -> 59, 8192 x 10240 70 -> 66.
-    if (!GROUPED || (L.k / L.scale_rows) % 128 == 0) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
-    return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
+    if (!GROUPED || (L.k / L.scale_rows) % 128 == 0) return launch_wgmma<K, 8, 3, GROUPED>(L, launched, cluster_only);
+    return launch_wgmma<K, 4, 6, GROUPED>(L, launched, cluster_only);
   }
 #endif
   return MARLIN_OK;

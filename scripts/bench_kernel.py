@@ -34,6 +34,10 @@ Bandwidth arithmetic:
     --wgmma 0,1,2   times each value of MARLIN_CONVERT_WGMMA (Hopper, m > 32, 4-bit kinds: 0 = the mma.sync kernels,
            1 = the default rule, 2..4 = a fixed wgmma configuration, try_wgmma in kernel/marlin_gemm_impl.cuh), crossed
            with the two above.
+    --wgmma-cluster 0,1   times each value of MARLIN_CONVERT_WGMMA_CLUSTER (Hopper: 0 = the wgmma kernel's split-K
+           partial sums meet in C under a lock, one contributor after another; 1 = the default, in a thread-block
+           cluster's distributed shared memory where cluster_split allows, kernel/marlin_gemm_impl.cuh), crossed with
+           the above.
     --direct 0,1,2,3   times each value of MARLIN_CONVERT_DIRECT (Hopper, m <= 16, 4-bit kinds: 0 = the pipelined
            kernels, 1 = the default (the direct-load kernel where direct_pays, kernel/marlin_gemm_direct.cuh; never
            with --split-k), 2 = the direct-load kernel wherever it fits, with --split-k N as its blocks per tile (a
@@ -239,6 +243,8 @@ def main(argv=None) -> int:
                                                      "(benchmark only; 0 = split-K, N = stream-K at <= N blocks per SM)")
     parser.add_argument("--wgmma", type=str, help="comma-separated MARLIN_CONVERT_WGMMA values to compare "
                                                   "(benchmark only; 0 = mma.sync kernels, N = wgmma variant N)")
+    parser.add_argument("--wgmma-cluster", type=str, help="comma-separated MARLIN_CONVERT_WGMMA_CLUSTER values to "
+                                                          "compare (0 = lock chain through C, 1 = cluster reduction)")
     parser.add_argument("--direct", type=str, help="comma-separated MARLIN_CONVERT_DIRECT values to compare "
                                                    "(benchmark only; 0 = pipelined kernels, 1 = default, "
                                                    "2 = direct-load kernel wherever it fits, 3 = its stream-K "
@@ -290,10 +296,11 @@ def main(argv=None) -> int:
         return [None if v == "-" else int(v) for v in option.split(",")] if option else [None]
 
     cfgs, sks, wgs = variant_values(args.cfgs), variant_values(args.stream_k), variant_values(args.wgmma)
-    dis, pdls = variant_values(args.direct), variant_values(args.pdl)
-    variants = [(cfg, sk, wg, di, pd) for cfg in cfgs for sk in sks for wg in wgs for di in dis for pd in pdls]
-    switches = ("MARLIN_CONVERT_SMALL_CFG", "MARLIN_CONVERT_STREAM_K", "MARLIN_CONVERT_WGMMA", "MARLIN_CONVERT_DIRECT",
-                "MARLIN_CONVERT_PDL")
+    dis, pdls, wcs = variant_values(args.direct), variant_values(args.pdl), variant_values(args.wgmma_cluster)
+    variants = [(cfg, sk, wg, wc, di, pd) for cfg in cfgs for sk in sks for wg in wgs for wc in wcs for di in dis
+                for pd in pdls]
+    switches = ("MARLIN_CONVERT_SMALL_CFG", "MARLIN_CONVERT_STREAM_K", "MARLIN_CONVERT_WGMMA",
+                "MARLIN_CONVERT_WGMMA_CLUSTER", "MARLIN_CONVERT_DIRECT", "MARLIN_CONVERT_PDL")
     speedups: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in shapes:
@@ -329,8 +336,8 @@ def main(argv=None) -> int:
                     c = torch.empty(m, n, dtype=dtype, device="cuda")
                     t_torch = torch_us[dtype_name, m]
                     act = m * k * 2 + m * n * 2
-                    for cfg, sk, wg, di, pd in (variants if kind != TINYGEMM else [(None,) * 5]):
-                        for var, value in zip(switches, (cfg, sk, wg, di, pd)):
+                    for values in (variants if kind != TINYGEMM else [(None,) * len(switches)]):
+                        for var, value in zip(switches, values):
                             if value is None:
                                 os.environ.pop(var, None)
                             else:
@@ -348,8 +355,7 @@ def main(argv=None) -> int:
                         ours_bw = (op_bytes + act) / t_ours
                         torch_bw = (w_bytes + act) / t_torch
                         sp = t_torch / t_ours
-                        variant = "/".join(f"{name}{v}" for name, v in (("c", cfg), ("sk", sk), ("wg", wg),
-                                                                               ("di", di), ("pdl", pd))
+                        variant = "/".join(f"{name}{v}" for name, v in zip(("c", "sk", "wg", "wc", "di", "pdl"), values)
                                            if v is not None)
                         speedups.setdefault((kind, variant), {}).setdefault(g, {}).setdefault(m, []).append(sp)
                         tag = f" {variant}" if variant else ""

@@ -85,7 +85,9 @@ def main(argv=None) -> int:
     # the Hopper wgmma kernel (4-bit kinds, m > 32, n a multiple of 256; MARLIN_CONVERT_WGMMA 2 / 3 / 4 force
     # its configurations; elsewhere the mma.sync kernels run): 64- and 128-row chunks, partial stages (channelwise)
     # and chunks, group 64 and 128 (grouped, the wgmma kernel takes groups of a multiple of its stage's k), act-order,
-    # split-K
+    # split-K: [RED] in a cluster where the tiles leave SMs idle and m <= 128 (132 SMs: clusters of 6 blocks on 3 tiles
+    # of 17 stages, 4 on 2 tiles of 8, 8 on 4 and 3 tiles of 32 and 16), the lock chain where the split is forced or
+    # m > 128
     for kind in [kd for kd in KINDS if kd[1] == 4]:
         cases += [(kind, 33, 64, 256, -1, False, 0, None, "2"), (kind, 65, 1040, 768, -1, False, 0, None, "3"),
                   (kind, 100, 512, 512, 64, True, 0, None, "4"), (kind, 130, 1024, 256, 128, False, 3, None, "2"),
