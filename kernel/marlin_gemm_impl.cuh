@@ -1472,7 +1472,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // ---- [RED] in a cluster: the pairs this block owns, each the sum of the `splits` contributors' in split order
     if (in_cluster) {
       constexpr int kPairs = WN * 512 / kThreads;
-      cluster_barrier();  // every push is in place (and the peers read nothing of ours after this)
+      cluster_barrier();  // every push is in place (and no peer writes into this block's shared memory after this)
       const float2* pushed = reinterpret_cast<const float2*>(smem + T::kRedBytes);
       for (int e = 0; e < entries; ++e) {
         const int idx = e * splits + split;
@@ -1628,13 +1628,15 @@ struct LaunchShape {
 // total_stages stages, with `smem` bytes of shared memory per block; 1 = no cluster. The largest s <= kMaxClusterRed
 // with s <= SMs / n_tiles (one block per SM: the grid in one wave), each split >= 2 stages and none empty, and all
 // n_tiles clusters of s resident at once (cudaOccupancyMaxActiveClusters: a cluster's blocks must share one GPC, so
-// a GPC of 16 or 18 SMs holds two clusters of 8 and the GPU fewer than SMs / 8). The query's answer is cached per
-// kernel, device and s (it costs microseconds; an answer of 0 or an error counts as "does not fit").
+// a GPC of 16 or 18 SMs holds two clusters of 8 and the GPU fewer than SMs / 8). The query costs microseconds, so
+// its answers are kept in `fits` (the caller's, one per kernel instantiation and its one `smem`), per device (< 16)
+// and s, as clusters + 1 (0 = not asked yet); a query that fails counts as "does not fit" for this call and is not
+// kept.
+using ClusterFits = std::atomic<int>[16][kMaxClusterRed + 1];
 template <class Kernel>
-int cluster_split(Kernel kernel, long n_tiles, int total_stages, int sms, int smem) {
+int cluster_split(Kernel kernel, ClusterFits& fits, long n_tiles, int total_stages, int sms, int smem) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 1;
-  static std::atomic<int> fits[16][kMaxClusterRed + 1];  // clusters that fit + 1; 0 = not asked yet
   for (int s = (int)min((long)kMaxClusterRed, sms / max(n_tiles, 1L)); s >= 2; --s) {
     if (total_stages / s < 2) continue;
     const int per_split = (total_stages + s - 1) / s;
@@ -1655,8 +1657,9 @@ int cluster_split(Kernel kernel, long n_tiles, int total_stages, int sms, int sm
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
         (void)cudaGetLastError();
         clusters = 0;
+      } else if (dev < 16) {
+        fits[dev][s].store(clusters + 1, std::memory_order_relaxed);
       }
-      if (dev < 16) fits[dev][s].store(clusters + 1, std::memory_order_relaxed);
     }
     if (clusters >= n_tiles) return s;
   }
@@ -1686,10 +1689,15 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
   auto kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
   const int smem = T::kSmemBytes;
   const int optin = smem_optin();
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       smem_attribute(smem, optin));
+  // [RED] in a cluster (the wgmma kernel): its launches take kClusterSmem, so the attribute allows that too where the
+  // device does; one value per kernel and device, set by every call alike (see smem_attribute)
+  constexpr int kClusterSmem = SWAP == 3 && T::kClusterSmemBytes > T::kSmemBytes ? T::kClusterSmemBytes : T::kSmemBytes;
+  const bool cluster_fits = SWAP == 3 && kClusterSmem <= optin;
+  const int smem_attr = cluster_fits && kClusterSmem > smem_attribute(smem, optin) ? kClusterSmem
+                                                                                  : smem_attribute(smem, optin);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_attr);
   if (e != cudaSuccess) {
-    set_error(L.err, L.errlen, "cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem,
+    set_error(L.err, L.errlen, "cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", smem_attr,
               cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
@@ -1731,16 +1739,10 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
   int cluster = 1;
   int launch_smem = smem;
   if constexpr (SWAP == 3) {
-    constexpr int kClusterSmem = T::kClusterSmemBytes > T::kSmemBytes ? T::kClusterSmemBytes : T::kSmemBytes;
-    if (L.split_k <= 0 && stream_k_per_sm() <= 0 && m_chunks == 1 && base_blocks < L.sms && kClusterSmem <= optin &&
+    if (L.split_k <= 0 && stream_k_per_sm() <= 0 && m_chunks == 1 && base_blocks < L.sms && cluster_fits &&
         wgmma_cluster_variant() != 0) {
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kClusterSmem);
-      if (e != cudaSuccess) {
-        set_error(L.err, L.errlen, "cudaFuncSetAttribute(%d bytes of shared memory) failed: %s", kClusterSmem,
-                  cudaGetErrorString(e));
-        return MARLIN_CUDA_ERROR;
-      }
-      const int fits = cluster_split(kernel, n_tiles, total_stages, L.sms, kClusterSmem);
+      static ClusterFits cluster_fits_cache;  // (this instantiation's: one kernel, one kClusterSmem)
+      const int fits = cluster_split(kernel, cluster_fits_cache, n_tiles, total_stages, L.sms, kClusterSmem);
       if (fits > 1 && (cluster_only != nullptr || fits >= splits || L.k / splits < kClusterLongK)) cluster = fits;
       if (cluster > 1) {
         splits = cluster;
@@ -1848,8 +1850,9 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // (leave no error behind for the caller's next launch check)
-    set_error(L.err, L.errlen, "kernel launch (MB=%d, WN=%d, grid %ld, %d bytes of shared memory) failed: %s", MB,
-              WN, grid, smem, cudaGetErrorString(e));
+    set_error(L.err, L.errlen,
+              "kernel launch (MB=%d, WN=%d, grid %ld, clusters of %d, %d bytes of shared memory) failed: %s", MB, WN,
+              grid, cluster, pl.smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
   note_launch("pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid, cluster);

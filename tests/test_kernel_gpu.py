@@ -783,44 +783,54 @@ def test_wgmma_kernel_runs_on_hopper(torch, monkeypatch, variant, m, k, n, group
 
 # [RED] in a cluster: on compute capability 9.0 the wgmma kernel's split-K contributors (one row chunk: m <= 128) form a
 # thread-block cluster and add their partial sums in distributed shared memory (MARLIN_CONVERT_WGMMA_CLUSTER = 0: the
-# lock chain through C instead). The wgmma kernel forced (MARLIN_CONVERT_WGMMA = 2, 3) on layers of fewer tiles than
-# SMs / 2, so that split-K splits; with 132 SMs: 16 tiles (8 blocks per cluster where 16 such clusters fit, else
-# fewer), 40 tiles (3: the 64 output pairs per thread split unevenly over the owners), 26 / 22 / 18 tiles (5 / 6 / 7),
-# 2 tiles with a partial last stage and a partial row chunk (m = 97, k = 1040: 9 stages, so 3 blocks), group 64 at 4 x 6
-# with act-order, the 64-row kernel (m = 40, 64), channelwise. Each case runs with the cluster and with the lock chain;
-# both must match the reference, and on compute capability 9.0 with >= 132 SMs the launch must say which ran.
-# Elsewhere the mma.sync kernels run both.
-WGMMA_CLUSTER_SHAPES = [  # (m, k, n, group, act_order, wgmma variant)
-    (128, 4096, 4096, 128, False, "2"),
-    (100, 3072, 10240, 128, False, "2"),
-    (128, 4096, 6656, -1, False, "2"),
-    (72, 4096, 5632, 128, False, "2"),
-    (128, 4096, 4608, 128, False, "2"),
-    (97, 1040, 512, -1, False, "2"),
-    (100, 2048, 1024, 64, True, "3"),
-    (64, 4096, 2560, 128, False, "2"),
-    (40, 4096, 512, -1, False, "2"),
+# lock chain through C instead). The wgmma kernel forced (MARLIN_CONVERT_WGMMA = 2: 8 strips x 3 stages, stages of 128
+# k; 3: 4 x 6, stages of 64 k). One tile (n = 256), where one cluster of up to 8 always fits, so the split is exact: k =
+# 768 / 1280 / 1536 / 1792 / 2048 have 6 / 10 / 12 / 14 / 16 stages, split 3 / 5 / 6 / 7 / 8 (>= 2 stages each), at m =
+# 64 (the 64-row kernel: 32 output pairs per thread) and m = 97 / 128 (the 128-row kernel: 64 pairs, a partial row
+# chunk at 97), so the owners of the pairs are uneven at 3, 5, 6 and 7; k = 1040 (9 stages, the last partial: split 4
+# leaves one empty, so 3), group 64 at 4 x 6 with act-order (k = 1024: 16 stages, 8). And layers of several tiles, where
+# the split depends on which clusters fit the GPU's GPCs (the launch must then say a cluster of 2..8 blocks per tile):
+# 16, 40 and 10 tiles. Each case runs with the cluster and with the lock chain; both must match the reference, and on
+# compute capability 9.0 the launch must say which ran. Elsewhere the mma.sync kernels run both.
+WGMMA_CLUSTER_SHAPES = [  # (m, k, n, group, act_order, wgmma variant, blocks per cluster on one tile or None)
+    (64, 768, 256, 128, False, "2", 3),
+    (97, 768, 256, -1, False, "2", 3),
+    (64, 1280, 256, -1, False, "2", 5),
+    (128, 1280, 256, 128, False, "2", 5),
+    (64, 1536, 256, 128, False, "2", 6),
+    (100, 1536, 256, 128, False, "2", 6),
+    (64, 1792, 256, -1, False, "2", 7),
+    (128, 1792, 256, 128, False, "2", 7),
+    (40, 2048, 256, 128, False, "2", 8),
+    (128, 2048, 256, -1, False, "2", 8),
+    (97, 1040, 256, -1, False, "2", 3),
+    (100, 1024, 256, 64, True, "3", 8),
+    (128, 4096, 4096, 128, False, "2", None),
+    (100, 3072, 10240, 128, False, "2", None),
+    (64, 4096, 2560, 128, False, "2", None),
 ]
 
 
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
 @pytest.mark.parametrize("cluster", ["0", "1"])
-@pytest.mark.parametrize("m,k,n,group,act_order,variant", WGMMA_CLUSTER_SHAPES)
-def test_wgmma_cluster_reduction(torch, monkeypatch, kind, cluster, m, k, n, group, act_order, variant):
+@pytest.mark.parametrize("m,k,n,group,act_order,variant,blocks_expected", WGMMA_CLUSTER_SHAPES)
+def test_wgmma_cluster_reduction(torch, monkeypatch, kind, cluster, m, k, n, group, act_order, variant,
+                                 blocks_expected):
     monkeypatch.setenv("MARLIN_CONVERT_WGMMA", variant)
     monkeypatch.setenv("MARLIN_CONVERT_WGMMA_CLUSTER", cluster)
     monkeypatch.delenv("MARLIN_CONVERT_STREAM_K", raising=False)
     dtype, bits, asym = kind
     _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr(("cluster", m, k, n, kind)).encode()), calls=2,
               bits=bits, asym=asym, dtype=dtype)
-    props = torch.cuda.get_device_properties(0)
-    if (props.major, props.minor) == (9, 0) and props.multi_processor_count >= 132:
+    if torch.cuda.get_device_capability() == (9, 0):
         launch = _last_launch(torch)
         assert "SWAP=3 stream_k=0 " in launch, launch
         blocks = int(re.search(r" cluster=(\d+) ", launch).group(1))
         grid = int(re.search(r" grid=(\d+)", launch).group(1))
         if cluster == "0":
             assert blocks == 1, launch
+        elif blocks_expected is not None:
+            assert blocks == blocks_expected and grid == blocks, launch
         else:
             assert 2 <= blocks <= 8 and grid == n // 256 * blocks, launch
 
@@ -830,10 +840,12 @@ def test_wgmma_cluster_reduction(torch, monkeypatch, kind, cluster, m, k, n, gro
 # split in two, in a cluster. 16384 x 8192 (32 tiles, 4-way lock chains of 4096 k): the lock chain unless clusters of 4
 # fit (on the H200 only clusters of 3 do). At m = 65..128 on the layers wgmma_pays leaves: the wgmma kernel only in a
 # cluster whose blocks keep >= 1536 of k (11008 x 4096 and 8192 x 8192 where the clusters that fit allow it; 4096 x
-# 4096 never: 16 tiles take clusters of >= 3, 1365 k); at m = 64 the mma.sync kernels there.
+# 4096 never: 16 tiles take clusters of >= 3, 1365 k; 16384 x 2048 always: 8 tiles, whose 8 clusters of 8 fit any
+# 132-SM Hopper, 2048 k each); at m = 64 the mma.sync kernels there.
 @pytest.mark.parametrize("m,k,n,expected", [(128, 4096, 12288, "cluster 2"), (64, 4096, 12288, "cluster 2"),
                                             (128, 16384, 8192, "chain or >= 4"), (128, 11008, 4096, "if long"),
-                                            (100, 8192, 8192, "if long"), (128, 4096, 4096, "mma.sync"),
+                                            (100, 8192, 8192, "if long"), (128, 16384, 2048, "cluster 8"),
+                                            (128, 4096, 4096, "mma.sync"),
                                             (64, 11008, 4096, "mma.sync")])
 def test_wgmma_cluster_default_rule(torch, monkeypatch, m, k, n, expected):
     _skip_unless_hopper_132(torch, "the rule's layers are sized for a Hopper GPU of >= 132 SMs")
@@ -843,8 +855,8 @@ def test_wgmma_cluster_default_rule(torch, monkeypatch, m, k, n, expected):
     launch = _last_launch(torch)
     wgmma = "SWAP=3 " in launch
     blocks = int(re.search(r" cluster=(\d+) ", launch).group(1))
-    if expected == "cluster 2":
-        assert wgmma and blocks == 2, launch
+    if expected in ("cluster 2", "cluster 8"):
+        assert wgmma and blocks == int(expected[-1]), launch
     elif expected == "chain or >= 4":
         assert wgmma and (blocks == 1 or blocks >= 4), launch
     elif expected == "if long":
