@@ -137,6 +137,10 @@ def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
         wanted = [[e, e + 1] for e in range(experts)]
     if [s["slices"] for s in sources] != wanted:
         problems.append(f"manifest sources cover slices {[s['slices'] for s in sources]}, expected {wanted}")
+    # the layer's zero_format is its source's (a stacked layer's: its first expert's, whose settings it took)
+    if sources and entry["zero_format"] != sources[0]["zero_format"]:
+        problems.append(f"manifest zero_format {entry['zero_format']} is not its source's, "
+                        f"{sources[0]['zero_format']}")
     base, _, projection = entry["name"].rpartition(".")
     for position, source in enumerate(sources):
         where = f"source '{source['name']}'"

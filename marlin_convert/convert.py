@@ -820,6 +820,17 @@ def _quantization_defaults(plan: ConversionPlan) -> dict:
     return plan.checkpoint.config.defaults()
 
 
+def _input_file_of(exc: OSError, in_dir: Path) -> str | None:
+    """The file of ``in_dir`` an OSError is about (its ``filename``, resolved, inside ``in_dir``), or None: a file that
+    vanished or became unreadable during the conversion is named as the input's, not blamed on OUT_DIR."""
+    name = exc.filename
+    if not isinstance(name, (str, bytes)):
+        return None
+    path = os.path.realpath(os.fsdecode(name))
+    root = os.path.realpath(in_dir)
+    return path if os.path.commonpath([path, root]) == root else None
+
+
 def convert(
     in_dir: Path,
     out_dir: Path,
@@ -932,6 +943,10 @@ def convert(
             writer.abort()
         partial.discard()
         if isinstance(exc, OSError):
+            source = _input_file_of(exc, in_dir)
+            if source is not None:  # (a file of IN_DIR gone or unreadable meanwhile: not OUT_DIR's fault)
+                raise InputError(f"{source}: cannot read: {exc.strerror or exc}; the output is discarded",
+                                 hint="convert again once nothing changes IN_DIR") from exc
             if exc.errno == 28:
                 raise OutputError(f"{out_dir}: no space left on device", hint="free disk space") from exc
             raise OutputError(f"{out_dir}: cannot write: {exc.strerror or exc}") from exc

@@ -395,6 +395,24 @@ def test_disk_full_while_writing_leaves_nothing_behind(capsys, tmp_path, src, mo
     assert not out.exists()
 
 
+def test_an_input_file_that_vanishes_during_the_conversion_is_named_not_out_dir(capsys, tmp_path, src, monkeypatch):
+    """A file of IN_DIR removed while the conversion ran (found by a new-user helper: tokenizer.json deleted a second
+    in) was reported as 'OUT_DIR: cannot write: No such file or directory'. The error now names the input file; the
+    output is discarded."""
+    from marlin_convert import convert as convert_module
+
+    gone = src / "tokenizer.json"
+
+    def vanished(*_args, **_kwargs):
+        raise FileNotFoundError(2, "No such file or directory", str(gone))
+
+    monkeypatch.setattr(convert_module, "output_file_digests", vanished)
+    out = tmp_path / "out"
+    line = _run_failing(capsys, tmp_path, [str(src), str(out)], f"{gone.resolve()}: cannot read: No such file")
+    assert "OUT_DIR" not in line and str(out) not in line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, monkeypatch, dry_run):
     """The dry run asks what the real run asks before it writes: too little free space is exit 2 in both, and the

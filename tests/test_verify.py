@@ -188,6 +188,19 @@ def test_an_edited_layer_field_fails_that_layer(out, field, value, fragment):
     assert any(fragment in p for p in report.failures[0].integrity_problems), report.failures[0].integrity_problems
 
 
+def test_an_edited_layer_zero_format_fails_that_layer(out):
+    """A new-user helper: the layer-level zero_format (v1 <-> v2) was compared with nothing, so a manifest reader that
+    trusts it would take the source's zero points one off; it must be its source's."""
+    def flip(manifest):
+        layer = manifest["layers"][2]
+        layer["zero_format"] = "v2" if layer["zero_format"] == "v1" else "v1"
+
+    _edit_manifest(out, flip)
+    report = verify(out, gpus=None, workers=1)
+    assert [r.name for r in report.failures] == [load_manifest(out)["layers"][2]["name"]]
+    assert any("zero_format" in p and "its source's" in p for p in report.failures[0].integrity_problems)
+
+
 def test_an_edited_shape_fails_that_layer(out):
     def change(manifest):
         manifest["layers"][1]["shapes"]["B"][0] += 1

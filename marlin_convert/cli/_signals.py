@@ -137,8 +137,9 @@ def finish_at_exit(code: int, on_signal) -> None:
     """The command is over and would exit with ``code``: from now on SIGINT and SIGTERM are only noted (in the main
     thread, and not one the process ignores), and :func:`exit_now`, the console script's last exit handler, ends the
     process with ``code``, or with ``on_signal(signum)`` where a signal came meanwhile and ``code`` is 0 (it reports
-    the interruption and returns the exit code): an interrupted run never exits 0."""
-    _deferred.clear()
+    the interruption and returns the exit code): an interrupted run never exits 0. A signal noted since
+    :func:`defer_signals` stays noted: one that came after the command's own last check (:func:`deferred_signal`)
+    counts as one that came now."""
     _publishing.clear()  # (the command is over: a repeat ends the process at once)
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):

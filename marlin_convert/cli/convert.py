@@ -90,6 +90,7 @@ def convert(
     if dry_run:
         refusal = plan_refusal(plan, skip_incompatible)
         output = plan_output(plan, quiet=quiet, refusing=refusal is not None)
+        output.lines.append(f"dry run: nothing written ({out_dir} left as it was)")
         if refusal is None:  # the real run's last check before it writes
             try:
                 check_free_space(Path(os.path.abspath(out_dir)), plan.tensor_bytes_out)

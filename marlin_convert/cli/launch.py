@@ -40,9 +40,10 @@ def _terminated(signum: int, _frame) -> None:
 
 def _amend_report(code: int, message: str) -> None:
     """A signal outside main(): right after it returned, the report file it wrote (if any) gets this exit code; before
-    the command line was ready, a report of an earlier run at --json's path is replaced (:func:`_replace_stale_report`)."""
+    the command started (while its modules were imported, too), a report of an earlier run at --json's path is replaced
+    (:func:`_replace_stale_report`)."""
     output = sys.modules.get("marlin_convert.cli._output")
-    if output is None:  # (the command line never started: nothing checked or wrote --json)
+    if output is None or not output.command_started():  # (nothing checked or wrote --json yet)
         _replace_stale_report(code, message)
     elif output.report_written():
         output.amend_written_outcome(code)
@@ -90,8 +91,23 @@ def _replace_stale_report(code: int, message: str) -> None:
         pass
 
 
+def _unraisable(previous):
+    """sys.unraisablehook that prints nothing for the exception of a SIGINT or SIGTERM this process took, where Python
+    dropped it (raised in an import lock's callback or an at-fork hook: "Exception ignored in ..."); the signal stays
+    noted (:func:`first_signal`) and the command ends as interrupted. Anything else goes to ``previous``."""
+    def hook(args) -> None:
+        if first_signal() is not None:
+            errors = sys.modules.get("marlin_convert.cli._errors")  # (the command's Interrupted, once it is imported)
+            taken = (KeyboardInterrupt, _Terminated) + ((errors.Interrupted,) if errors is not None else ())
+            if isinstance(args.exc_value, taken):
+                return
+        previous(args)
+    return hook
+
+
 def run() -> None:
     args = sys.argv[1:]
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
     early = args[:1] == ["verify"] and not _NO_KERNEL & set(args)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (one the process was started ignoring stays ignored)
         signal.signal(signal.SIGTERM, _terminated)
