@@ -612,26 +612,14 @@ def test_a_signal_after_the_last_check_of_a_conversion_never_leaves_exit_code_0(
 # a SIGTERM whose exception Python drops and prints as "unraisable": raised in a weakref callback during the command
 # line's import (as in an import lock's callback, where a new-user helper saw "Exception ignored in: <function
 # _get_module_lock.<locals>.cb ...>" and a traceback before "Error: terminated", about once in a hundred runs)
-UNRAISABLE_TERM = """
-import builtins, os, signal, sys, weakref
-from marlin_convert.cli import launch
-real_import = builtins.__import__
-class Victim:
-    pass
-def sigterm_in_a_callback(name, *args, **kwargs):
-    if name == "app" and not hasattr(Victim, "done"):
-        Victim.done = True
-        victim = Victim()
-        ref = weakref.ref(victim, lambda _ref: os.kill(os.getpid(), signal.SIGTERM))
-        del victim
-    return real_import(name, *args, **kwargs)
-builtins.__import__ = sigterm_in_a_callback
-sys.argv = ["marlin-convert", *sys.argv[1:]]
-launch.run()
-"""
+UNRAISABLE_TERM = EARLY_TERM.replace(
+    "        os.kill(os.getpid(), signal.SIGTERM)\n",
+    "        import weakref\n        victim = type('Victim', (), {})()\n"
+    "        ref = weakref.ref(victim, lambda _ref: os.kill(os.getpid(), signal.SIGTERM))\n        del victim\n")
 
 
 def test_a_sigterm_dropped_as_unraisable_prints_no_traceback(tmp_path, src):
+    assert UNRAISABLE_TERM != EARLY_TERM
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
     proc = subprocess.run([sys.executable, "-c", UNRAISABLE_TERM, str(src), str(out)], capture_output=True,
