@@ -822,13 +822,17 @@ def _quantization_defaults(plan: ConversionPlan) -> dict:
 
 def _input_file_of(exc: OSError, in_dir: Path) -> str | None:
     """The file of ``in_dir`` an OSError is about (its ``filename``, resolved, inside ``in_dir``), or None: a file that
-    vanished or became unreadable during the conversion is named as the input's, not blamed on OUT_DIR."""
+    vanished or became unreadable during the conversion is named as the input's, not blamed on OUT_DIR. Inside as named
+    or once links are followed (a Hugging Face cache snapshot's files are links into its blob store)."""
     name = exc.filename
     if not isinstance(name, (str, bytes)):
         return None
-    path = os.path.realpath(os.fsdecode(name))
-    root = os.path.realpath(in_dir)
-    return path if os.path.commonpath([path, root]) == root else None
+    name = os.fsdecode(name)
+    for path, root in ((os.path.abspath(name), os.path.abspath(in_dir)),
+                       (os.path.realpath(name), os.path.realpath(in_dir))):
+        if os.path.commonpath([path, root]) == root:
+            return path
+    return None
 
 
 def convert(

@@ -413,6 +413,21 @@ def test_an_input_file_that_vanishes_during_the_conversion_is_named_not_out_dir(
     assert not out.exists()
 
 
+def test_a_vanished_input_file_behind_a_link_is_named_too(tmp_path):
+    """An attack helper: in a Hugging Face cache snapshot (files are links into the blob store, outside IN_DIR) a
+    vanished input was still blamed on OUT_DIR, since only the resolved path was compared."""
+    from marlin_convert.convert import _input_file_of
+
+    snapshot, blobs = tmp_path / "snapshots" / "abc", tmp_path / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (snapshot / "tokenizer.json").symlink_to(blobs / "0123abcd")  # (its blob gone: a dangling link)
+    error = FileNotFoundError(2, "No such file or directory", str(snapshot / "tokenizer.json"))
+    assert _input_file_of(error, snapshot) == str(snapshot / "tokenizer.json")
+    outside = FileNotFoundError(2, "No such file or directory", str(tmp_path / "out" / "x"))
+    assert _input_file_of(outside, snapshot) is None
+
+
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_too_little_free_space_is_refused_before_writing(capsys, tmp_path, src, monkeypatch, dry_run):
     """The dry run asks what the real run asks before it writes: too little free space is exit 2 in both, and the

@@ -615,18 +615,95 @@ def test_a_signal_after_the_last_check_of_a_conversion_never_leaves_exit_code_0(
 UNRAISABLE_TERM = EARLY_TERM.replace(
     "        os.kill(os.getpid(), signal.SIGTERM)\n",
     "        import weakref\n        victim = type('Victim', (), {})()\n"
-    "        ref = weakref.ref(victim, lambda _ref: os.kill(os.getpid(), signal.SIGTERM))\n        del victim\n")
+    "        ref = weakref.ref(victim, lambda _ref: os.kill(os.getpid(), getattr(signal, os.environ['SIG'])))\n"
+    "        del victim\n")
+# the same right after main() returned (exit code 0), before the console script notes signals for the exit: the
+# signal's exception is dropped and main()'s own check is past (an attack helper: the run exited 0)
+LATE_UNRAISABLE = """
+import os, signal, sys, weakref
+from marlin_convert.cli import app, launch
+real = app.main
+def then_signal(*args, **kwargs):
+    result = real(*args, **kwargs)
+    victim = type("Victim", (), {})()
+    ref = weakref.ref(victim, lambda _ref: os.kill(os.getpid(), getattr(signal, os.environ["SIG"])))
+    del victim
+    return result
+app.main = then_signal
+sys.argv = ["marlin-convert", *sys.argv[1:]]
+launch.run()
+"""
 
 
-def test_a_sigterm_dropped_as_unraisable_prints_no_traceback(tmp_path, src):
+@pytest.mark.parametrize("when", ["imports", "after main"])
+@pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_a_signal_dropped_as_unraisable_prints_no_traceback_and_still_interrupts(tmp_path, src, when, signame, code,
+                                                                                  word):
+    """A SIGINT whose KeyboardInterrupt Python dropped printed a traceback and the run went on to exit 0 (nothing had
+    noted it: the console script had no SIGINT handler of its own); a dropped SIGTERM right after main() returned
+    also ended in exit 0. Now both say one Error line and end as interrupted."""
     assert UNRAISABLE_TERM != EARLY_TERM
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", "SIG": signame}
+    script = UNRAISABLE_TERM if when == "imports" else LATE_UNRAISABLE
+    proc = subprocess.run([sys.executable, "-c", script, str(src), str(out), "-q", "--json", str(report)],
+                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
+                          preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                              signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith(f"Error: {word}") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    if when == "imports":
+        assert not out.exists() and not report.exists()
+    else:
+        assert json.loads(report.read_text())["exit_code"] == code and (out / "marlin_manifest.json").is_file()
+
+
+# the signal named by SIG once the command has started, before it checked its --json path
+AT_COMMAND_START = """
+import os, signal, sys
+from marlin_convert.cli import app, launch
+real = app.with_default_command
+def then_signal(*args, **kwargs):
+    os.kill(os.getpid(), getattr(signal, os.environ["SIG"]))
+    return real(*args, **kwargs)
+app.with_default_command = then_signal
+sys.argv = ["marlin-convert", *sys.argv[1:]]
+launch.run()
+"""
+
+
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_before_the_command_checked_its_json_path_replaces_an_earlier_report(tmp_path, src, signame, code):
+    """An attack helper: a signal once the command had started but before it checked --json left the earlier run's
+    '"ok": true' report in place (only the console script's first step replaced it)."""
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    report.write_text('{"ok": true, "exit_code": 0, "layers": []}')
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", "SIG": signame}
+    proc = subprocess.run([sys.executable, "-c", AT_COMMAND_START, str(src), str(out), "--json", str(report)],
+                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
+                          preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                              signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    data = json.loads(report.read_text())
+    assert data["ok"] is False and data["exit_code"] == code and not out.exists()
+
+
+def test_an_early_signal_leaves_a_report_inside_a_checkpoint_alone(tmp_path, src):
+    """An attack helper: a report-looking file inside a converted OUT_DIR, named by --json (which the command refuses
+    there), was replaced by an early interruption's report, and the checkpoint no longer verified. A path the command
+    would refuse is left alone."""
+    from marlin_convert.cli.app import main
+
     out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    inside = out / "old_report.json"
+    inside.write_text('{"ok": true, "exit_code": 0}')
     env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
-    proc = subprocess.run([sys.executable, "-c", UNRAISABLE_TERM, str(src), str(out)], capture_output=True,
-                          text=True, env=env, timeout=WAIT_SECONDS,
+    proc = subprocess.run([sys.executable, "-c", EARLY_TERM, "verify", str(out), "--skip-kernel", "--json",
+                           str(inside)], capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
                           preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
-    assert proc.stderr.strip() == "Error: terminated" and not out.exists()
+    assert inside.read_text() == '{"ok": true, "exit_code": 0}'
 
 
 def test_a_command_that_ends_without_a_signal_keeps_its_exit_code(tmp_path, src):

@@ -199,20 +199,16 @@ _report_target: list = [None]
 _written_report: list = []
 
 
-#: whether a command of the command line has started (forget_report_target): before that, nothing checked or wrote
-#: --json's target
-_command_started: list = [False]
-
-
 def forget_report_target() -> None:
     """A new command: no --json target yet."""
     _report_target[0] = None
-    _command_started[0] = True
 
 
-def command_started() -> bool:
-    """Whether a command has started in this process (its --json target is then the command's to check and write)."""
-    return _command_started[0]
+def report_target_checked() -> bool:
+    """Whether this command has checked (and accepted) a --json target (check_json_path)."""
+    return _report_target[0] is not None
+
+
 
 
 def forget_written_report() -> None:

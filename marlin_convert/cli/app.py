@@ -29,9 +29,10 @@ from ..errors import InputError
 from ..workers import thread_refused
 from ._errors import Interrupted, InterruptedAfterPublish, InterruptedAtExit, error_hint, error_message, report_error
 from ._output import (OutputClosed, amend_written_outcome, forget_report_target, forget_written_report, report_written,
-                      print_stdout, report_failure)
+                      print_stdout, report_failure, report_target_checked)
 from ._signals import (child_signal, finish_at_exit, first_signal, forget_signals, in_forked_child, is_repeat,
                        take_first)
+from ._stale_report import replace_stale_report
 from .convert import convert
 from .inspect import inspect
 from .verify import verify
@@ -179,11 +180,15 @@ def _interrupts_raise() -> Iterator[None]:
 EXIT_BROKEN_PIPE = 141
 
 
-def _failed(exc: BaseException) -> int:
-    """Report ``exc`` (stderr), and in the command's --json target where it has one; the exit code."""
+def _failed(exc: BaseException, argv: list[str] | None = None) -> int:
+    """Report ``exc`` (stderr), and in the command's --json target where it has one; the exit code. An interruption
+    before the command checked its --json path replaces a report of an earlier run there (``argv``: the command's
+    arguments, default the process's; :func:`._stale_report.replace_stale_report`)."""
     code = report_error(exc)
     if isinstance(exc, InterruptedAfterPublish) or report_written():  # (a report written before: right but for the
         amend_written_outcome(code)  # exit code, e.g. a Ctrl-C while the table was printed after it)
+    elif isinstance(exc, (Interrupted, KeyboardInterrupt)) and not report_target_checked():
+        replace_stale_report(code, error_message(exc), argv)
     else:
         report_failure(error_message(exc), code, error_hint(exc))
     return code
@@ -242,9 +247,9 @@ def _main(argv: list[str] | None) -> int:
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             return _parser_error(exc)
         signum = first_signal()  # a signal came first: the failure is its consequence (a worker it stopped)
-        return _failed(exc if signum is None else Interrupted(signum))
+        return _failed(exc if signum is None else Interrupted(signum), argv)
     except (Interrupted, KeyboardInterrupt) as exc:
-        return _failed(exc)
+        return _failed(exc, argv)
     signum = first_signal()
     if signum is not None:  # taken, but its exception dropped by Python (:mod:`._signals`), after the command's own
         code = report_error(Interrupted(signum))  # check (its report is written: no second one): interrupted
@@ -267,6 +272,9 @@ def run() -> None:
     from then on is noted, and turns an exit code of 0 into 130 / 143 (:func:`._signals.finish_at_exit`; the process
     ends in the console script's last exit handler, :func:`._signals.exit_now`)."""
     code = main()
+    signum = first_signal()
+    if code == 0 and signum is not None:  # taken after main()'s own check, its exception dropped by Python (raised in a
+        code = _interrupted_at_exit(signum)  # callback: :mod:`._signals`): the run was interrupted all the same
     finish_at_exit(code, _interrupted_at_exit)
     sys.exit(code)
 
