@@ -231,6 +231,17 @@ def test_json_dash_is_not_checked_as_a_file_and_dot_slash_dash_is_a_file(tmp_pat
     assert json.loads((tmp_path / "-").read_text()) and "Plan for" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", ["--", "-q", "--overwrite"])
+def test_json_that_looks_like_an_option_is_refused(tmp_path, src, capsys, monkeypatch, value):
+    """A new-user helper: `--json --` wrote the report into a file named `--` (the option took the next argument as its
+    value). A value that starts with '-' (but '-', stdout) is refused before any work; ./NAME names such a file."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", str(src), "--json", value]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {value}: looks like an option" in err and f"./{value}" in err
+    assert not (tmp_path / value).exists()
+
+
 def test_convert_reports_the_manifest_digest_that_verify_checks(tmp_path, src, capsys):
     report_path = tmp_path / "report.json"
     assert main([str(src), str(tmp_path / "out"), "-q", "--json", str(report_path)]) == 0

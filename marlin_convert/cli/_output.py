@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import OutputError
+from ..errors import InputError, OutputError
 from ..fileio import is_hub_blob, replace_file
 from ._errors import one_line
 
@@ -280,6 +280,9 @@ def check_json_path(path: str | Path | None, *checkpoints: str | Path | None) ->
     if is_stdout(path):
         _report_target[0] = path
         return
+    if isinstance(path, str) and path.startswith("-"):  # (`--json --`, `--json -q`: an option taken for the file)
+        raise InputError(f"--json {path}: looks like an option, not a file name",
+                         hint=f"give the report's file after --json; for a file of that name write ./{path}")
     path = Path(path)
     resolved = Path(os.path.realpath(path))
     for directory in checkpoints:
