@@ -1370,6 +1370,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
     // c at float2 (c * entries + e) * kThreads + tid of its slot area (behind the in-block area `red`)
     const int entries = (T::kClusterPairs + splits - 1) / splits;
     const uint32_t slots = smem_u32(smem) + (uint32_t)T::kRedBytes;
+    constexpr int kPairs = WN * 512 / kThreads;  // output pairs per thread and m-block ([OUT] below)
+    static_assert(WN * 512 % kThreads == 0, "whole pairs per thread");
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
       // red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] = (acc[mb][nb][2 hi], acc[mb][nb][2 hi + 1])
@@ -1408,8 +1410,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
       // before any of its writes: read-add-write per pair made every read wait for the write before it (the compiler
       // cannot reorder a read of C past a write to C), one L2 round trip per pair and m-block in each contributor of
       // the serial chain (H200, the 256-column wgmma kernel at m = 128: 8 x 8 round trips, 4096 x 4096 took 142 us).
-      constexpr int kPairs = WN * 512 / kThreads;
-      static_assert(WN * 512 % kThreads == 0, "whole pairs per thread");
       float2 v[kPairs];
       size_t at[kPairs];  // pair index into C2
       bool ok[kPairs];
@@ -1471,7 +1471,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, G
 
     // ---- [RED] in a cluster: the pairs this block owns, each the sum of the `splits` contributors' in split order
     if (in_cluster) {
-      constexpr int kPairs = WN * 512 / kThreads;
       cluster_barrier();  // every push is in place (and no peer writes into this block's shared memory after this)
       const float2* pushed = reinterpret_cast<const float2*>(smem + T::kRedBytes);
       for (int e = 0; e < entries; ++e) {

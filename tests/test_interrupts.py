@@ -324,7 +324,7 @@ def test_the_same_signal_twice_at_once_is_one_interrupt(monkeypatch):
         repeat = signal.getsignal(signal.SIGTERM)
         now[0] += 0.001
         repeat(signal.SIGTERM, None)  # the copy sent to the group: ignored
-        launch._terminated(signal.SIGTERM, None)  # ... also by the console script's handler, given back meanwhile
+        launch._take_signal(signal.SIGTERM, None)  # ... also by the console script's handler, given back meanwhile
         assert sent == [] and signal.getsignal(signal.SIGTERM) is repeat
         now[0] += _signals.REPEAT_SECONDS
         repeat(signal.SIGTERM, None)  # a second request: the default action, at once
@@ -505,22 +505,34 @@ def test_a_sigterm_during_the_imports_whose_exception_was_dropped_still_terminat
     assert proc.stderr.strip() == "Error: terminated" and not out.exists()
 
 
-# argv: marlin-convert's arguments; the command line's main() runs to its end (exit code 0), then this process gets
-# the signal named by MARLIN_TEST_LATE_SIGNAL right after the function named by MARLIN_TEST_LATE_AFTER returns: main
-# (before the console script notes signals for the exit) or finish_at_exit (as a Ctrl-C in the interpreter's shutdown)
+# argv: marlin-convert's arguments; this process gets the signal named by MARLIN_TEST_LATE_SIGNAL right after the
+# function MARLIN_TEST_LATE_AFTER names ("module.function" of marlin_convert.cli) returns: app.main (the command line's
+# main() ran to its end, exit code 0; before the console script notes signals for the exit), app.finish_at_exit (as a
+# Ctrl-C in the interpreter's shutdown), convert.deferred_signal (convert's last check for a signal noted once its
+# output was complete, before main() returns)
 LATE_SIGNAL = """
-import os, signal, sys
-from marlin_convert.cli import app, launch
-name = os.environ["MARLIN_TEST_LATE_AFTER"]
-real = getattr(app, name)
+import importlib, os, signal, sys
+from marlin_convert.cli import launch
+module_name, name = os.environ["MARLIN_TEST_LATE_AFTER"].split(".")
+module = importlib.import_module("marlin_convert.cli." + module_name)
+real = getattr(module, name)
 def then_signal(*args, **kwargs):
     result = real(*args, **kwargs)
     os.kill(os.getpid(), getattr(signal, os.environ["MARLIN_TEST_LATE_SIGNAL"]))
     return result
-setattr(app, name, then_signal)
+setattr(module, name, then_signal)
 sys.argv = ["marlin-convert", *sys.argv[1:]]
 launch.run()
 """
+
+
+def _run_script(script: str, *args, **env) -> subprocess.CompletedProcess:
+    """``python -c script`` with marlin-convert's ``args`` and ``env`` added to the environment, SIGINT and SIGTERM
+    at their default actions (as a terminal starts it), output captured."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", **env}
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=WAIT_SECONDS, preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                                                    signal.signal(signal.SIGTERM, signal.SIG_DFL)))
 
 
 @pytest.mark.parametrize("output_imported", [False, True])
@@ -552,58 +564,22 @@ def test_a_sigterm_before_the_command_line_is_ready_replaces_an_earlier_report(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if before == "none" else ["report.json"])
 
 
-@pytest.mark.parametrize("after", ["main", "finish_at_exit"])
+@pytest.mark.parametrize("after", ["app.main", "app.finish_at_exit", "convert.deferred_signal"])
 @pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
 def test_a_signal_as_the_process_ends_never_leaves_exit_code_0(tmp_path, src, signame, code, word, after):
     """A Ctrl-C after the command completed, while the process was ending (about 55 ms of interpreter shutdown), ended
-    it with exit code 0; one just before that ended it with 130 but left its report file saying 0. Now the run says it
-    was interrupted, its report file says the same exit code, and the output stays complete."""
+    it with exit code 0; one just before that ended it with 130 but left its report file saying 0. And (a new-user
+    helper) a signal right after convert's last check for one (noted, since the output was complete) was dropped when
+    the process ended (finish_at_exit cleared the noted signals), so 16 of 60 runs signalled as the manifest line was
+    printed exited 0. Now the run says it was interrupted, its report file says the same exit code, and the output
+    stays complete."""
     out, report = tmp_path / "out", tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", "MARLIN_TEST_LATE_SIGNAL": signame,
-           "MARLIN_TEST_LATE_AFTER": after}
-    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL, str(src), str(out), "-q", "--json", str(report)],
-                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
-                          preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
-                                              signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    proc = _run_script(LATE_SIGNAL, src, out, "-q", "--json", report, MARLIN_TEST_LATE_SIGNAL=signame,
+                       MARLIN_TEST_LATE_AFTER=after)
     assert proc.returncode == code, (proc.returncode, proc.stderr)
     assert proc.stderr.startswith(f"Error: {word}") and "Traceback" not in proc.stderr, proc.stderr
-    if after == "finish_at_exit":
+    if after == "app.finish_at_exit":
         assert f"Error: {word} as the process was ending: the command had completed" in proc.stderr
-    data = json.loads(report.read_text())
-    assert data["ok"] is False and data["exit_code"] == code
-    assert (out / "marlin_manifest.json").is_file()
-
-
-# argv: marlin-convert's arguments; the signal named by MARLIN_TEST_LATE_SIGNAL comes right after convert's last
-# check for a signal noted since its output was complete (cli/convert.py's deferred_signal()), before main() returns
-AFTER_LAST_CHECK = """
-import os, signal, sys
-from marlin_convert.cli import convert, launch
-real = convert.deferred_signal
-def then_signal():
-    result = real()
-    os.kill(os.getpid(), getattr(signal, os.environ["MARLIN_TEST_LATE_SIGNAL"]))
-    return result
-convert.deferred_signal = then_signal
-sys.argv = ["marlin-convert", *sys.argv[1:]]
-launch.run()
-"""
-
-
-@pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
-def test_a_signal_after_the_last_check_of_a_conversion_never_leaves_exit_code_0(tmp_path, src, signame, code, word):
-    """A new-user helper: a signal right after convert's last check for one (noted, since the output was complete)
-    was dropped when the process ended (finish_at_exit cleared the noted signals), so 16 of 60 runs signalled as the
-    manifest line was printed exited 0. It now counts as a signal at the exit: 130 / 143, the report says so, the
-    output stays complete."""
-    out, report = tmp_path / "out", tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", "MARLIN_TEST_LATE_SIGNAL": signame}
-    proc = subprocess.run([sys.executable, "-c", AFTER_LAST_CHECK, str(src), str(out), "-q", "--json", str(report)],
-                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
-                          preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
-                                              signal.signal(signal.SIGTERM, signal.SIG_DFL)))
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    assert proc.stderr.startswith(f"Error: {word}") and "Traceback" not in proc.stderr, proc.stderr
     data = json.loads(report.read_text())
     assert data["ok"] is False and data["exit_code"] == code
     assert (out / "marlin_manifest.json").is_file()
@@ -644,12 +620,8 @@ def test_a_signal_dropped_as_unraisable_prints_no_traceback_and_still_interrupts
     also ended in exit 0. Now both say one Error line and end as interrupted."""
     assert UNRAISABLE_TERM != EARLY_TERM
     out, report = tmp_path / "out", tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", "SIG": signame}
     script = UNRAISABLE_TERM if when == "imports" else LATE_UNRAISABLE
-    proc = subprocess.run([sys.executable, "-c", script, str(src), str(out), "-q", "--json", str(report)],
-                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
-                          preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
-                                              signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    proc = _run_script(script, src, out, "-q", "--json", report, SIG=signame)
     assert proc.returncode == code, (proc.returncode, proc.stderr)
     assert proc.stderr.startswith(f"Error: {word}") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     if when == "imports":
@@ -678,11 +650,7 @@ def test_a_signal_before_the_command_checked_its_json_path_replaces_an_earlier_r
     '"ok": true' report in place (only the console script's first step replaced it)."""
     out, report = tmp_path / "out", tmp_path / "report.json"
     report.write_text('{"ok": true, "exit_code": 0, "layers": []}')
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", "SIG": signame}
-    proc = subprocess.run([sys.executable, "-c", AT_COMMAND_START, str(src), str(out), "--json", str(report)],
-                          capture_output=True, text=True, env=env, timeout=WAIT_SECONDS,
-                          preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
-                                              signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    proc = _run_script(AT_COMMAND_START, src, out, "--json", report, SIG=signame)
     assert proc.returncode == code, (proc.returncode, proc.stderr)
     data = json.loads(report.read_text())
     assert data["ok"] is False and data["exit_code"] == code and not out.exists()

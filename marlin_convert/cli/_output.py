@@ -209,8 +209,6 @@ def report_target_checked() -> bool:
     return _report_target[0] is not None
 
 
-
-
 def forget_written_report() -> None:
     """A new command: no report file written yet."""
     _written_report.clear()

@@ -154,7 +154,9 @@ def final_exit_code() -> int | None:
     if not _finished or _finished[2] != os.getpid():
         return None
     code, on_signal, _pid = _finished
-    signum = deferred_signal()
+    # noted at the end (deferred), or taken after the command's own last check with its exception dropped by Python
+    # (raised in a callback): either way the run was interrupted
+    signum = deferred_signal() or first_signal()
     if signum is not None and code == 0:
         try:
             code = on_signal(signum)

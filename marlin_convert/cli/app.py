@@ -272,9 +272,6 @@ def run() -> None:
     from then on is noted, and turns an exit code of 0 into 130 / 143 (:func:`._signals.finish_at_exit`; the process
     ends in the console script's last exit handler, :func:`._signals.exit_now`)."""
     code = main()
-    signum = first_signal()
-    if code == 0 and signum is not None:  # taken after main()'s own check, its exception dropped by Python (raised in a
-        code = _interrupted_at_exit(signum)  # callback: :mod:`._signals`): the run was interrupted all the same
     finish_at_exit(code, _interrupted_at_exit)
     sys.exit(code)
 

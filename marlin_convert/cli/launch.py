@@ -26,21 +26,14 @@ class _Terminated(BaseException):
     """SIGTERM before (or after) the command line's own handler is in place."""
 
 
-def _terminated(signum: int, _frame) -> None:
+def _take_signal(signum: int, _frame) -> None:
+    """SIGTERM or SIGINT before (or after) the command line's own handler is in place: :class:`_Terminated`, or
+    KeyboardInterrupt as Python's own SIGINT handler raises, but noted (:func:`first_signal`), so that one whose
+    exception Python drops (raised in a callback) still ends the run as interrupted."""
     if in_forked_child():  # (a process forked from this one: :mod:`._signals`)
         child_signal(signum)
-    elif not is_repeat(signum):  # (the same SIGTERM twice: GNU timeout; :mod:`._signals`)
-        take_first(signum, _Terminated())
-
-
-def _interrupted(signum: int, _frame) -> None:
-    """SIGINT before the command line's own handler is in place: KeyboardInterrupt, as Python's own handler, but noted
-    (:func:`first_signal`), so that one whose exception Python drops (raised in a callback) still ends the run as
-    interrupted."""
-    if in_forked_child():
-        child_signal(signum)
-    elif not is_repeat(signum):
-        take_first(signum, KeyboardInterrupt())
+    elif not is_repeat(signum):  # (the same signal twice: GNU timeout; :mod:`._signals`)
+        take_first(signum, KeyboardInterrupt() if signum == signal.SIGINT else _Terminated())
 
 
 def _amend_report(code: int, message: str) -> None:
@@ -73,9 +66,9 @@ def run() -> None:
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     early = args[:1] == ["verify"] and not _NO_KERNEL & set(args)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (one the process was started ignoring stays ignored)
-        signal.signal(signal.SIGTERM, _terminated)
+        signal.signal(signal.SIGTERM, _take_signal)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (likewise: `cmd &` starts it ignored)
-        signal.signal(signal.SIGINT, _interrupted)
+        signal.signal(signal.SIGINT, _take_signal)
     try:
         if early:
             from ..gpu_workers import prestart
