@@ -21,7 +21,7 @@ from . import compressed_tensors, layout, strict_json
 from .errors import InputError
 from .experts import expert_group_summary, split_expert_key
 from .fileio import outside_link, read_inside
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, parse_dynamic
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, lm_head_contradiction, parse_dynamic
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SHARD_METADATA, SafetensorsFile, read_header
@@ -141,6 +141,12 @@ def _source_problems(entry: dict, spec: QuantSpec) -> list[str]:
     if sources and entry["zero_format"] != sources[0]["zero_format"]:
         problems.append(f"manifest zero_format {entry['zero_format']} is not its source's, "
                         f"{sources[0]['zero_format']}")
+    # act_order (perm, g_idx) is true when a source's g_idx is not trivial (a stacked set: any expert's); each source's
+    # own label is then held to its rebuilt g_idx (in :mod:`marlin_convert.verify`'s data pass)
+    if spec.act_order and sources and not any(source["g_idx"] == "act_order" for source in sources):
+        labels = sorted({source["g_idx"] for source in sources})
+        problems.append(f"manifest act_order is true (perm, g_idx), but its source's g_idx is {' / '.join(labels)}, "
+                        "not act_order")
     base, _, projection = entry["name"].rpartition(".")
     for position, source in enumerate(sources):
         where = f"source '{source['name']}'"
@@ -373,7 +379,25 @@ def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
             problems.append(f"{name}: {kept_key} is {json.dumps(listed)[:80]}, the manifest keeps "
                             f"{len(kept)} layer(s) in their source form")
         problems += _settings_problems(name, section, manifest)
+        problems += _lm_head_problems(name, section, manifest)
     return problems
+
+
+def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
+    """The ``lm_head`` flag (a loader reads it to build the output head quantized or not) against the manifest: false
+    with a converted ``lm_head``, or true with ``lm_head.weight`` passed through unquantized and none converted."""
+    flag = section.get("lm_head")
+    if not isinstance(flag, bool):
+        return []
+    converted = [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
+    plain = [entry["name"].removesuffix(".weight") for entry in manifest["passthrough"]
+             if entry["name"].endswith(".weight") and len(entry["shape"]) == 2]
+    module = lm_head_contradiction(flag, converted, plain)
+    if module is None:
+        return []
+    found = (f"layer '{module}' is converted" if not flag
+             else f"'{module}.weight' is passed through unquantized and no layer '{module}' is converted")
+    return [f"{name}: lm_head is {json.dumps(flag)}, but {found}"]
 
 
 def _effective_group(group_size, k: int):

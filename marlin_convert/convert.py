@@ -754,21 +754,27 @@ def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shar
             for shard in plan.shards for job in shard.jobs if job.kind == "copy" and job.output.name not in kept]
 
 
-def _source_entry(member: LayerPlan, first: int | None, stop: int | None, digests: dict[str, str]) -> dict:
-    return {
+def _source_entry(member: LayerPlan, first: int | None, stop: int | None, digests: dict[str, str] | None) -> dict:
+    """One ``sources`` item of a layer entry; without ``digests`` (not known before the tensors are read), no
+    ``digests`` key."""
+    entry = {
         "name": member.prefix,
         "tensors": member.source_names,
         "slices": None if first is None else [first, stop],
         "g_idx": "act_order" if member.spec.act_order else ("trivial" if member.has_g_idx else "absent"),
         "zero_format": member.spec.zero_format,
         "zero_stored": member.zero_stored,
-        "digests": {kind: digests[name] for kind, name in member.source_names.items()},
-        **member.source_extras(),
     }
+    if digests is not None:
+        entry["digests"] = {kind: digests[name] for kind, name in member.source_names.items()}
+    return {**entry, **member.source_extras()}
 
 
-def _layer_entry(layer: OutputLayer, digests: dict[str, str], out_shard: dict[str, str]) -> dict:
-    """The manifest's record of one output layer (CONTRACT C; README, "The manifest")."""
+def layer_entry(layer: OutputLayer, digests: dict[str, str] | None = None,
+                out_shard: dict[str, str] | None = None) -> dict:
+    """The manifest's record of one output layer (CONTRACT C; README, "The manifest"). Without ``digests`` and
+    ``out_shard`` (known once the tensors are read and placed), the record leaves out the sources' ``digests`` and
+    the layer's ``shards``: what the plan alone decides (``verify --source`` compares it with the manifest's)."""
     outputs = marlin_outputs(layer)
     plan, spec = layer.plan, layer.spec
     k_pad, n_pad = spec.padded_shape
@@ -779,7 +785,7 @@ def _layer_entry(layer: OutputLayer, digests: dict[str, str], out_shard: dict[st
     entry = {
         "name": layer.prefix,
         "outputs": {kind: t.name for kind, t in outputs.items()},
-        "shards": {kind: out_shard[t.name] for kind, t in outputs.items()},
+        **({} if out_shard is None else {"shards": {kind: out_shard[t.name] for kind, t in outputs.items()}}),
         "shapes": {kind: list(t.shape) for kind, t in outputs.items()},
         "bits": spec.bits,
         "group_size": spec.group_size,
@@ -911,7 +917,7 @@ def convert(
         _write_configs(plan, tmp)
         files = output_file_digests(tmp, extra.copy, workers)
 
-        layers = [_layer_entry(layer, digests, out_shard) for layer in plan.outputs]
+        layers = [layer_entry(layer, digests, out_shard) for layer in plan.outputs]
         kept = [_kept_entry(layer, digests, out_shard) for layer in plan.refused]
         bytes_out = sum(record["bytes"] for record in files.values())
         manifest = {
@@ -979,5 +985,6 @@ def convert(
     )
 
 
-__all__ = ["ConversionPlan", "ConversionReport", "OutputLayer", "build_plan", "convert", "marlin_outputs",
+__all__ = ["ConversionPlan", "ConversionReport", "OutputLayer", "build_plan", "convert", "layer_entry",
+           "marlin_outputs",
            "output_configs", "run_job"]

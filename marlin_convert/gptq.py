@@ -168,6 +168,10 @@ class QuantConfig:
     #: config.json's ``dynamic`` rules where it lists quantize_config.json's rules in another order (else empty): a
     #: loader that reads config.json alone resolves with these, so every module must resolve alike under both
     dynamic_other_order: tuple[DynamicRule, ...] = ()
+    #: the ``lm_head`` flag (GPTQModel: whether the module named ``lm_head`` is quantized), None where not stated,
+    #: and the file that states it
+    lm_head: bool | None = None
+    lm_head_origin: str = ""
     source_format: ClassVar[str] = "gptq"
 
     @property
@@ -367,9 +371,9 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         sources=sources,
         as_read=merged,
         dynamic_other_order=other_order,
+        lm_head=value("lm_head", bool, None),
+        lm_head_origin=origin.get("lm_head", ""),
     )
-    if "lm_head" in merged:
-        value("lm_head", bool, False)
     check_model_dtype(config_json, config_path)
     return config, config_json, quantize_json
 
@@ -835,12 +839,43 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
     if not prefixes:
         raise InputError(f"{checkpoint.path}: not a GPTQ checkpoint: no tensor named '*.qweight'")
     _refuse_layers_without_qweight(checkpoint, set(prefixes))
+    _check_lm_head_flag(checkpoint, prefixes)
     if checkpoint.config.dynamic_other_order:
         # the rules in config.json's order must resolve the modules stored unquantized alike too (an excluded module
         # that config.json's order quantizes would be loaded as quantized by a loader reading config.json alone)
         for module in checkpoint.plain_linear_modules():
             checkpoint.config.settings_for(module)
     return [plan_layer(checkpoint, p) for p in prefixes]
+
+
+def is_lm_head(module: str) -> bool:
+    """Whether ``module`` is the output head the GPTQ ``lm_head`` flag speaks of (GPTQModel's ``lm_head`` module)."""
+    return module.rsplit(".", 1)[-1] == "lm_head"
+
+
+def lm_head_contradiction(flag: bool | None, quantized: list[str], plain: list[str]) -> str | None:
+    """The module the ``lm_head`` flag contradicts, else None: ``false`` with a quantized ``lm_head`` among
+    ``quantized``, or ``true`` with none there and an ``lm_head`` among ``plain`` (stored unquantized). Not stated,
+    or an ``lm_head`` not stored at all (tied to the embeddings), contradicts nothing."""
+    heads = [module for module in quantized if is_lm_head(module)]
+    if flag is False and heads:
+        return heads[0]
+    plain_heads = [module for module in plain if is_lm_head(module)]
+    if flag is True and not heads and plain_heads:
+        return plain_heads[0]
+    return None
+
+
+def _check_lm_head_flag(checkpoint: Checkpoint, prefixes: list[str]) -> None:
+    """Refuse an ``lm_head`` flag the stored tensors contradict, as a ``-:`` rule on a stored qweight is."""
+    config = checkpoint.config
+    module = lm_head_contradiction(config.lm_head, prefixes, checkpoint.plain_linear_modules())
+    if module is None:
+        return
+    stored = (f"'{module}.qweight' is stored" if config.lm_head is False
+              else f"'{module}.weight' is stored unquantized (no '{module}.qweight')")
+    raise InputError(f"{config.lm_head_origin}: lm_head is {json.dumps(config.lm_head)}, but {stored}",
+                     hint="make the config's lm_head say whether the checkpoint stores the lm_head quantized")
 
 
 def _refuse_layers_without_qweight(checkpoint: Checkpoint, prefixes: set[str]) -> None:

@@ -12,6 +12,8 @@ and holds the output to it:
   file than those and what the converter writes (shards, index, configs);
 - the configs are equal to what the converter writes from the source's configs
   (:func:`marlin_convert.convert.output_configs`), key for key (``4.0`` is not ``4``);
+- every converted layer's entry says what converting the source records for it (settings, shapes, names and each
+  source's record, its g_idx kind among them), field for field: :func:`layer_problems`, by layer;
 - what the manifest records of the source's configs (``quantization_defaults``, ``source.quantization_config``) is
   what converting the source records.
 """
@@ -23,7 +25,7 @@ import os
 from pathlib import Path
 
 from .audit import read_config
-from .convert import ConversionPlan, build_plan, output_configs, produced_names
+from .convert import ConversionPlan, build_plan, layer_entry, output_configs, produced_names
 from .fileio import hash_file, hash_range
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint
 from .outfiles import select_extra_files
@@ -185,6 +187,28 @@ def manifest_record_problems(plan: ConversionPlan, manifest: dict) -> list[str]:
     return problems
 
 
+def layer_problems(plan: ConversionPlan, manifest: dict) -> dict[int, list[str]]:
+    """Each manifest layer against the entry converting the source writes for the layer of that name (every field
+    the plan decides: all but the shards and the digests, which the data pass checks), by manifest layer index.
+    A layer the plan does not make is left to :func:`accounting_problems` (its tensors are in another role)."""
+    made = {output.prefix: layer_entry(output) for output in plan.outputs}
+    found: dict[int, list[str]] = {}
+    for i, entry in enumerate(manifest["layers"]):
+        record = made.get(entry["name"])
+        if record is None:
+            continue
+        said = {key: entry[key] for key in record if key in entry}
+        if len(entry["sources"]) == len(record["sources"]):
+            said["sources"] = [{key: src[key] for key in want if key in src}
+                               for src, want in zip(entry["sources"], record["sources"])]
+        difference = _first_difference(said, record, "", record)
+        if difference is not None:
+            where, said_value, made_value = difference
+            found[i] = [f"the manifest's {where} is {_shown(said_value)}, converting --source records "
+                        f"{_shown(made_value)}"]
+    return found
+
+
 def file_problems(plan: ConversionPlan, source_dir: Path, manifest: dict) -> tuple[list[str], int]:
     """The files of the output against what converting the source writes and copies: the shards, the index, each
     copied file present and equal to the source's, no other file. Returns the problems and the files compared."""
@@ -271,4 +295,4 @@ def compare_with_source(plan: ConversionPlan, source_dir: Path, out_dir: Path, m
             + manifest_record_problems(plan, manifest), tensors + files)
 
 
-__all__ = ["compare_with_source", "plan_source"]
+__all__ = ["compare_with_source", "layer_problems", "plan_source"]

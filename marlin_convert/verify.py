@@ -47,12 +47,13 @@ from typing import Callable
 
 import numpy as np
 
+from . import layout
 from .audit import Audit, FileCheck, audit
 from .errors import InputError, KernelUnavailableError, ManifestError, VerificationFailed
 from .fileio import open_inside
 from .gpu_check import RELATIVE_ERROR_BOUND, KernelCheck
 from .gpu_workers import GpuWorkers
-from .source_match import compare_with_source, plan_source
+from .source_match import compare_with_source, layer_problems, plan_source
 from .sources import FORM_NAMES, open_checkpoint
 from .manifest import layer_count, read_manifest
 from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
@@ -278,7 +279,7 @@ def _run_source(task: SourceTask) -> SourceOutcome:
     hashes = {kind: hashlib.sha256() for kind in source["digests"]}
     span = [None] if source["slices"] is None else list(range(*source["slices"]))
     stacked_source = source["slices"] is not None and len(entry["sources"]) == 1
-    outcomes, complete = [], True
+    outcomes, complete, non_trivial = [], True, False
     seconds = {"read + inverse": 0.0, "hash": 0.0}
     for expert in span:
         start = time.perf_counter()
@@ -290,6 +291,9 @@ def _run_source(task: SourceTask) -> SourceOutcome:
         rebuilt_at = time.perf_counter()
         seconds["read + inverse"] += rebuilt_at - start
         problems = list(rebuilt.problems)
+        if rebuilt.complete and layer.spec.act_order:
+            non_trivial |= not np.array_equal(stage.view("g_idx"), layout.trivial_g_idx(
+                layer.spec.in_features, layer.spec.effective_group_size))
         if rebuilt.complete:
             for kind, digest in hashes.items():
                 digest.update(stage.view(kind).reshape(-1).view(np.uint8))
@@ -313,6 +317,10 @@ def _run_source(task: SourceTask) -> SourceOutcome:
                       if "sha256:" + digest.hexdigest() != source["digests"][kind]]
         digest_problems = [f"digest mismatch: rebuilt {', '.join(mismatched)} of '{source['name']}' differ(s) "
                            "from the source"] if mismatched else []
+        if layer.spec.act_order and (source["g_idx"] == "act_order") != non_trivial:
+            # (the audit holds the layer's act_order to its sources' labels, this each label to the data)
+            digest_problems.append(f"source '{source['name']}' says its g_idx is {source['g_idx']}, the rebuilt g_idx "
+                                   f"is {'not ' if non_trivial else ''}trivial")
     return SourceOutcome(seconds, layer=task.layer, source=task.source, slices=outcomes,
                          digest_problems=digest_problems)
 
@@ -562,6 +570,10 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
     per_entry = _results_skeleton(manifest, checked)
     for i, found in unmatched.items():
+        for result in per_entry[i]:
+            for problem in found:
+                result.fail(problem)
+    for i, found in (layer_problems(plan, manifest) if plan is not None else {}).items():
         for result in per_entry[i]:
             for problem in found:
                 result.fail(problem)

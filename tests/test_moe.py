@@ -215,3 +215,20 @@ def test_an_expert_count_of_another_type_is_refused_not_ignored(tmp_path, capsys
     err = capsys.readouterr().err
     assert f"{src / 'config.json'}: 'num_experts' must be" in err and fragment in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stacked_expert_whose_g_idx_label_contradicts_its_data_fails(tmp_path):
+    """--stack-experts with act-order experts: relabelling one expert's source g_idx "act_order" as "trivial" left the
+    layer act-order through its other experts; the label is now held to the rebuilt g_idx."""
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=4, num_layers=1, act_order=True))
+    out = tmp_path / "out"
+    convert(src, out, stack_experts=True, workers=1)
+    manifest = load_manifest(out)
+    index, entry = next((i, x) for i, x in enumerate(manifest["layers"]) if len(x["sources"]) == 4)
+    assert entry["sources"][2]["g_idx"] == "act_order"
+    manifest["layers"][index]["sources"][2]["g_idx"] = "trivial"
+    (out / "marlin_manifest.json").write_text(json.dumps(manifest))
+    failures = verify(out, gpus=None, workers=1).failures
+    assert [(f.name, f.expert) for f in failures] == [(entry["name"], 2)]
+    assert any("says its g_idx is trivial, the rebuilt g_idx is not trivial" in p
+               for p in failures[0].integrity_problems)

@@ -103,6 +103,29 @@ def test_minus_rule_on_a_stored_quantized_layer_is_a_contradiction(tmp_path):
         build_plan(src)
 
 
+def test_an_lm_head_flag_the_stored_tensors_contradict_is_refused(tmp_path, capsys):
+    """An attack helper: "lm_head": false with lm_head.qweight stored (and true with a plain lm_head.weight) converted;
+    refused as the -: rule on a stored qweight is, naming the config file, the flag and the tensor."""
+    quantized = write_checkpoint(tmp_path / "q", with_quantized_lm_head(tiny_llama(num_layers=1, vocab=256)))
+    set_quant_config(quantized, lm_head=False)
+    with pytest.raises(InputError, match=r"quantize_config.json: lm_head is false, but 'lm_head.qweight' is stored$"):
+        build_plan(quantized)
+    plain = write_checkpoint(tmp_path / "p", tiny_llama(num_layers=1, vocab=256))
+    set_quant_config(plain, lm_head=True)
+    assert main([str(plain), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "quantize_config.json: lm_head is true, but 'lm_head.weight' is stored unquantized" in err
+    assert err.count("Error:") == 1
+
+
+def test_an_lm_head_flag_that_agrees_or_is_absent_converts(tmp_path):
+    quantized = write_checkpoint(tmp_path / "q", with_quantized_lm_head(tiny_llama(num_layers=1, vocab=256)))
+    assert "lm_head" in _specs(build_plan(quantized))
+    plain = write_checkpoint(tmp_path / "p", tiny_llama(num_layers=1, vocab=256))
+    set_quant_config(plain, lm_head=False)
+    assert "lm_head" not in _specs(build_plan(plain))
+
+
 def test_first_matching_rule_wins_and_rules_match_at_the_start_of_the_name(tmp_path):
     spec = _llama(tmp_path, {"down_proj": {"group_size": 32}},
                   {"down_proj": {"group_size": 128},  # re.match: anchored at the start, so this matches nothing

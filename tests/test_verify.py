@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 from edit_checkpoint import set_quant_config
-from make_gptq_checkpoint import tiny_llama, write_checkpoint
+from make_gptq_checkpoint import tiny_llama, with_quantized_lm_head, write_checkpoint
 
 from marlin_convert.cli.app import main
 from marlin_convert.convert import convert
@@ -239,6 +239,19 @@ def test_configs_must_say_what_the_manifest_says(out):
     config["checkpoint_format"] = "gptq"
     path.write_text(json.dumps(config))
     _fails(out, "quantize_config.json: checkpoint_format is \"gptq\"", "file quantize_config.json")
+
+
+def test_an_lm_head_flag_that_contradicts_the_layers_fails(out, tmp_path):
+    """An output config whose lm_head says quantized while lm_head.weight is passed through (or not quantized while
+    layer lm_head is converted) would have a loader build the head wrongly."""
+    path = out / "quantize_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "lm_head": True}))
+    _fails(out, "quantize_config.json: lm_head is true, but 'lm_head.weight' is passed through unquantized")
+    src = write_checkpoint(tmp_path / "q", with_quantized_lm_head(tiny_llama(num_layers=1, vocab=256)))
+    convert(src, tmp_path / "q_out", workers=1)
+    set_quant_config(tmp_path / "q_out", lm_head=False)
+    _fails(tmp_path / "q_out", "config.json: lm_head is false, but layer 'lm_head' is converted",
+           "quantize_config.json: lm_head is false")
 
 
 def test_an_index_that_maps_a_tensor_elsewhere_fails(out):
@@ -586,3 +599,26 @@ def test_configs_that_give_a_converted_layer_other_settings_fail(out, capsys, ch
     assert not report.ok
     for name in ("config.json", "quantize_config.json"):
         assert any(p.startswith(f"{name}: ") and found in p for p in report.problems), report.problems
+
+
+def test_an_act_order_layer_whose_source_says_trivial_fails_that_layer(out, capsys):
+    """An attack helper: sources[].g_idx "trivial" on a layer with perm (act-order) passed verify, with --source too;
+    the layer's act_order is true only when a source's g_idx is act-order."""
+    index = next(i for i, entry in enumerate(load_manifest(out)["layers"]) if entry["act_order"])
+    name = load_manifest(out)["layers"][index]["name"]
+    _edit_manifest(out, lambda m: m["layers"][index]["sources"][0].update(g_idx="trivial"))
+    report = verify(out, gpus=None, workers=1)
+    assert [r.name for r in report.failures] == [name]
+    assert any("act_order is true" in p and "trivial" in p for p in report.failures[0].integrity_problems)
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 1
+    assert name in capsys.readouterr().err
+
+
+def test_source_compares_each_layer_entry_with_the_replanned_conversion(tmp_path, converted, out):
+    """--source holds every field the plan decides, a source's g_idx kind among them, and names the field."""
+    index = next(i for i, entry in enumerate(load_manifest(out)["layers"]) if entry["act_order"])
+    _edit_manifest(out, lambda m: m["layers"][index]["sources"][0].update(g_idx="trivial"))
+    report = verify(out, gpus=None, workers=1, source_dir=converted.parent / "in")
+    assert [r.name for r in report.failures] == [load_manifest(out)["layers"][index]["name"]]
+    assert ('the manifest\'s sources[0].g_idx is "trivial", converting --source records "act_order"'
+            in report.failures[0].integrity_problems)
