@@ -25,7 +25,7 @@ from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, lm
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SHARD_METADATA, SafetensorsFile, read_header
-from .sources import KEPT_MODULES_KEYS, SOURCE_FORMAT_KEY
+from .sources import KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY
 from .spec import QuantSpec
 
 
@@ -380,6 +380,31 @@ def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
                             f"{len(kept)} layer(s) in their source form")
         problems += _settings_problems(name, section, manifest)
         problems += _lm_head_problems(name, section, manifest)
+        problems += _defaults_problems(name, section, manifest)
+    return problems
+
+
+def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
+    """The manifest's ``quantization_defaults`` (the source config's global settings as read) against the output
+    config, which keeps them as read: a GPTQ source's ``bits``, ``group_size``, ``desc_act``, ``sym`` and ``dynamic``
+    (rules in any order, none as null or {}; ``checkpoint_format`` is rewritten there, so not compared), a
+    compressed-tensors source's every default under ``source_quantization_config``."""
+    defaults = manifest["quantization_defaults"]
+    if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
+        written = section.get(SOURCE_CONFIG_KEY)
+        written, where = (written if isinstance(written, dict) else {}), f"{SOURCE_CONFIG_KEY}."
+        keys = list(defaults)
+    else:
+        written, where = section, ""
+        keys = [key for key in defaults if key != "checkpoint_format"]
+    problems = []
+    for key in keys:
+        said, stated = defaults[key], written.get(key)
+        if key == "dynamic" and manifest["source"]["format"] != compressed_tensors.QUANT_METHOD:
+            said, stated = (json.dumps(value or {}, sort_keys=True) for value in (said, stated))
+        if json.dumps(said) != json.dumps(stated):  # (as JSON: 4.0 is not 4)
+            problems.append(f"{name}: {where}{key} is {json.dumps(written.get(key))[:80]}, the manifest's "
+                            f"quantization_defaults.{key} is {json.dumps(defaults[key])[:80]}")
     return problems
 
 
@@ -400,15 +425,10 @@ def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
     return [f"{name}: lm_head is {json.dumps(flag)}, but {found}"]
 
 
-def _effective_group(group_size, k: int):
-    """A group size as the kernel takes it: -1 (channelwise) for -1 or any size >= K."""
-    return -1 if group_size == -1 or (isinstance(group_size, int) and group_size >= k) else group_size
-
-
 def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
     """Each converted layer's settings as a loader takes them from ``section`` (the defaults, then the first
-    matching ``dynamic`` rule, GPTQModel's rule) against the layer's entry: bits, group size and, where the config
-    states it, sym. A config edited to other settings would have an engine size ``B`` and ``s`` wrongly. (desc_act
+    matching ``dynamic`` rule, GPTQModel's rule) against the layer's entry: bits, group size (exactly) and, where the
+    config states it, sym. A config edited to other settings would have an engine size ``B`` and ``s`` wrongly. (desc_act
     is not compared: a source whose g_idx is not trivial is converted with act-order whatever desc_act says.)"""
     try:
         config = QuantConfig(bits=section.get("bits"), group_size=section.get("group_size", -1),
@@ -420,8 +440,9 @@ def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
     for entry in manifest["layers"]:
         for source in entry["sources"]:  # per module, as a loader resolves them (an expert of a stacked entry too)
             module, settings = source["name"], config.settings_for(source["name"])
-            said = {"bits": settings.bits, "group_size": _effective_group(settings.group_size, entry["in_features"])}
-            made = {"bits": entry["bits"], "group_size": _effective_group(entry["group_size"], entry["in_features"])}
+            # the group size exactly (the field is the one the config gives the layer: 129 on K = 128 is not 128)
+            said = {"bits": settings.bits, "group_size": settings.group_size}
+            made = {"bits": entry["bits"], "group_size": entry["group_size"]}
             if settings.sym is not None:
                 said["sym"], made["sym"] = settings.sym, entry["sym"]
             if not settings.quantized:

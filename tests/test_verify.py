@@ -622,3 +622,20 @@ def test_source_compares_each_layer_entry_with_the_replanned_conversion(tmp_path
     assert [r.name for r in report.failures] == [load_manifest(out)["layers"][index]["name"]]
     assert ('the manifest\'s sources[0].g_idx is "trivial", converting --source records "act_order"'
             in report.failures[0].integrity_problems)
+
+
+@pytest.mark.parametrize("group_size", [129, 256])
+def test_a_layer_group_size_at_or_above_k_is_held_exactly(tmp_path, group_size):
+    """An attack helper: 128 -> 129 or 256 on a K = 128 layer (one group either way) passed verify, with or without
+    --source; the field is the group size the config gives the layer."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, group_size=128))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    index = next(i for i, entry in enumerate(load_manifest(out)["layers"]) if entry["in_features"] == 128)
+    name = load_manifest(out)["layers"][index]["name"]
+    _edit_manifest(out, lambda m: m["layers"][index].update(group_size=group_size))
+    _fails(out, f"gives module '{name}' group_size 128 (the config); it was converted with {group_size}")
+    report = verify(out, gpus=None, workers=1, source_dir=src)
+    assert [r.name for r in report.failures] == [name]
+    assert (f"the manifest's group_size is {group_size}, converting --source records 128"
+            in report.failures[0].integrity_problems)

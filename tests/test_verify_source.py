@@ -313,12 +313,8 @@ def _set_config(out: Path, name: str, change) -> None:
     ("config.json", lambda c: c.update(vocab_size=512), "config.json: vocab_size is 512, converting --source writes 256"),
     ("config.json", lambda c: c.update(architectures=["MistralForCausalLM"]),
      'config.json: architectures[0] is "MistralForCausalLM", converting --source writes "LlamaForCausalLM"'),
-    ("config.json", lambda c: c["quantization_config"].update(desc_act=True),
-     "config.json: quantization_config.desc_act is true, converting --source writes false"),
     ("config.json", lambda c: c["quantization_config"].update(pack_dtype="int8"),
      'config.json: quantization_config.pack_dtype is "int8", converting --source writes absent'),
-    ("config.json", lambda c: c["quantization_config"].update(bits=4.0),
-     "config.json: quantization_config.bits is 4.0, converting --source writes 4"),
     ("quantize_config.json", lambda c: c.pop("true_sequential"),
      "quantize_config.json: true_sequential is absent, converting --source writes true"),
 ])
@@ -331,11 +327,24 @@ def test_configs_that_differ_from_what_the_source_converts_to_fail(out, name, ch
     assert_fails(out, EXAMPLE, found)
 
 
+@pytest.mark.parametrize("change, alone, found", [
+    (lambda c: c["quantization_config"].update(desc_act=True),
+     "config.json: desc_act is true, the manifest's quantization_defaults.desc_act is false",
+     "config.json: quantization_config.desc_act is true, converting --source writes false"),
+    (lambda c: c["quantization_config"].update(bits=4.0),
+     "config.json: bits is 4.0, the manifest's quantization_defaults.bits is 4",
+     "config.json: quantization_config.bits is 4.0, converting --source writes 4"),
+])
+def test_config_defaults_that_differ_from_the_manifest_fail_with_or_without_source(out, change, alone, found):
+    """A default the output config keeps as read is held to the manifest's quantization_defaults without --source
+    (an attack helper: an edit to either passed verify), and to the source's with it."""
+    _set_config(out, "config.json", change)
+    resign(out)
+    assert_fails(out, None, alone)
+    assert_fails(out, EXAMPLE, found)
+
+
 @pytest.mark.parametrize("change, found", [
-    (lambda m: m["quantization_defaults"].update(bits=8), "the manifest's quantization_defaults.bits is 8, converting "
-                                                          "--source records 4"),
-    (lambda m: m["quantization_defaults"].update(desc_act=True),
-     "the manifest's quantization_defaults.desc_act is true, converting --source records false"),
     (lambda m: m["source"].update(quantization_config=["quantize_config.json"]),
      "the manifest's source.quantization_config is [\"quantize_config.json\"], converting --source records"),
     (lambda m: m["source"].update(bytes=2**63), f"the manifest's source.bytes is {2**63}, converting --source records"),
@@ -346,6 +355,22 @@ def test_a_manifest_whose_record_of_the_source_config_was_edited_fails(out, chan
     --source passed (found by an attack helper). They are now held to what converting the source records."""
     edit_manifest(out, change)
     assert verify(out, gpus=None, workers=1).ok
+    assert_fails(out, EXAMPLE, found)
+
+
+@pytest.mark.parametrize("change, alone, found", [
+    (lambda m: m["quantization_defaults"].update(bits=8, group_size=32, sym=False),
+     "quantize_config.json: bits is 4, the manifest's quantization_defaults.bits is 8",
+     "the manifest's quantization_defaults.bits is 8, converting --source records 4"),
+    (lambda m: m["quantization_defaults"].update(desc_act=True),
+     "config.json: desc_act is false, the manifest's quantization_defaults.desc_act is true",
+     "the manifest's quantization_defaults.desc_act is true, converting --source records false"),
+])
+def test_manifest_defaults_that_differ_from_the_output_configs_fail_without_source(out, change, alone, found):
+    """An attack helper: quantization_defaults edited to 8 bits passed verify without --source, though the output's
+    own configs, which keep the defaults as read, say 4."""
+    edit_manifest(out, change)
+    assert_fails(out, None, alone)
     assert_fails(out, EXAMPLE, found)
 
 
@@ -361,7 +386,9 @@ def test_a_compressed_tensors_source_config_edited_in_the_output_fails(tmp_path)
 
     _set_config(out, "config.json", change)
     resign(out)
-    assert verify(out, gpus=None, workers=1).ok
+    # without --source: the manifest's quantization_defaults, which record the config groups as read
+    assert_fails(out, None, "config.json: source_quantization_config.config_groups is {\"group_0\"",
+                 "the manifest's quantization_defaults.config_groups is")
     assert_fails(out, fixture, "config.json: quantization_config.source_quantization_config.config_groups.group_0."
                                "weights.observer is \"mse\", converting --source writes ")
 
