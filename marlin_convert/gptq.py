@@ -670,7 +670,11 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
         return
     shape = checkpoint.info(name).shape
     where = checkpoint.location[name].path
-    if num_experts and (len(shape) != 3 - (suffix == "g_idx") or shape[0] != num_experts):
+    dims = 3 - (suffix == "g_idx")
+    if num_experts and len(shape) != dims:
+        raise InputError(f"{where}: tensor '{name}' has shape {list(shape)}: {len(shape)}-D, but {prefix}.qweight is "
+                         f"3-D (stacked, {num_experts} experts), so {suffix} must be {dims}-D with the experts first")
+    if num_experts and shape[0] != num_experts:
         raise InputError(f"{where}: tensor '{name}' has shape {list(shape)}: {shape[0] if shape else 0} experts, "
                          f"but {prefix}.qweight has {num_experts}")
     expected = num_groups(k, settings.group_size)
@@ -678,9 +682,12 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
         rows = shape[-2]
         meaning = ("channelwise" if rows == 1 else f"group size {k // rows}" if k % rows == 0
                    else f"{rows} groups")
+        stated = ("group_size" in checkpoint.config.as_read
+                  or (settings.rule is not None and "group_size" in settings.rule.overrides))
+        says = (f"{settings.origin} says group size {settings.group_size}" if stated else
+                f"{settings.origin} states no group_size (so -1, channelwise)")
         raise InputError(f"{where}: tensor '{name}' has {_rows(rows)}: that is {meaning} for K = {k} (qweight's "
-                         f"{_rows(k * settings.bits // 32)} at {settings.bits} bits), but {settings.origin} says "
-                         f"group size {settings.group_size} ({_rows(expected)})")
+                         f"{_rows(k * settings.bits // 32)} at {settings.bits} bits), but {says} ({_rows(expected)})")
 
 
 def _stored_bits_hint(rows: int, g_idx_k: int | None) -> str:

@@ -1106,3 +1106,11 @@ def test_json_reports_keep_characters_beyond_u_ffff_whose_second_surrogate_looks
     assert data["out_dir"].endswith("out\U00020080")
     value = {"a\udcff": "\\udc80 \\\\\udcfe \U0001F480\udc80"}
     assert json.loads(json_text(value)) == {"a\\xff": "\\udc80 \\\\\\xfe \U0001F480\\x80"}
+
+
+def test_help_as_a_command_points_to_help(capsys):
+    """An attack helper: `marlin-convert help` answered only "Missing argument 'OUT_DIR'"."""
+    assert main(["help"]) == 2
+    err = capsys.readouterr().err
+    assert "Error: Missing argument 'OUT_DIR'" in err
+    assert "Hint: 'help' was read as convert's IN_DIR: 'marlin-convert --help' lists the commands" in err

@@ -232,3 +232,18 @@ def test_a_stacked_expert_whose_g_idx_label_contradicts_its_data_fails(tmp_path)
     assert [(f.name, f.expert) for f in failures] == [(entry["name"], 2)]
     assert any("says its g_idx is trivial, the rebuilt g_idx is not trivial" in p
                for p in failures[0].integrity_problems)
+
+
+def test_a_2d_scales_beside_a_stacked_qweight_says_which_is_3d(tmp_path):
+    """An attack helper: 2-D scales [1, N] beside a 3-D qweight read "1 experts, but qweight has 1"."""
+    from safetensors.numpy import save_file
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=2, stacked=True, num_layers=1))
+    path = next(src.glob("*.safetensors"))
+    tensors = {name: read_tensor(read_header(path), name) for name in read_header(path).tensors}
+    p = "model.layers.0.mlp.experts.down_proj"
+    tensors[f"{p}.scales"] = tensors[f"{p}.scales"][0].copy()
+    save_file(tensors, str(path))
+    with pytest.raises(InputError, match=rf"'{p}.scales' has shape \[2, 128\]: 2-D, but {p}.qweight is 3-D "
+                                         r"\(stacked, 2 experts\), so scales must be 3-D"):
+        build_plan(src)

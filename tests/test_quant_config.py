@@ -345,3 +345,15 @@ def test_a_g_idx_that_is_not_trivial_under_desc_act_false_is_converted_with_act_
     set_quant_config(src, desc_act=False)
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
     assert "while the config says desc_act false: converted with act-order" in capsys.readouterr().out
+
+
+def test_scales_of_another_group_size_with_no_group_size_stated_say_so(tmp_path):
+    """An attack helper: with no group_size in the config the message ended "the config says group size -1"."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, group_size=64))
+    for name in ("config.json", "quantize_config.json"):
+        data = json.loads((src / name).read_text())
+        (data.get("quantization_config", data)).pop("group_size")
+        (src / name).write_text(json.dumps(data))
+    with pytest.raises(InputError, match=r"group size 64 for K = \d+ .*but the config states no group_size \(so -1, "
+                                         r"channelwise\) \(1 row\)"):
+        build_plan(src)
