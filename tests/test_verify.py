@@ -502,7 +502,8 @@ def test_a_source_that_is_not_the_converted_checkpoint_fails(tmp_path, converted
     name = "model.layers.0.mlp.experts.down_proj.g_idx"
     (flat / "model.safetensors").write_bytes(_with_shape(stacked / "model.safetensors", name, [256]))
     assert main(["verify", str(tmp_path / "stacked-out"), "--skip-kernel", "-q", "--source", str(flat)]) == 2
-    assert f"tensor '{name}' has shape [256]: 256 experts, but " in capsys.readouterr().err
+    assert (f"tensor '{name}' has shape [256]: 1-D, but model.layers.0.mlp.experts.down_proj.qweight is 3-D (stacked, "
+            "2 experts), so g_idx must be 2-D" in capsys.readouterr().err)
 
 
 def _with_shape(path, name, shape):
