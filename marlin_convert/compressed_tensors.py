@@ -446,7 +446,9 @@ def plan_layer(checkpoint: Checkpoint, prefix: str, stored: dict[str, str], modu
     if scheme.symmetric and zero_name in checkpoint.location:
         raise InputError(f"layer '{prefix}': config group '{group.name}' is symmetric, but '{zero_name}' is stored")
     if not scheme.symmetric:
-        expect_tensor(checkpoint, zero_name, ("I32",), (-(-n // p), groups), NEEDS,
+        expect_tensor(checkpoint, zero_name, ("I32",), (-(-n // p), groups),
+                      f"config group '{group.name}' is asymmetric (symmetric: false), so each layer needs its zero "
+                      "points, weight_zero_point",
                       f"[ceil(N/{p}), G]: asymmetric zero points packed along N")
     if has_g_idx:
         expect_tensor(checkpoint, stored["weight_g_idx"], ("I32",), (k,), NEEDS, "[K]")

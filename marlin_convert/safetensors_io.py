@@ -47,6 +47,16 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype("u1"),
     "F8_E5M2": np.dtype("u1"),
 }
+#: bits per element of every dtype the safetensors format defines (the reference implementation's list, 0.8): a
+#: tensor's data is elements x bits / 8 bytes, a whole number (the 4- and 6-bit types pack). Tensors of the dtypes
+#: without a NUMPY_DTYPES entry are copied byte for byte but never read as arrays (no quantized tensor has them).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
 #: the short names people use for the same dtypes (config files, the manifest)
 DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I8": "int8", "I16": "int16",
                "I32": "int32", "I64": "int64", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
@@ -188,9 +198,9 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
     if not isinstance(entry, dict):
         raise corrupt(f"is described by a JSON {type(entry).__name__}, not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise corrupt("has no dtype" if dtype is None else
-                      f"has dtype {json.dumps(dtype)}, not one marlin-convert reads ({', '.join(NUMPY_DTYPES)})")
+                      f"has dtype {json.dumps(dtype)}, not a safetensors dtype ({', '.join(DTYPE_BITS)})")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise corrupt(f"has shape {json.dumps(shape)}: expected a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
@@ -201,7 +211,10 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
         if elements >= 1 << 64:
             raise corrupt(f"has shape {shape}: more elements than 64 bits count")
     begin, end = offsets
-    expected = elements * NUMPY_DTYPES[dtype].itemsize
+    if elements * DTYPE_BITS[dtype] % 8:
+        raise corrupt(f"{dtype}{shape} has {elements} elements of {DTYPE_BITS[dtype]} bits: not a whole number of "
+                      "bytes")
+    expected = elements * DTYPE_BITS[dtype] // 8
     if end < begin or end - begin != expected:
         raise corrupt(f"{dtype}{shape} needs {expected} bytes but its offsets [{begin}, {end}] span {end - begin}")
     return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
@@ -235,6 +248,9 @@ def read_tensor(file: SafetensorsFile, name: str, index: int | None = None) -> n
     stacked tensor), so memory holds one slice rather than the whole tensor.
     """
     info = file.tensors[name]
+    if info.dtype not in NUMPY_DTYPES:  # (callers check a tensor's dtype before they read it)
+        raise InputError(f"{file.path}: tensor '{name}' has dtype {info.dtype}, which marlin-convert copies but does "
+                         "not read")
     shape, begin, nbytes = info.shape, info.begin, info.nbytes
     if index is not None:
         if not 0 <= index < shape[0]:
@@ -266,7 +282,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * NUMPY_DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPE_BITS[self.dtype] // 8
 
 
 def _os_error(path: Path, exc: OSError) -> OutputError:

@@ -504,7 +504,9 @@ HEADER_CASES = {
     "float offsets": (lambda h: h[NORM].update(data_offsets=[float(o) for o in h[NORM]["data_offsets"]]),
                       "two non-negative integers"),
     "three offsets": (lambda h: h[NORM].update(data_offsets=[0, 0, 0]), "two non-negative integers"),
-    "unknown dtype": (lambda h: h[NORM].update(dtype="F17"), 'has dtype "F17", not one marlin-convert reads (F64,'),
+    "unknown dtype": (lambda h: h[NORM].update(dtype="F17"), 'has dtype "F17", not a safetensors dtype (BOOL,'),
+    # 4-bit elements pack two to a byte: an odd count is no whole number of bytes (the reference library refuses it)
+    "sub-byte dtype, odd count": (lambda h: h[NORM].update(dtype="F4", shape=[3]), "not a whole number of bytes"),
     # the values as JSON writes them (false, not Python's False)
     "boolean offset": (lambda h: h[NORM].update(data_offsets=[False, h[NORM]["data_offsets"][1]]),
                        "has data_offsets [false, "),

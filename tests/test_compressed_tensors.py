@@ -251,7 +251,8 @@ MALFORMED = {
     "zero-point-but-symmetric": ({"stored": Linear(DOWN, 256, 128, symmetric=False)}, None,
                                 "is symmetric, but"),
     "asymmetric-without-zero-point": ({"weights": scheme(symmetric=False)}, None,
-                                      f"tensor '{DOWN}.weight_zero_point' is missing"),
+                                      f"tensor '{DOWN}.weight_zero_point' is missing (config group 'group_0' is "
+                                      "asymmetric (symmetric: false), so each layer needs its zero points"),
     "actorder-group-without-g-idx": ({"weights": scheme(actorder="group")}, None,
                                      "actorder \"group\", but"),
     "ill-typed-symmetric": ({"weights": scheme(symmetric="false")}, None,

@@ -415,3 +415,50 @@ def test_names_that_are_not_utf8_do_not_make_a_manifest_verify_refuses(tmp_path)
     assert load_manifest(out)["source"]["path"].endswith("src\\xff")
     assert verify(out, gpus=None, workers=1).ok
     assert verify(out, gpus=None, workers=1, source_dir=src).ok
+
+
+# Every dtype the safetensors format defines, with its bits per element (the reference library's list, 0.8).
+SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+                          "F8_E5M2FNUZ": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16,
+                          "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64}
+
+
+def _append_raw_tensors(path, tensors):
+    """Add ``tensors`` (name -> (dtype, shape, bytes)) after the data of the safetensors file ``path``, as written
+    by hand: dtypes numpy has no type for (F4, F8_E8M0, ...) are raw bytes."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    data = raw[8 + length:]
+    for name, (dtype, shape, payload) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(payload)]}
+        data += payload
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+
+
+def test_passthrough_tensors_of_every_safetensors_dtype_are_copied_byte_for_byte(tmp_path):
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1))
+    rng = np.random.default_rng(5)
+    extra = {}
+    for dtype, bits in SAFETENSORS_DTYPE_BITS.items():
+        shape = [4, 6]  # 24 elements: whole bytes at 4 and 6 bits too
+        extra[f"extra.{dtype.lower()}"] = (dtype, shape, rng.bytes(24 * bits // 8))
+    _append_raw_tensors(src / "model.safetensors", extra)
+    out = tmp_path / "out"
+    convert(src, out)
+    assert verify(out, gpus=None, source_dir=src).failures == []
+    header = {}
+    for shard in out.glob("*.safetensors"):
+        raw = shard.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        for name, entry in json.loads(raw[8:8 + length]).items():
+            if name.startswith("extra."):
+                begin, end = entry["data_offsets"]
+                header[name] = (entry["dtype"], entry["shape"], raw[8 + length + begin:8 + length + end])
+    assert header == extra
+    # and the reference library reads those headers back
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "np") as f:
+            assert f.keys()
