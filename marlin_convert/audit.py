@@ -387,8 +387,9 @@ def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
 def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
     """The manifest's ``quantization_defaults`` (the source config's global settings as read) against the output
     config, which keeps them as read: a GPTQ source's ``bits``, ``group_size``, ``desc_act``, ``sym`` and ``dynamic``
-    (rules in any order, none as null or {}; ``checkpoint_format`` is rewritten there, so not compared), a
-    compressed-tensors source's every default under ``source_quantization_config``."""
+    (the same rules, in any order, none as null or {}: what the order decides, :func:`_settings_problems` holds;
+    ``checkpoint_format`` is rewritten there, so not compared), a compressed-tensors source's every default under
+    ``source_quantization_config``. A key the output config does not state is not compared."""
     defaults = manifest["quantization_defaults"]
     if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
         written = section.get(SOURCE_CONFIG_KEY)
@@ -399,6 +400,8 @@ def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
         keys = [key for key in defaults if key != "checkpoint_format"]
     problems = []
     for key in keys:
+        if key not in written:  # not stated there (an output of a release before 768ff4f kept config.json's own keys)
+            continue
         said, stated = defaults[key], written.get(key)
         if key == "dynamic" and manifest["source"]["format"] != compressed_tensors.QUANT_METHOD:
             said, stated = (json.dumps(value or {}, sort_keys=True) for value in (said, stated))
@@ -410,17 +413,20 @@ def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
 
 def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
     """The ``lm_head`` flag (a loader reads it to build the output head quantized or not) against the manifest: false
-    with a converted ``lm_head``, or true with ``lm_head.weight`` passed through unquantized and none converted."""
+    with a converted ``lm_head`` (or, from a GPTQ source, one kept in GPTQ form), or true with ``lm_head.weight``
+    passed through unquantized and none converted."""
     flag = section.get("lm_head")
     if not isinstance(flag, bool):
         return []
     converted = [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
+    kept = ([entry["name"] for entry in manifest["kept"]]  # (a layer kept in GPTQ form is stored quantized too)
+            if manifest["source"]["format"] != compressed_tensors.QUANT_METHOD else [])
     plain = [entry["name"].removesuffix(".weight") for entry in manifest["passthrough"]
              if entry["name"].endswith(".weight") and len(entry["shape"]) == 2]
-    module = lm_head_contradiction(flag, converted, plain)
+    module = lm_head_contradiction(flag, converted + kept, plain)
     if module is None:
         return []
-    found = (f"layer '{module}' is converted" if not flag
+    found = (f"layer '{module}' is {'kept in GPTQ form' if module in kept else 'converted'}" if not flag
              else f"'{module}.weight' is passed through unquantized and no layer '{module}' is converted")
     return [f"{name}: lm_head is {json.dumps(flag)}, but {found}"]
 
@@ -453,6 +459,33 @@ def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
                 problems.append(f"{name}: gives module '{module}' {key} {json.dumps(said[key])} ({settings.origin}); "
                                 f"it was converted with {json.dumps(made[key])}")
             if len(problems) >= 5:  # a config that says other settings for hundreds of experts: the first few
+                return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
+    return problems + _excluded_problems(name, config, manifest)
+
+
+def _excluded_problems(name: str, config: QuantConfig, manifest: dict) -> list[str]:
+    """A GPTQ source's modules passed through unquantized that its ``dynamic`` rules (``quantization_defaults``, in
+    their order) exclude with a ``-:`` rule must be excluded by ``config`` (an output config's rules) too: the same
+    rules in another order can resolve such a module to a ``+:`` rule first, and a loader would then look for its
+    Marlin tensors."""
+    if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
+        return []
+    try:
+        recorded = parse_dynamic(manifest["quantization_defaults"].get("dynamic"), "the manifest's quantization_defaults")
+    except InputError:
+        return []  # (malformed rules there: the output config's own rules were compared with them above)
+    source = QuantConfig(bits=4, group_size=-1, desc_act=False, sym=None, checkpoint_format="gptq", dynamic=recorded,
+                         sources=["the manifest's quantization_defaults"], as_read={})
+    problems = []
+    for entry in manifest["passthrough"]:
+        if not (entry["name"].endswith(".weight") and len(entry["shape"]) == 2):
+            continue
+        module = entry["name"].removesuffix(".weight")
+        excluded, resolved = source.settings_for(module), config.settings_for(module)
+        if not excluded.quantized and resolved.quantized:
+            problems.append(f"{name}: says module '{module}' is quantized ({resolved.origin}); it is passed through "
+                            f"unquantized, as the source's rules say ({excluded.origin})")
+            if len(problems) >= 5:
                 return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
     return problems
 

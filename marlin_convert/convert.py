@@ -34,7 +34,7 @@ from . import __version__, layout
 from .compressed_tensors import QUANT_METHOD
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers
+from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers, is_lm_head
 from .experts import ExpertGroup, expert_group_summary, group_experts
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
                        write_manifest)
@@ -706,10 +706,10 @@ def _gptq_settings(plan: ConversionPlan) -> dict:
     checkpoint = plan.checkpoint
     dynamic.update({f"-:^{re.escape(module)}$": {}  # (an unquantized lm_head: "lm_head": false)
                     for module in checkpoint.plain_linear_modules()
-                    if module not in settings and module.rsplit(".", 1)[-1] != "lm_head"
+                    if module not in settings and not is_lm_head(module)
                     and checkpoint.config.ignored_by(module) is not None})
     config = {"quant_method": "gptq", **common,
-              "lm_head": any(prefix.rsplit(".", 1)[-1] == "lm_head" for prefix in settings)}
+              "lm_head": any(is_lm_head(prefix) for prefix in settings)}
     if dynamic:
         config["dynamic"] = dynamic
     config[SOURCE_FORMAT_KEY] = plan.checkpoint.source_format

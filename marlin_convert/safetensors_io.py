@@ -60,7 +60,9 @@ DTYPE_BITS: dict[str, int] = {
 #: the short names people use for the same dtypes (config files, the manifest)
 DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I8": "int8", "I16": "int16",
                "I32": "int32", "I64": "int64", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-               "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+               "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+               "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F4": "float4_e2m1",
+               "F6_E2M3": "float6_e2m3", "F6_E3M2": "float6_e3m2", "C64": "complex64"}
 
 #: the ``__metadata__`` of every shard the converter writes (loaders read its ``format``; ``verify`` checks it)
 SHARD_METADATA = {"format": "pt"}

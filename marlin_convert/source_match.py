@@ -201,6 +201,8 @@ def layer_problems(plan: ConversionPlan, manifest: dict) -> dict[int, list[str]]
         if len(entry["sources"]) == len(record["sources"]):
             said["sources"] = [{key: src[key] for key in want if key in src}
                                for src, want in zip(entry["sources"], record["sources"])]
+        # (``record`` as the "source" too: every key the re-planned entry has is one the manifest must have; keys it
+        # lacks, such as shards and digests, were left out of ``said`` above)
         difference = _first_difference(said, record, "", record)
         if difference is not None:
             where, said_value, made_value = difference

@@ -1108,9 +1108,15 @@ def test_json_reports_keep_characters_beyond_u_ffff_whose_second_surrogate_looks
     assert json.loads(json_text(value)) == {"a\\xff": "\\udc80 \\\\\\xfe \U0001F480\\x80"}
 
 
-def test_help_as_a_command_points_to_help(capsys):
+@pytest.mark.parametrize("args, error", [
+    (["help"], "Error: Missing argument 'OUT_DIR'"),
+    (["-q", "help"], "Error: Missing argument 'OUT_DIR'"),
+    (["help", "verify"], "Error: help: does not exist"),  # (a review helper: this one had no hint)
+])
+def test_help_as_a_command_points_to_help(capsys, tmp_path, monkeypatch, args, error):
     """An attack helper: `marlin-convert help` answered only "Missing argument 'OUT_DIR'"."""
-    assert main(["help"]) == 2
+    monkeypatch.chdir(tmp_path)  # (no file named help here)
+    assert main(args) == 2
     err = capsys.readouterr().err
-    assert "Error: Missing argument 'OUT_DIR'" in err
+    assert error in err
     assert "Hint: 'help' was read as convert's IN_DIR: 'marlin-convert --help' lists the commands" in err

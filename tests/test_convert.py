@@ -462,3 +462,11 @@ def test_passthrough_tensors_of_every_safetensors_dtype_are_copied_byte_for_byte
     for shard in out.glob("*.safetensors"):
         with safe_open(shard, "np") as f:
             assert f.keys()
+
+
+def test_every_safetensors_dtype_has_a_name_for_messages_and_the_manifest():
+    """A review helper: a kept layer's F8_E8M0 scales (an mxfp4 group) were described as float32, because the
+    dtype had no name (DTYPE_NAMES), and messages fell back to the safetensors code."""
+    from marlin_convert.safetensors_io import DTYPE_BITS, DTYPE_NAMES
+    assert set(DTYPE_NAMES) == set(DTYPE_BITS) == set(SAFETENSORS_DTYPE_BITS)
+    assert len(set(DTYPE_NAMES.values())) == len(DTYPE_NAMES)

@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from marlin_convert.errors import VerificationFailed
 from marlin_convert.manifest import MANIFEST_FILE, load_manifest, manifest_digest
 from marlin_convert.safetensors_io import read_header
 from marlin_convert.verify import verify
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -640,3 +643,55 @@ def test_a_layer_group_size_at_or_above_k_is_held_exactly(tmp_path, group_size):
     assert [r.name for r in report.failures] == [name]
     assert (f"the manifest's group_size is {group_size}, converting --source records 128"
             in report.failures[0].integrity_problems)
+
+
+def test_an_output_config_that_states_fewer_keys_than_the_defaults_passes(out):
+    """A review helper: outputs of releases before 768ff4f kept config.json's quantization_config as it was, without
+    the keys only quantize_config.json stated; a key the output config does not state is not compared with the
+    manifest's quantization_defaults (it failed as "desc_act is null")."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("desc_act", "sym"):
+        del config["quantization_config"][key]
+    path.write_text(json.dumps(config))
+    _rerecord(out, "config.json")
+    report = verify(out, gpus=None, workers=1)
+    assert report.ok, report.problems
+
+
+def test_dynamic_rules_reordered_so_an_excluded_module_resolves_quantized_fail(tmp_path):
+    """A review helper: the same rules in another order passed verify (compared as a set), with --source too; but
+    the first matching rule wins, and o_proj, passed through unquantized under "-:.*o_proj", would then resolve to
+    "+:.*self_attn.*" and a loader would look for its Marlin tensors."""
+    src = tmp_path / "in"
+    shutil.copytree(FIXTURES / "gptqmodel" / "dynamic_lm_head", src)
+    rules = json.loads((src / "quantize_config.json").read_text())["dynamic"]
+    reordered_source = {"-:.*o_proj": {}, "+:.*self_attn.*": {}, **{k: v for k, v in rules.items() if k != "-:.*o_proj"}}
+    set_quant_config(src, dynamic=reordered_source)
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    assert verify(out, gpus=None, workers=1, source_dir=src).ok
+    swapped = {"+:.*self_attn.*": {}, "-:.*o_proj": {}, **{k: v for k, v in rules.items() if k != "-:.*o_proj"}}
+    set_quant_config(out, dynamic=swapped)
+    for name in ("config.json", "quantize_config.json"):
+        _rerecord(out, name)
+    for source_dir in (None, src):
+        report = verify(out, gpus=None, workers=1, source_dir=source_dir)
+        assert any("says module 'model.layers.0.self_attn.o_proj' is quantized" in p and '"-:.*o_proj"' in p
+                   for p in report.problems), report.problems
+
+
+def test_an_lm_head_flag_false_beside_a_kept_lm_head_fails(tmp_path):
+    """A review helper: the audit counted converted layers only, so lm_head: false passed beside an lm_head kept in
+    GPTQ form (group 16: --skip-incompatible keeps it), which convert refuses on a source."""
+    src = write_checkpoint(tmp_path / "in", with_quantized_lm_head(tiny_llama(num_layers=1, vocab=256), group_size=16))
+    out = tmp_path / "out"
+    convert(src, out, workers=1, skip_incompatible=True)
+    assert [entry["name"] for entry in load_manifest(out)["kept"]] == ["lm_head"]
+    assert verify(out, gpus=None, workers=1).ok
+    set_quant_config(out, lm_head=False)
+    for name in ("config.json", "quantize_config.json"):
+        _rerecord(out, name)
+    report = verify(out, gpus=None, workers=1)
+    assert any("lm_head is false, but layer 'lm_head' is kept in GPTQ form" in p for p in report.problems), \
+        report.problems

@@ -197,8 +197,8 @@ def _failed(exc: BaseException, argv: list[str] | None = None) -> int:
 def _parser_error(exc: Exception, args: list[str]) -> int:
     """An error of the command-line parser (click's, as typer bundles it: an unknown option, a missing argument, a
     value of the wrong type), in the form of every other error: an ``Error:`` line, a ``Hint:`` line with the
-    command's usage, exit 2 (``marlin-convert help``, read as convert's IN_DIR: a hint pointing to ``--help``). A
-    bare ``marlin-convert`` still prints the whole help."""
+    command's usage, exit 2 (``marlin-convert help``, read as convert's IN_DIR: a hint pointing to ``--help``,
+    :func:`_help_hint`). A bare ``marlin-convert`` still prints the whole help."""
     if type(exc).__name__ == "NoArgsIsHelpError":
         exc.show()
         return exc.exit_code
@@ -206,11 +206,18 @@ def _parser_error(exc: Exception, args: list[str]) -> int:
     usage = ctx.get_usage().strip() if ctx is not None else ""
     usage = usage[len("Usage:"):].strip() if usage.startswith("Usage:") else usage
     hint = f"usage: {' '.join(usage.split())}; '{ctx.command_path} -h' explains it" if ctx is not None else None
-    if args[:1] == ["help"]:
-        hint = "'help' was read as convert's IN_DIR: 'marlin-convert --help' lists the commands, " \
-               "'marlin-convert COMMAND --help' explains one"
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-    return _failed(InputError(message.removesuffix("."), hint=hint))
+    return _failed(InputError(message.removesuffix("."), hint=_help_hint(args) or hint))
+
+
+def _help_hint(args: list[str]) -> str | None:
+    """Where the first argument that is not an option is ``help`` and no such path exists (``marlin-convert help``,
+    ``help verify``, ``-q help``: read as convert's IN_DIR), a hint pointing to ``--help``; else None."""
+    positional = next((arg for arg in args if not arg.startswith("-")), None)
+    if positional != "help" or os.path.lexists(positional):
+        return None
+    return "'help' was read as convert's IN_DIR: 'marlin-convert --help' lists the commands, " \
+           "'marlin-convert COMMAND --help' explains one"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,6 +258,9 @@ def _main(argv: list[str] | None) -> int:
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             return _parser_error(exc, list(sys.argv[1:] if argv is None else argv))
         signum = first_signal()  # a signal came first: the failure is its consequence (a worker it stopped)
+        hint = _help_hint(list(sys.argv[1:] if argv is None else argv))
+        if signum is None and hint is not None and isinstance(exc, InputError) and exc.hint is None:
+            exc.hint = hint  # (`marlin-convert help verify`: "help: does not exist")
         return _failed(exc if signum is None else Interrupted(signum), argv)
     except (Interrupted, KeyboardInterrupt) as exc:
         return _failed(exc, argv)
