@@ -21,7 +21,8 @@ from . import compressed_tensors, layout, strict_json
 from .errors import InputError
 from .experts import expert_group_summary, split_expert_key
 from .fileio import outside_link, read_inside
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, lm_head_contradiction, parse_dynamic
+from .gptq import (CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, is_lm_head, lm_head_contradiction,
+                   parse_dynamic)
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SHARD_METADATA, SafetensorsFile, read_header
@@ -415,10 +416,18 @@ def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
     """The ``lm_head`` flag (a loader reads it to build the output head quantized or not) against the manifest: false
     with a converted ``lm_head`` (or, from a GPTQ source, one kept in GPTQ form), or true with ``lm_head.weight``
     passed through unquantized and none converted."""
+    converted = [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
     flag = section.get("lm_head")
+    if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:  # written by the converter: always stated
+        expected = any(is_lm_head(module) for module in converted)
+        if flag is not expected:
+            shown = json.dumps(flag) if "lm_head" in section else "absent"
+            return [f"{name}: lm_head is {shown}, the converter writes {json.dumps(expected)} for these layers"]
+        return []
+    if "lm_head" in section and not isinstance(flag, bool):
+        return [f"{name}: lm_head is {json.dumps(flag)[:80]}, not a JSON boolean"]
     if not isinstance(flag, bool):
         return []
-    converted = [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
     kept = ([entry["name"] for entry in manifest["kept"]]  # (a layer kept in GPTQ form is stored quantized too)
             if manifest["source"]["format"] != compressed_tensors.QUANT_METHOD else [])
     plain = [entry["name"].removesuffix(".weight") for entry in manifest["passthrough"]
@@ -460,31 +469,56 @@ def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
                                 f"it was converted with {json.dumps(made[key])}")
             if len(problems) >= 5:  # a config that says other settings for hundreds of experts: the first few
                 return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
-    return problems + _excluded_problems(name, config, manifest)
+    return problems + _excluded_problems(name, section, config, manifest)
 
 
-def _excluded_problems(name: str, config: QuantConfig, manifest: dict) -> list[str]:
-    """A GPTQ source's modules passed through unquantized that its ``dynamic`` rules (``quantization_defaults``, in
-    their order) exclude with a ``-:`` rule must be excluded by ``config`` (an output config's rules) too: the same
-    rules in another order can resolve such a module to a ``+:`` rule first, and a loader would then look for its
-    Marlin tensors."""
-    if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
-        return []
+def _manifest_tensor_names(manifest: dict) -> list[str]:
+    """The source checkpoint's tensor names as the manifest records them: passthrough, converted layers' sources,
+    kept layers."""
+    names = [entry["name"] for entry in manifest["passthrough"]]
+    names += [name for entry in manifest["layers"] for source in entry["sources"] for name in source["tensors"].values()]
+    names += [name for entry in manifest["kept"] for name in entry["tensors"].values()]
+    return names
+
+
+def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: dict) -> list[str]:
+    """The modules passed through unquantized that the source's config excludes must be excluded by ``config`` (an
+    output config's rules) too, or a loader would look for their Marlin tensors: a GPTQ source's modules that its
+    ``dynamic`` rules (``quantization_defaults``, in their order) exclude with a ``-:`` rule (the same rules in another
+    order can resolve such a module to a ``+:`` rule first); a compressed-tensors source's plain linears that its
+    config leaves unquantized (:func:`marlin_convert.compressed_tensors.not_quantized`), for which the converter
+    writes ``-:`` rules (where ``section`` states ``dynamic``)."""
+    where = "the manifest's quantization_defaults"
+    plain = [entry["name"].removesuffix(".weight") for entry in manifest["passthrough"]
+             if entry["name"].endswith(".weight") and len(entry["shape"]) == 2]
     try:
-        recorded = parse_dynamic(manifest["quantization_defaults"].get("dynamic"), "the manifest's quantization_defaults")
+        if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
+            # the converter's rule (convert._gptq_settings): a "-:" rule for each plain linear the source's config
+            # leaves unquantized; where the output states no rules at all, an output of a release before 2026-11-26,
+            # which wrote none (README: what verify proves), not compared
+            if "dynamic" not in section:
+                return []
+            source_config = compressed_tensors.config_from_defaults(manifest["quantization_defaults"], where)
+            converted = [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
+            modules = {name.rpartition(".")[0] for name in _manifest_tensor_names(manifest)}
+            depths = {module.count(".") for module in converted}
+            excluded = {module: f"{where}: the source's config leaves it unquantized" for module in plain
+                        if not is_lm_head(module)
+                        and compressed_tensors.not_quantized(source_config, module, modules, depths)}
+        else:
+            source = QuantConfig(bits=4, group_size=-1, desc_act=False, sym=None, checkpoint_format="gptq",
+                                 dynamic=parse_dynamic(manifest["quantization_defaults"].get("dynamic"), where),
+                                 sources=[where], as_read={})
+            excluded = {module: settings.origin for module in plain
+                        if not (settings := source.settings_for(module)).quantized}
     except InputError:
-        return []  # (malformed rules there: the output config's own rules were compared with them above)
-    source = QuantConfig(bits=4, group_size=-1, desc_act=False, sym=None, checkpoint_format="gptq", dynamic=recorded,
-                         sources=["the manifest's quantization_defaults"], as_read={})
+        return []  # (malformed there: the output config's own settings were compared with them above)
     problems = []
-    for entry in manifest["passthrough"]:
-        if not (entry["name"].endswith(".weight") and len(entry["shape"]) == 2):
-            continue
-        module = entry["name"].removesuffix(".weight")
-        excluded, resolved = source.settings_for(module), config.settings_for(module)
-        if not excluded.quantized and resolved.quantized:
+    for module, why in excluded.items():
+        resolved = config.settings_for(module)
+        if resolved.quantized:
             problems.append(f"{name}: says module '{module}' is quantized ({resolved.origin}); it is passed through "
-                            f"unquantized, as the source's rules say ({excluded.origin})")
+                            f"unquantized, as the source's rules say ({why})")
             if len(problems) >= 5:
                 return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
     return problems

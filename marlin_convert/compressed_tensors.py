@@ -276,6 +276,22 @@ def load_config(in_dir: Path, config_json: dict | None = None) -> tuple[Compress
     if _present(section, "transform_config", dict, where, {}, null=True):
         raise InputError(f"{where}: transform_config is set: transformed (rotated) weights need their transforms at "
                          "run time, which a Marlin checkpoint cannot carry")
+    groups, ignore = _groups_and_ignore(section, where, fmt)
+    config = CompressedTensorsConfig(fmt, groups, ignore, where, [f"{CONFIG_FILE}:quantization_config"],
+                                     section)
+    return config, config_json
+
+
+def config_from_defaults(defaults: dict, where: str) -> CompressedTensorsConfig:
+    """The config groups and ignore list of a compressed-tensors config as a converted checkpoint's manifest records
+    them (``quantization_defaults``: ``format``, ``config_groups``, ``ignore``), checked as :func:`load_config` checks
+    them. Raises :class:`InputError`."""
+    fmt = _present(defaults, "format", str, where)
+    groups, ignore = _groups_and_ignore(defaults, where, fmt)
+    return CompressedTensorsConfig(fmt, groups, ignore, where, [where], defaults)
+
+
+def _groups_and_ignore(section: dict, where: str, fmt: str) -> tuple[tuple[ConfigGroup, ...], tuple[str, ...]]:
     groups_json = _present(section, "config_groups", dict, where, {})
     if not groups_json:
         raise InputError(f"{where}: no 'config_groups'")
@@ -290,9 +306,7 @@ def load_config(in_dir: Path, config_json: dict | None = None) -> tuple[Compress
                                   _activations(group, group_where), _present(group, "format", str, group_where, fmt,
                                                                              null=True) or fmt))
     ignore = _regexes(_present(section, "ignore", list, where, [], null=True) or [], "ignore", where)
-    config = CompressedTensorsConfig(fmt, tuple(groups), ignore, where, [f"{CONFIG_FILE}:quantization_config"],
-                                     section)
-    return config, config_json
+    return tuple(groups), ignore
 
 
 def open_checkpoint(in_dir: Path, config_json: dict | None = None) -> Checkpoint:
@@ -483,6 +497,22 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
         raise InputError(f"{checkpoint.path}: no quantized layer: no tensor named '*.weight_packed'")
     modules = {name.rpartition(".")[0] for name in checkpoint.location}
     return [plan_layer(checkpoint, prefix, stored[prefix], modules) for prefix in quantized]
+
+
+def not_quantized(config: CompressedTensorsConfig, module: str, modules: set[str], depths: set[int]) -> bool:
+    """Whether ``config`` leaves ``module`` (stored as a plain ``.weight``) unquantized as a linear an output config
+    must exclude: its ``ignore`` list names it, or no config group targets it and it lies as deep (dots in its name)
+    as a quantized module, ``depths`` (a linear of a block; ``model.embed_tokens`` is not). ``modules``: every module
+    name of the checkpoint (to tell a module name from a class-name target). Groups that target it with different
+    schemes (an error for a quantized layer) count as targeting it."""
+    if config.ignored_by(module) is not None:
+        return True
+    if module.count(".") not in depths:
+        return False
+    try:
+        return config.group_for(module, modules) is None
+    except InputError:
+        return False
 
 
 def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:

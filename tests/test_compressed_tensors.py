@@ -207,22 +207,31 @@ def test_the_most_specific_target_wins_and_the_config_states_each_layers_setting
     assert "already in Marlin format" in capsys.readouterr().err
 
 
-def test_a_linear_the_ignore_list_keeps_unquantized_gets_a_not_quantized_rule(tmp_path):
-    """The output's GPTQ-style configs must say that an ignored linear is not quantized (GPTQModel's '-:' rule):
-    without it a loader reading them expects the module's B and s (the third attacker round)."""
-    config = quantization_config({"group_0": config_group(["Linear"], scheme())},
-                                 ignore=["lm_head", DOWN, "re:.*self_attn.k_proj$"])
+K_PROJ = "model.layers.0.self_attn.k_proj"
+
+
+@pytest.mark.parametrize("targets, ignore, plain, rules", [
+    # the third attacker round: an ignored linear
+    (["Linear"], ["lm_head", DOWN, "re:.*self_attn.k_proj$"], [DOWN, K_PROJ],
+     {r"-:^model\.layers\.0\.mlp\.down_proj$": {}, r"-:^model\.layers\.0\.self_attn\.k_proj$": {}}),
+    # an attack helper (twenty-fourth session): a plain linear no config group targets, not in ignore
+    (["re:.*self_attn\\..*"], ["lm_head"], [DOWN], {r"-:^model\.layers\.0\.mlp\.down_proj$": {}}),
+])
+def test_a_linear_the_config_leaves_unquantized_gets_a_not_quantized_rule(tmp_path, targets, ignore, plain, rules):
+    """The output's GPTQ-style configs must say that a linear the source's config leaves unquantized (ignored, or
+    targeted by no config group) is not quantized (GPTQModel's '-:' rule): without it a loader reading them expects
+    the module's B and s."""
+    config = quantization_config({"group_0": config_group(targets, scheme())}, ignore=ignore)
     rng = np.random.default_rng(5)
-    plain = {f"{DOWN}.weight": ("F16", rng.normal(size=(128, 256)).astype(np.float16)),
-             "model.layers.0.self_attn.k_proj.weight": ("F16", rng.normal(size=(64, 128)).astype(np.float16)),
-             "lm_head.weight": ("F16", rng.normal(size=(64, 128)).astype(np.float16))}
-    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)], config, extras=plain)
+    shapes = {DOWN: (128, 256), K_PROJ: (64, 128), "lm_head": (64, 128)}
+    extras = {f"{module}.weight": ("F16", rng.normal(size=shapes[module]).astype(np.float16))
+              for module in [*plain, "lm_head"]}
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)], config, extras=extras)
     convert(src, tmp_path / "out", workers=1)
     for name in ("config.json", "quantize_config.json"):
         written = json.loads((tmp_path / "out" / name).read_text())
         written = written.get("quantization_config", written)
-        assert written["dynamic"] == {r"-:^model\.layers\.0\.mlp\.down_proj$": {},
-                                      r"-:^model\.layers\.0\.self_attn\.k_proj$": {}}, name
+        assert written["dynamic"] == rules, name
         assert written["lm_head"] is False
     assert verify(tmp_path / "out", gpus=None, workers=1, source_dir=src).ok
 

@@ -393,16 +393,21 @@ def test_a_compressed_tensors_source_config_edited_in_the_output_fails(tmp_path)
                                "weights.observer is \"mse\", converting --source writes ")
 
 
+def _converted_moe_fixture(tmp_path: Path) -> tuple[Path, Path]:
+    """The llm-compressor Qwen3-MoE fixture (its router ignored) copied and converted: (source, output)."""
+    src = tmp_path / "src"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "llmcompressor" / "qwen3_moe", src)
+    (src / "reference_dequant.safetensors").unlink(missing_ok=True)
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    return src, out
+
+
 def test_a_key_the_converter_adds_may_be_absent_but_not_a_key_of_the_source(tmp_path):
     """An output of an earlier converter release (before 2026-11-26 no '-:' rule for the router llm-compressor
     ignores) lacks a key today's converter adds: still the source's conversion (it passed --source before the config
     comparison came). A key the source's config has, dropped from the output, still fails."""
-    fixture = Path(__file__).parent / "fixtures" / "llmcompressor" / "qwen3_moe"
-    src = tmp_path / "src"
-    shutil.copytree(fixture, src)
-    (src / "reference_dequant.safetensors").unlink(missing_ok=True)
-    out = tmp_path / "out"
-    convert(src, out, workers=1)
+    src, out = _converted_moe_fixture(tmp_path)
     config = json.loads((out / "config.json").read_text())
     assert "dynamic" in config["quantization_config"] and "dynamic" not in json.loads(
         (src / "config.json").read_text())["quantization_config"]
@@ -467,3 +472,42 @@ def test_a_deeply_nested_config_value_is_compared_without_an_internal_error(tmp_
     assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q"]) == 1
     err = capsys.readouterr().err
     assert "internal error" not in err and "Traceback" not in err
+
+
+def _edit_quant_configs(out: Path, change) -> None:
+    """``change`` on both output configs' quantization settings, then the files re-recorded (:func:`resign`)."""
+    for name in ("config.json", "quantize_config.json"):
+        data = json.loads((out / name).read_text())
+        change(data.get("quantization_config", data))
+        (out / name).write_text(json.dumps(data, indent=2))
+    resign(out)
+
+
+def test_a_compressed_tensors_output_must_state_lm_head_and_its_exclusions(tmp_path):
+    """A second attack helper: removing the lm_head flag, or a '-:' rule of a module the source's config leaves
+    unquantized, from a compressed-tensors output passed verify, with --source too (keys the converter adds are not
+    compared with the source); the converter always writes both, so the audit holds them."""
+    src, out = _converted_moe_fixture(tmp_path)
+    rules = json.loads((out / "quantize_config.json").read_text())["dynamic"]
+    excluded = [rule for rule in rules if rule.startswith("-:")]
+    assert excluded
+    saved = {name: (out / name).read_text() for name in ("config.json", "quantize_config.json", MANIFEST_FILE)}
+    _edit_quant_configs(out, lambda section: section.pop("lm_head"))
+    for source_dir in (None, src):
+        assert_fails(out, source_dir, "lm_head is absent, the converter writes false")
+    for name, text in saved.items():
+        (out / name).write_text(text)
+    _edit_quant_configs(out, lambda section: section["dynamic"].pop(excluded[0]))
+    module = excluded[0][len("-:^"):-1].replace("\\", "")
+    for source_dir in (None, src):
+        assert_fails(out, source_dir, f"says module '{module}' is quantized")
+
+
+def test_a_gptq_lm_head_flag_that_is_no_boolean_fails(tmp_path):
+    """A second attack helper: lm_head 0, null or "false" in a GPTQ output passed plain verify (loaders read them as
+    not quantized); the converter keeps the source's flag, which it reads as a JSON boolean."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    _edit_quant_configs(out, lambda section: section.update(lm_head="false"))
+    assert_fails(out, None, 'lm_head is "false", not a JSON boolean')
