@@ -416,7 +416,7 @@ def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
     """The ``lm_head`` flag (a loader reads it to build the output head quantized or not) against the manifest: false
     with a converted ``lm_head`` (or, from a GPTQ source, one kept in GPTQ form), or true with ``lm_head.weight``
     passed through unquantized and none converted."""
-    converted = [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
+    converted = _converted_modules(manifest)
     flag = section.get("lm_head")
     if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:  # written by the converter: always stated
         expected = any(is_lm_head(module) for module in converted)
@@ -430,9 +430,7 @@ def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
         return []
     kept = ([entry["name"] for entry in manifest["kept"]]  # (a layer kept in GPTQ form is stored quantized too)
             if manifest["source"]["format"] != compressed_tensors.QUANT_METHOD else [])
-    plain = [entry["name"].removesuffix(".weight") for entry in manifest["passthrough"]
-             if entry["name"].endswith(".weight") and len(entry["shape"]) == 2]
-    module = lm_head_contradiction(flag, converted + kept, plain)
+    module = lm_head_contradiction(flag, converted + kept, _plain_linears(manifest))
     if module is None:
         return []
     found = (f"layer '{module}' is {'kept in GPTQ form' if module in kept else 'converted'}" if not flag
@@ -472,6 +470,17 @@ def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
     return problems + _excluded_problems(name, section, config, manifest)
 
 
+def _converted_modules(manifest: dict) -> list[str]:
+    """The source modules of the converted layers (each expert of a stacked entry by its own name)."""
+    return [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
+
+
+def _plain_linears(manifest: dict) -> list[str]:
+    """The modules whose 2-D ``.weight`` is passed through unquantized."""
+    return [entry["name"].removesuffix(".weight") for entry in manifest["passthrough"]
+            if entry["name"].endswith(".weight") and len(entry["shape"]) == 2]
+
+
 def _manifest_tensor_names(manifest: dict) -> list[str]:
     """The source checkpoint's tensor names as the manifest records them: passthrough, converted layers' sources,
     kept layers."""
@@ -489,8 +498,7 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
     config leaves unquantized (:func:`marlin_convert.compressed_tensors.not_quantized`), for which the converter
     writes ``-:`` rules (where ``section`` states ``dynamic``)."""
     where = "the manifest's quantization_defaults"
-    plain = [entry["name"].removesuffix(".weight") for entry in manifest["passthrough"]
-             if entry["name"].endswith(".weight") and len(entry["shape"]) == 2]
+    plain = _plain_linears(manifest)
     try:
         if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
             # the converter's rule (convert._gptq_settings): a "-:" rule for each plain linear the source's config
@@ -499,9 +507,8 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
             if "dynamic" not in section:
                 return []
             source_config = compressed_tensors.config_from_defaults(manifest["quantization_defaults"], where)
-            converted = [source["name"] for entry in manifest["layers"] for source in entry["sources"]]
             modules = {name.rpartition(".")[0] for name in _manifest_tensor_names(manifest)}
-            depths = {module.count(".") for module in converted}
+            depths = {module.count(".") for module in _converted_modules(manifest)}
             excluded = {module: f"{where}: the source's config leaves it unquantized" for module in plain
                         if not is_lm_head(module)
                         and compressed_tensors.not_quantized(source_config, module, modules, depths)}
