@@ -508,10 +508,10 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
                 return []
             source_config = compressed_tensors.config_from_defaults(manifest["quantization_defaults"], where)
             modules = {name.rpartition(".")[0] for name in _manifest_tensor_names(manifest)}
-            depths = {module.count(".") for module in _converted_modules(manifest)}
+            blocks = {compressed_tensors.block_of(module) for module in _converted_modules(manifest)}
             excluded = {module: f"{where}: the source's config leaves it unquantized" for module in plain
                         if not is_lm_head(module)
-                        and compressed_tensors.not_quantized(source_config, module, modules, depths)}
+                        and compressed_tensors.not_quantized(source_config, module, modules, blocks)}
         else:
             source = QuantConfig(bits=4, group_size=-1, desc_act=False, sym=None, checkpoint_format="gptq",
                                  dynamic=parse_dynamic(manifest["quantization_defaults"].get("dynamic"), where),

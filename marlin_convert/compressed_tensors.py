@@ -499,15 +499,23 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
     return [plan_layer(checkpoint, prefix, stored[prefix], modules) for prefix in quantized]
 
 
-def not_quantized(config: CompressedTensorsConfig, module: str, modules: set[str], depths: set[int]) -> bool:
+def block_of(module: str) -> str | None:
+    """The numbered block ``module`` lies in: its name up to its first all-digit part (``model.layers.0`` of
+    ``model.layers.0.mlp.down_proj``), or None (``model.embed_tokens``, ``lm_head``)."""
+    parts = module.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return None if index is None else ".".join(parts[:index + 1])
+
+
+def not_quantized(config: CompressedTensorsConfig, module: str, modules: set[str], blocks: set[str]) -> bool:
     """Whether ``config`` leaves ``module`` (stored as a plain ``.weight``) unquantized as a linear an output config
-    must exclude: its ``ignore`` list names it, or no config group targets it and it lies as deep (dots in its name)
-    as a quantized module, ``depths`` (a linear of a block; ``model.embed_tokens`` is not). ``modules``: every module
-    name of the checkpoint (to tell a module name from a class-name target). Groups that target it with different
-    schemes (an error for a quantized layer) count as targeting it."""
+    must exclude: its ``ignore`` list names it, or no config group targets it and it lies in a numbered block that
+    holds a quantized module, one of ``blocks`` (:func:`block_of`; ``model.embed_tokens`` lies in none). ``modules``:
+    every module name of the checkpoint (to tell a module name from a class-name target). Groups that target it with
+    different schemes (an error for a quantized layer) count as targeting it."""
     if config.ignored_by(module) is not None:
         return True
-    if module.count(".") not in depths:
+    if block_of(module) not in blocks:
         return False
     try:
         return config.group_for(module, modules) is None

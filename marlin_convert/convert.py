@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, layout
-from .compressed_tensors import QUANT_METHOD, not_quantized
+from .compressed_tensors import QUANT_METHOD, block_of, not_quantized
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers, is_lm_head
@@ -692,9 +692,9 @@ def _gptq_settings(plan: ConversionPlan) -> dict:
     ``bits``, ``group_size`` (-1 = channelwise), ``sym`` and ``desc_act`` shared by most converted layers, a
     GPTQModel-style ``dynamic`` rule (``+:^<name>$``; each expert of a stacked set by its own name) for each module
     that differs and a ``-:^<name>$`` rule for each module but ``lm_head`` that the ``ignore`` list keeps
-    unquantized, or that no config group targets where it lies as deep as a converted module (a stored 2-D
-    ``.weight``: a loader that reads these settings would otherwise expect its ``B`` and ``s``; an embedding, less
-    deep, is no linear a loader resolves), ``lm_head`` (quantized or not), then ``source_format`` "compressed-tensors" and
+    unquantized, or that no config group targets where it lies in a numbered block with a converted module (a stored
+    2-D ``.weight``: a loader that reads these settings would otherwise expect its ``B`` and ``s``; an embedding lies
+    in no block), ``lm_head`` (quantized or not), then ``source_format`` "compressed-tensors" and
     ``source_quantization_config``, the config as read."""
     # per source module (each expert of a stacked output too): the names a loader resolves settings for
     settings = {source.prefix: {"bits": output.spec.bits, "group_size": output.spec.group_size,
@@ -706,11 +706,11 @@ def _gptq_settings(plan: ConversionPlan) -> dict:
                for prefix, values in settings.items() if values != common}
     checkpoint = plan.checkpoint
     modules = {name.rpartition(".")[0] for name in checkpoint.location}
-    depths = {prefix.count(".") for prefix in settings}
+    blocks = {block_of(prefix) for prefix in settings}
     dynamic.update({f"-:^{re.escape(module)}$": {}  # (an unquantized lm_head: "lm_head": false)
                     for module in checkpoint.plain_linear_modules()
                     if module not in settings and not is_lm_head(module)
-                    and not_quantized(checkpoint.config, module, modules, depths)})
+                    and not_quantized(checkpoint.config, module, modules, blocks)})
     config = {"quant_method": "gptq", **common,
               "lm_head": any(is_lm_head(prefix) for prefix in settings)}
     if dynamic:

@@ -208,6 +208,7 @@ def test_the_most_specific_target_wins_and_the_config_states_each_layers_setting
 
 
 K_PROJ = "model.layers.0.self_attn.k_proj"
+EXPERT_W1 = "model.layers.0.block_sparse_moe.experts.0.w1"
 
 
 @pytest.mark.parametrize("targets, ignore, plain, rules", [
@@ -216,6 +217,9 @@ K_PROJ = "model.layers.0.self_attn.k_proj"
      {r"-:^model\.layers\.0\.mlp\.down_proj$": {}, r"-:^model\.layers\.0\.self_attn\.k_proj$": {}}),
     # an attack helper (twenty-fourth session): a plain linear no config group targets, not in ignore
     (["re:.*self_attn\\..*"], ["lm_head"], [DOWN], {r"-:^model\.layers\.0\.mlp\.down_proj$": {}}),
+    # one deeper in the same numbered block (an expert) too; an embedding, in no block, needs no rule
+    (["re:.*self_attn\\..*"], ["lm_head"], [EXPERT_W1, "model.embed_tokens"],
+     {r"-:^model\.layers\.0\.block_sparse_moe\.experts\.0\.w1$": {}}),
 ])
 def test_a_linear_the_config_leaves_unquantized_gets_a_not_quantized_rule(tmp_path, targets, ignore, plain, rules):
     """The output's GPTQ-style configs must say that a linear the source's config leaves unquantized (ignored, or
@@ -223,7 +227,8 @@ def test_a_linear_the_config_leaves_unquantized_gets_a_not_quantized_rule(tmp_pa
     the module's B and s."""
     config = quantization_config({"group_0": config_group(targets, scheme())}, ignore=ignore)
     rng = np.random.default_rng(5)
-    shapes = {DOWN: (128, 256), K_PROJ: (64, 128), "lm_head": (64, 128)}
+    shapes = {DOWN: (128, 256), K_PROJ: (64, 128), EXPERT_W1: (256, 128), "model.embed_tokens": (64, 128),
+              "lm_head": (64, 128)}
     extras = {f"{module}.weight": ("F16", rng.normal(size=shapes[module]).astype(np.float16))
               for module in [*plain, "lm_head"]}
     src = write_compressed_tensors(tmp_path / "ct", [Linear(Q, 128, 128)], config, extras=extras)
