@@ -507,7 +507,7 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
             if "dynamic" not in section:
                 return []
             source_config = compressed_tensors.config_from_defaults(manifest["quantization_defaults"], where)
-            modules = {name.rpartition(".")[0] for name in _manifest_tensor_names(manifest)}
+            modules = compressed_tensors.module_names(_manifest_tensor_names(manifest))
             blocks = {compressed_tensors.block_of(module) for module in _converted_modules(manifest)}
             excluded = {module: f"{where}: the source's config leaves it unquantized" for module in plain
                         if not is_lm_head(module)

@@ -495,8 +495,14 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
     quantized = [prefix for prefix, kinds in stored.items() if "weight_packed" in kinds or "weight_scale" in kinds]
     if not quantized:
         raise InputError(f"{checkpoint.path}: no quantized layer: no tensor named '*.weight_packed'")
-    modules = {name.rpartition(".")[0] for name in checkpoint.location}
+    modules = module_names(checkpoint.location)
     return [plan_layer(checkpoint, prefix, stored[prefix], modules) for prefix in quantized]
+
+
+def module_names(tensor_names) -> set[str]:
+    """The modules of a checkpoint, from its tensor names (``P.weight`` -> ``P``): what :meth:`group_for` and
+    :func:`not_quantized` tell a module name from a class-name target by."""
+    return {name.rpartition(".")[0] for name in tensor_names}
 
 
 def block_of(module: str) -> str | None:

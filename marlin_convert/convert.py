@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, layout
-from .compressed_tensors import QUANT_METHOD, block_of, not_quantized
+from .compressed_tensors import QUANT_METHOD, block_of, module_names, not_quantized
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers, is_lm_head
@@ -705,7 +705,7 @@ def _gptq_settings(plan: ConversionPlan) -> dict:
     dynamic = {f"+:^{re.escape(prefix)}$": {key: value for key, value in values.items() if value != common[key]}
                for prefix, values in settings.items() if values != common}
     checkpoint = plan.checkpoint
-    modules = {name.rpartition(".")[0] for name in checkpoint.location}
+    modules = module_names(checkpoint.location)
     blocks = {block_of(prefix) for prefix in settings}
     dynamic.update({f"-:^{re.escape(module)}$": {}  # (an unquantized lm_head: "lm_head": false)
                     for module in checkpoint.plain_linear_modules()

@@ -280,6 +280,9 @@ def _run_source(task: SourceTask) -> SourceOutcome:
     span = [None] if source["slices"] is None else list(range(*source["slices"]))
     stacked_source = source["slices"] is not None and len(entry["sources"]) == 1
     outcomes, complete, non_trivial = [], True, False
+    # (act-order layers: whether any expert's rebuilt g_idx is not the trivial one, to hold the source's label to)
+    trivial = (layout.trivial_g_idx(layer.spec.in_features, layer.spec.effective_group_size)
+               if layer.spec.act_order else None)
     seconds = {"read + inverse": 0.0, "hash": 0.0}
     for expert in span:
         start = time.perf_counter()
@@ -291,9 +294,8 @@ def _run_source(task: SourceTask) -> SourceOutcome:
         rebuilt_at = time.perf_counter()
         seconds["read + inverse"] += rebuilt_at - start
         problems = list(rebuilt.problems)
-        if rebuilt.complete and layer.spec.act_order:
-            non_trivial |= not np.array_equal(stage.view("g_idx"), layout.trivial_g_idx(
-                layer.spec.in_features, layer.spec.effective_group_size))
+        if rebuilt.complete and trivial is not None:
+            non_trivial |= not np.array_equal(stage.view("g_idx"), trivial)
         if rebuilt.complete:
             for kind, digest in hashes.items():
                 digest.update(stage.view(kind).reshape(-1).view(np.uint8))
@@ -569,14 +571,11 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
     use_kernel = gpu_workers is not None
     act_dtype = activation_dtype(manifest, dtype) if use_kernel else None
     per_entry = _results_skeleton(manifest, checked)
-    for i, found in unmatched.items():
-        for result in per_entry[i]:
-            for problem in found:
-                result.fail(problem)
-    for i, found in (layer_problems(plan, manifest) if plan is not None else {}).items():
-        for result in per_entry[i]:
-            for problem in found:
-                result.fail(problem)
+    for by_entry in (unmatched, layer_problems(plan, manifest) if plan is not None else {}):
+        for i, found in by_entry.items():
+            for result in per_entry[i]:
+                for problem in found:
+                    result.fail(problem)
     kept = [KeptResult(entry["name"], entry["reason"], list(checked.kept_problems.get(entry["name"], [])))
             for entry in manifest["kept"]]
     kept_by_label = {f"kept '{k.name}'": k for k in kept}

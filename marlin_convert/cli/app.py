@@ -183,7 +183,10 @@ EXIT_BROKEN_PIPE = 141
 def _failed(exc: BaseException, argv: list[str] | None = None) -> int:
     """Report ``exc`` (stderr), and in the command's --json target where it has one; the exit code. An interruption
     before the command checked its --json path replaces a report of an earlier run there (``argv``: the command's
-    arguments, default the process's; :func:`._stale_report.replace_stale_report`)."""
+    arguments, default the process's; :func:`._stale_report.replace_stale_report`). An input error without a hint
+    where the arguments read ``help`` as convert's IN_DIR gets :func:`_help_hint`'s."""
+    if isinstance(exc, InputError) and exc.hint is None:
+        exc.hint = _help_hint(list(sys.argv[1:] if argv is None else argv))
     code = report_error(exc)
     if isinstance(exc, InterruptedAfterPublish) or report_written():  # (a report written before: right but for the
         amend_written_outcome(code)  # exit code, e.g. a Ctrl-C while the table was printed after it)
@@ -207,7 +210,8 @@ def _parser_error(exc: Exception, args: list[str]) -> int:
     usage = usage[len("Usage:"):].strip() if usage.startswith("Usage:") else usage
     hint = f"usage: {' '.join(usage.split())}; '{ctx.command_path} -h' explains it" if ctx is not None else None
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-    return _failed(InputError(message.removesuffix("."), hint=_help_hint(args) or hint))
+    # (the usage hint unless _failed gives the one for `help`)
+    return _failed(InputError(message.removesuffix("."), hint=None if _help_hint(args) else hint), args)
 
 
 def _help_hint(args: list[str]) -> str | None:
@@ -258,9 +262,6 @@ def _main(argv: list[str] | None) -> int:
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             return _parser_error(exc, list(sys.argv[1:] if argv is None else argv))
         signum = first_signal()  # a signal came first: the failure is its consequence (a worker it stopped)
-        hint = _help_hint(list(sys.argv[1:] if argv is None else argv))
-        if signum is None and hint is not None and isinstance(exc, InputError) and exc.hint is None:
-            exc.hint = hint  # (`marlin-convert help verify`: "help: does not exist")
         return _failed(exc if signum is None else Interrupted(signum), argv)
     except (Interrupted, KeyboardInterrupt) as exc:
         return _failed(exc, argv)
