@@ -3,9 +3,13 @@
 The manifest (types already checked by :func:`marlin_convert.manifest.load_manifest`) must describe the
 directory exactly: every tensor of every shard is a converted layer's output, a passthrough tensor or a tensor
 of a layer kept in GPTQ form, once, with the dtype and shape the layer's K, N, bits and groups imply; every
-layer entry agrees with itself (groups, padded shape, workspace, expert stride, sources); the shard files hold
-nothing beyond their tensors; the configs and the index say what the manifest says; the files on disk are the
-files the manifest lists. Each mismatch is reported by name; none stops the audit.
+layer entry agrees with itself (groups, padded shape, workspace, expert stride, sources); every kept entry lists
+its layer's own tensors, all of them; the shard files hold nothing beyond their tensors; the configs and the index
+say what the manifest says, and the configs give each layer kept in GPTQ form settings its tensors bear out; the
+files on disk are the files the manifest lists. Each mismatch is reported by name; none stops the audit.
+
+Header only, but for the layers kept in GPTQ form: their g_idx and qzeros are read, as the converter read them in
+the source (:func:`marlin_convert.gptq.plan_layer`), since a kept entry records no settings of its own.
 
 What is left for the data pass (:mod:`marlin_convert.verify`) comes back as :class:`Audit`: the checked layers,
 and per file the byte ranges whose digests to check while the file is hashed.
@@ -21,8 +25,8 @@ from . import compressed_tensors, layout, strict_json
 from .errors import InputError
 from .experts import expert_group_summary, split_expert_key
 from .fileio import outside_link, read_inside
-from .gptq import (CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, QuantConfig, is_lm_head, lm_head_contradiction,
-                   parse_dynamic)
+from .gptq import (CONFIG_FILE, GPTQ_BITS, INDEX_FILE, LAYER_KINDS, QUANTIZE_CONFIG_FILE, Checkpoint, QuantConfig,
+                   is_lm_head, lm_head_contradiction, parse_dynamic, plan_layer)
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SHARD_METADATA, SafetensorsFile, read_header
@@ -282,13 +286,34 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
     kept_problems = {entry["name"]: owner_problems.pop(f"kept layer '{entry['name']}'", [])
                      for entry in manifest["kept"]}
     problems += [f"{owner}: {p}" for owner, found in owner_problems.items() for p in found]
+    if len(headers) == len(set(shard_names)):  # (an unreadable shard is named above: its tensors are unknown here)
+        stored = {tensor for header in headers.values() for tensor in header.tensors}
+        for entry in manifest["kept"]:
+            kept_problems[entry["name"]] += _kept_entry_problems(entry, stored, manifest["source"]["format"])
 
     problems += _format_problems(manifest)
-    problems += _config_problems(out_dir, manifest)
+    problems += _config_problems(out_dir, manifest, headers)
     problems += _index_problems(out_dir, headers, len(shard_names))
     files, file_problems = _file_checks(out_dir, manifest, headers, kept_problems)
     problems += file_problems
     return Audit(headers, layers, layer_problems, kept_problems, problems, files)
+
+
+def _kept_entry_problems(entry: dict, stored: set[str], source_format: str) -> list[str]:
+    """A kept entry against the tensors of its layer ``NAME`` that the output stores (``stored``: every tensor name of
+    the shards): it lists each of them, ``NAME.<kind>`` (GPTQ: qweight, scales, qzeros and g_idx where stored;
+    compressed-tensors: every ``weight*`` tensor), and nothing else, as the converter copies them. One moved to
+    ``passthrough``, or named after another layer, would leave an engine reading the entry with another layer."""
+    name = entry["name"]
+    kinds = compressed_tensors.LAYER_KINDS if source_format == compressed_tensors.QUANT_METHOD else LAYER_KINDS
+    listed, held = set(entry["tensors"]), {kind for kind in kinds if f"{name}.{kind}" in stored}
+    problems = []
+    if listed != held:
+        problems.append(f"the entry lists {sorted(listed)}, the layer stores {sorted(held)} in OUT_DIR")
+    for kind, tensor in entry["tensors"].items():
+        if tensor != f"{name}.{kind}":
+            problems.append(f"its {kind} is '{tensor}', not '{name}.{kind}'")
+    return problems
 
 
 def _format_problems(manifest: dict) -> list[str]:
@@ -334,9 +359,10 @@ def read_config(path: Path) -> tuple[dict | None, str | None]:
     return (data, None) if isinstance(data, dict) else (None, f"{path.name}: not a JSON object")
 
 
-def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
+def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFile]) -> list[str]:
     """config.json's quantization_config (when the file exists) and quantize_config.json (always written) must say
-    what the manifest says: format, Marlin or not, the source format, the modules kept in their source form."""
+    what the manifest says: format, Marlin or not, the source format, the modules kept in their source form, each
+    layer's settings (those kept in GPTQ form held to their tensors in the shards of ``headers``)."""
     label = manifest["checkpoint_format"]
     source_format = manifest["source"]["format"]
     kept_key = KEPT_MODULES_KEYS[source_format]
@@ -379,7 +405,13 @@ def _config_problems(out_dir: Path, manifest: dict) -> list[str]:
                 (kept or None):
             problems.append(f"{name}: {kept_key} is {json.dumps(listed)[:80]}, the manifest keeps "
                             f"{len(kept)} layer(s) in their source form")
-        problems += _settings_problems(name, section, manifest)
+        try:
+            config = _section_config(name, section)
+        except InputError as exc:
+            problems.append(f"{name}: {exc.message}")
+        else:
+            problems += _settings_problems(name, config, manifest)
+            problems += _kept_settings_problems(name, config, manifest, out_dir, headers)
         problems += _lm_head_problems(name, section, manifest)
         problems += _defaults_problems(name, section, manifest)
     return problems
@@ -438,17 +470,22 @@ def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
     return [f"{name}: lm_head is {json.dumps(flag)}, but {found}"]
 
 
-def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
-    """Each converted layer's settings as a loader takes them from ``section`` (the defaults, then the first
-    matching ``dynamic`` rule, GPTQModel's rule) against the layer's entry: bits, group size (exactly) and, where the
-    config states it, sym. A config edited to other settings would have an engine size ``B`` and ``s`` wrongly. (desc_act
-    is not compared: a source whose g_idx is not trivial is converted with act-order whatever desc_act says.)"""
-    try:
-        config = QuantConfig(bits=section.get("bits"), group_size=section.get("group_size", -1),
-                             desc_act=section.get("desc_act", False), sym=section.get("sym"), checkpoint_format="gptq",
-                             dynamic=parse_dynamic(section.get("dynamic"), name), sources=[name], as_read=section)
-    except InputError as exc:
-        return [f"{name}: {exc.message}"]
+def _section_config(name: str, section: dict) -> QuantConfig:
+    """The settings a loader takes from output config ``name`` (its quantization config ``section``): the defaults,
+    then the first matching ``dynamic`` rule, GPTQModel's rule. Values are taken as written (their types are held to
+    the manifest's ``quantization_defaults``: :func:`_defaults_problems`). Raises :class:`InputError` for a
+    malformed ``dynamic``."""
+    return QuantConfig(bits=section.get("bits"), group_size=section.get("group_size", -1),
+                       desc_act=section.get("desc_act", False), sym=section.get("sym"), checkpoint_format="gptq",
+                       dynamic=parse_dynamic(section.get("dynamic"), name), sources=[name], as_read=section)
+
+
+def _settings_problems(name: str, config: QuantConfig, manifest: dict) -> list[str]:
+    """Each converted layer's settings as a loader takes them from output config ``name`` (``config``) against the
+    layer's entry: bits, group size (exactly) and, where the config states it, sym. A config edited to other settings
+    would have an engine size ``B`` and ``s`` wrongly. (desc_act is not compared: a source whose g_idx is not trivial
+    is converted with act-order whatever desc_act says.)"""
+    section = config.as_read
     problems = []
     for entry in manifest["layers"]:
         for source in entry["sources"]:  # per module, as a loader resolves them (an expert of a stacked entry too)
@@ -468,6 +505,41 @@ def _settings_problems(name: str, section: dict, manifest: dict) -> list[str]:
             if len(problems) >= 5:  # a config that says other settings for hundreds of experts: the first few
                 return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
     return problems + _excluded_problems(name, section, config, manifest)
+
+
+def _kept_settings_problems(name: str, config: QuantConfig, manifest: dict, out_dir: Path,
+                            headers: dict[str, SafetensorsFile]) -> list[str]:
+    """Each layer kept in GPTQ form against the settings output config ``name`` (``config``) gives its module: its
+    tensors in the shards of ``headers`` must be the layer those settings describe, as the converter checked them in
+    the source (:func:`marlin_convert.gptq.plan_layer`): qweight's rows hold K (g_idx's length) at that many bits,
+    scales and qzeros have one row per group, qzeros ``ceil(N * bits / 32)`` words, g_idx each group's rows, the
+    dtypes GPTQ's, and no ``-:`` rule says the module is not quantized. A config that gives a 2-bit layer bits 3
+    would have a loader unpack it wrongly. (sym and desc_act are not compared: a layer whose zero points contradict
+    ``sym: true`` is kept for that, and the stored g_idx decides act-order whatever desc_act says.) A layer with a
+    tensor in an unreadable shard is left out (the shard is named already). Nothing is checked for a checkpoint
+    converted from compressed-tensors: its GPTQ-style config describes the converted layers only, and names the kept
+    ones apart."""
+    if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
+        return []
+    output = Checkpoint(out_dir, config, None, None, list(headers.values()), None,
+                        {tensor: header for header in headers.values() for tensor in header.tensors})
+    problems = []
+    for entry in manifest["kept"]:
+        module = entry["name"]
+        settings = config.settings_for(module)
+        bits, group_size = settings.bits, settings.group_size
+        if not all(shard in headers for shard in entry["shards"].values()):
+            continue
+        if not (type(bits) is int and bits in GPTQ_BITS and type(group_size) is int
+                and (group_size == -1 or group_size > 0)):
+            continue  # (no GPTQ value: the config's defaults are held to quantization_defaults, whose values are
+            # checked, and every converted layer's bits and group size to its entry, above)
+        try:
+            plan_layer(output, module)
+        except InputError as exc:
+            problems.append(f"{name}: layer '{module}', kept in GPTQ form, is not the layer this file's settings "
+                            f"describe ({settings.origin}: {bits}-bit, group size {group_size}): {exc.message}")
+    return problems
 
 
 def _converted_modules(manifest: dict) -> list[str]:

@@ -38,6 +38,8 @@ MARLIN_BITS = (4, 8)
 #: Marlin has a form for these group sizes (plus any group size >= K, which is channelwise)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 SCALE_DTYPES = ("F16", "BF16", "F32")
+#: a GPTQ linear's own tensors (``P.<kind>``; g_idx where stored): what a layer kept in GPTQ form keeps
+LAYER_KINDS = ("qweight", "scales", "qzeros", "g_idx")
 #: values of the config's format keys (``checkpoint_format``, GPTQModel's ``format``) and the zero format each means
 ZERO_FORMAT_OF_LABEL = {"gptq": "v1", "gptq_v2": "v2"}
 #: labels that mean the directory is already (partly) converted

@@ -4,7 +4,8 @@
    exit 2 naming the field. Its own SHA-256 is reported (and, when ``expect_manifest`` is given, checked against it
    before anything else: a manifest that differs stops the run, :class:`VerificationFailed`).
 2. **The manifest against the files** (:mod:`marlin_convert.audit`): every tensor of every shard accounted for,
-   every shape consistent with K, N, bits and groups, configs and index saying the same, no file added or missing.
+   every shape consistent with K, N, bits and groups, configs and index saying the same (each layer kept in GPTQ
+   form as the configs' settings for it describe it), no file added or missing.
 3. **The bytes**, in parallel worker processes (forked; they die with this process):
 
    * every file is hashed whole against the manifest's ``files`` digest, and while its bytes are in hand, each
