@@ -328,7 +328,8 @@ def _format_problems(manifest: dict) -> list[str]:
         if entry["source_format"] != source_format:
             problems.append(f"layer '{entry['name']}': source_format {entry['source_format']!r}, the manifest's "
                             f"source is {source_format!r}")
-    stated, expected = manifest.get("expert_groups"), expert_group_summary(manifest["layers"])
+    stated, expected = manifest.get("expert_groups"), expert_group_summary(manifest["layers"], manifest["kept"],
+                                                                     manifest["passthrough"])
 
     def as_json(value) -> str:  # compared as JSON: 4.0 is not 4
         return json.dumps(value, sort_keys=True)

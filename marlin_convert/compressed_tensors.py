@@ -529,6 +529,28 @@ def not_quantized(config: CompressedTensorsConfig, module: str, modules: set[str
         return False
 
 
+def quantized_by_config(checkpoint: Checkpoint, modules: list[str]) -> dict[str, tuple[bool, str]]:
+    """Per module of ``modules``: whether the config quantizes it, and what says so: the ``ignore`` entry that
+    names it, else the config group that targets it (groups that target it with different schemes count as
+    quantizing it), else no group (unquantized)."""
+    config = checkpoint.config
+    names = module_names(checkpoint.location)
+    out = {}
+    for module in modules:
+        entry = config.ignored_by(module)
+        if entry is not None:
+            out[module] = (False, f"ignore entry {json.dumps(entry)} in {config.where}")
+            continue
+        try:
+            group = config.group_for(module, names)
+        except InputError:
+            out[module] = (True, f"several config groups in {config.where}")
+            continue
+        out[module] = ((False, f"no config group in {config.where} targets it") if group is None
+                       else (True, f"config group '{group.name}' in {config.where}"))
+    return out
+
+
 def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
     """What the reading decided, for the report and the manifest."""
     config = checkpoint.config

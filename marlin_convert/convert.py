@@ -24,7 +24,7 @@ import resource
 import time
 from collections import Counter
 from contextlib import closing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +35,7 @@ from .compressed_tensors import QUANT_METHOD, block_of, module_names, not_quanti
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers, is_lm_head
-from .experts import ExpertGroup, expert_group_summary, group_experts
+from .experts import ExpertGroup, expert_group_summary, group_experts, split_expert_key
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
                        write_manifest)
 from .outdir import PartialDir, check_free_space, check_out_dir, clear_stale_partials
@@ -43,7 +43,7 @@ from .outfiles import output_file_digests, select_extra_files
 from .safetensors_io import (DTYPE_NAMES, SHARD_METADATA, PlannedTensor, ShardWriter, TensorInfo,
                              changed_since_read)
 from .sources import (KEPT_MODULES_KEYS, SOURCE_CONFIG_KEY, SOURCE_FORMAT_KEY, check_in_dir, open_checkpoint,
-                      plan_layers, plan_notes)
+                      plan_layers, plan_notes, quantized_by_config)
 from .spec import QuantSpec
 from .workers import check_workers, run_parallel, usable_cpus
 
@@ -231,59 +231,123 @@ def _stated_expert_count(config_json: dict | None, config_path: Path) -> tuple[s
     return None
 
 
-def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
-                       config_json: dict | None = None, config_path: Path = Path(CONFIG_FILE)) -> None:
-    """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1, all with the
-    same number of scale groups, and E is the number of experts config.json states (where it states one: the
-    last experts missing altogether leave no gap to see); stacked 3-D layers hold that many too. ``config_path``:
-    where config.json is, for the errors."""
-    stated = _stated_expert_count(config_json, config_path)
+def _find_unquantized_experts(groups: list[ExpertGroup], checkpoint: Checkpoint) -> None:
+    """Fill in each group's ``unquantized``: the experts of a projection with quantized members that are stored as a
+    plain 2-D ``.weight`` instead, with what in the config leaves them so. Raises :class:`InputError` for such an
+    expert that the config quantizes (no ``-:`` rule or ``ignore`` entry for it): the config contradicts the stored
+    tensors, as a ``-:`` rule on a stored ``qweight`` does."""
+    by_base = {group.base: group for group in groups}
+    plain: dict[str, tuple[ExpertGroup, int, str]] = {}
+    for module in checkpoint.plain_linear_modules():
+        parts = split_expert_key(module)
+        if parts is None or parts[0] not in by_base:
+            continue
+        group, expert, projection = by_base[parts[0]], parts[1], parts[2]
+        # (a projection with no quantized expert is an ordinary plain linear, as in a dense model)
+        if projection in group.members and expert not in group.members[projection]:
+            plain[module] = (group, expert, projection)
+    for module, (quantized, origin) in (quantized_by_config(checkpoint, list(plain)) if plain else {}).items():
+        group, expert, projection = plain[module]
+        if quantized:
+            raise InputError(f"layer '{group.base}': expert {expert} of '{projection}' is stored unquantized "
+                             f"('{module}.weight'), but {origin} quantizes it",
+                             hint="say in the config that it is not quantized (GPTQModel: a '-:' dynamic rule; "
+                                  "compressed-tensors: an ignore entry), or store it quantized")
+        group.unquantized.setdefault(projection, {})[expert] = origin
+
+
+def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan], checkpoint: Checkpoint) -> None:
+    """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1, each quantized or
+    left unquantized by the config (:func:`_find_unquantized_experts`), and E is the number of experts config.json
+    states (where it states one: the last experts missing altogether leave no gap to see); stacked 3-D layers hold
+    that many too. The experts of a set may be quantized differently (``dynamic`` rules): each is converted by its
+    own settings (only ``--stack-experts`` needs them alike: :func:`_stack_groups`)."""
+    config_path = checkpoint.path / CONFIG_FILE
+    stated = _stated_expert_count(checkpoint.config_json, config_path)
     if stated is not None:
         key, count = stated
         for layer in by_prefix.values():
             if layer.spec.num_experts and layer.spec.num_experts != count:
                 raise InputError(f"layer '{layer.prefix}': {layer.spec.num_experts} stacked experts, {config_path} "
                                  f"says {key} = {count}")
+    _find_unquantized_experts(groups, checkpoint)
     for group in groups:
         top = max(group.expert_indices) + 1
         for projection, gaps in group.missing().items():
             shown = ", ".join(str(e) for e in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
-            present = by_prefix[next(iter(next(iter(group.members.values())).values()))]
-            # qweight, compressed-tensors' weight_packed, or the stored weight of a layer kept in another form
-            stored = present.roles.get("qweight") or present.kept_names.get("weight") or f"{present.prefix}.weight"
-            weight = stored.rsplit(".", 1)[-1]
-            raise InputError(
-                f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
-                f"(no {group.base}.<e>.{projection}.{weight})"
-            )
+            module = f"{group.base}.{gaps[0]}.{projection}"
+            quantized, origin = quantized_by_config(checkpoint, [module])[module]
+            if quantized:
+                present = by_prefix[next(iter(next(iter(group.members.values())).values()))]
+                # qweight, compressed-tensors' weight_packed, or the stored weight of a layer kept in another form
+                stored = present.roles.get("qweight") or present.kept_names.get("weight") or f"{present.prefix}.weight"
+                expected = f"no {group.base}.<e>.{projection}.{stored.rsplit('.', 1)[-1]}"
+            else:
+                expected = f"no {module}.weight, which {origin} leaves unquantized"
+            raise InputError(f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
+                             f"({expected})")
         if stated is not None and top != stated[1]:
             missing = f" (expert(s) {top}..{stated[1] - 1} missing)" if top < stated[1] else ""
             raise InputError(f"layer '{group.base}': experts 0..{top - 1} stored, {config_path} says {stated[0]} = "
                              f"{stated[1]}{missing}")
-        for projection, per_expert in group.members.items():
-            sizes = {by_prefix[p].spec.num_groups for p in per_expert.values()}
-            if len(sizes) > 1:
-                raise InputError(f"layer '{group.base}': experts of '{projection}' have different numbers of "
-                                 f"scale groups {sorted(sizes)} (mixed group sizes)")
 
 
-def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan],
-                  notes: list[str]) -> tuple[list[OutputLayer], set[str]]:
-    """``--stack-experts``: one OutputLayer per (expert group, projection) whose members can share a tensor."""
+#: what one stacked tensor needs its experts to share, each with how a message says an expert's value
+STACKED_FIELDS = (("bits", lambda spec: f"{spec.bits} bits"),
+                  ("group_size", lambda spec: f"group size {spec.group_size}"),
+                  ("sym", lambda spec: "symmetric zero points" if spec.sym else "asymmetric zero points"),
+                  ("in_features", lambda spec: f"K = {spec.in_features}"),
+                  ("out_features", lambda spec: f"N = {spec.out_features}"),
+                  ("scale_dtype", lambda spec: f"{spec.scale_dtype} scales"),
+                  ("source_format", lambda spec: f"source format {spec.source_format}"))
+
+
+def _unstackable(group: ExpertGroup, projection: str, members: dict[int, LayerPlan]) -> str | None:
+    """Why the experts of ``projection`` in ``group`` cannot share one stacked tensor, or None: every expert must be
+    quantized and converted, with one layout (act-order and the stored zero format may differ per expert: perm,
+    g_idx and zp are per expert)."""
+    where = f"layer '{group.base}': expert"
+    unquantized = group.unquantized.get(projection, {})
+    if unquantized:
+        expert = min(unquantized)
+        return (f"{where} {expert} of '{projection}' is not quantized ({unquantized[expert]}; "
+                f"'{group.base}.{expert}.{projection}.weight' is stored unquantized)")
+    if len(members) < 2:  # one expert: nothing to stack
+        return None
+    for expert, member in members.items():
+        if not member.convertible:
+            return (f"{where} {expert} of '{projection}' has no Marlin form ({member.reason}) and stays in its "
+                    "source form")
+        if member.spec.num_experts:
+            return f"{where} {expert} of '{projection}' ('{member.prefix}') is itself stacked, 3-D"
+    (first_expert, first), *others = members.items()
+    for expert, member in others:
+        for name, say in STACKED_FIELDS:
+            if getattr(member.spec, name) != getattr(first.spec, name):
+                return (f"{where} {expert} of '{projection}' has {say(member.spec)} ({member.settings.origin}), "
+                        f"expert {first_expert} has {say(first.spec)} ({first.settings.origin})")
+    return None
+
+
+def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan]) -> tuple[list[OutputLayer], set[str]]:
+    """``--stack-experts``: one OutputLayer per (expert group, projection), its experts in one stacked tensor. A
+    projection of one expert has nothing to stack and stays as it is. Raises :class:`UnsupportedLayerError` naming
+    the expert and the reason where a set cannot share one tensor (:func:`_unstackable`)."""
     stacked, taken = [], set()
     for group in groups:
         for projection, per_expert in group.members.items():
-            members = [by_prefix[per_expert[e]] for e in sorted(per_expert)]
-            # one stacked tensor needs one layout: act-order and the stored zero format may differ per expert
-            kinds = {replace(m.spec, act_order=False, zero_format="v2") for m in members}
+            members = {e: by_prefix[per_expert[e]] for e in sorted(per_expert)}
+            reason = _unstackable(group, projection, members)
+            if reason is not None:
+                raise UnsupportedLayerError(
+                    f"{reason}, so the experts of '{projection}' cannot be stacked",
+                    hint="convert without --stack-experts: each expert is then converted by its own settings, one "
+                         "left unquantized passed through")
             if len(members) < 2:  # one expert: nothing to stack (its entry keeps the expert's own name)
                 continue
-            if any(not m.convertible for m in members) or len(kinds) != 1 or members[0].spec.num_experts:
-                notes.append(f"{group.base}.*.{projection}: not stacked (experts differ in shape or settings, or "
-                             "some stay in their source form); written per expert")
-                continue
-            stacked.append(OutputLayer(f"{group.base}.{projection}", members[0], members))
-            taken.update(m.prefix for m in members)
+            sources = list(members.values())
+            stacked.append(OutputLayer(f"{group.base}.{projection}", sources[0], sources))
+            taken.update(m.prefix for m in sources)
     return stacked, taken
 
 
@@ -364,12 +428,12 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     layers = plan_layers(checkpoint)
     by_prefix = {layer.prefix: layer for layer in layers}
     groups, _ = group_experts(list(by_prefix))
-    _check_expert_sets(groups, by_prefix, checkpoint.config_json, checkpoint.path / CONFIG_FILE)
+    _check_expert_sets(groups, by_prefix, checkpoint)
     refused = [layer for layer in layers if not layer.convertible]
     if refused and not skip_incompatible:
         raise refusal_error(refused, len(layers))
     notes = plan_notes(checkpoint, layers)
-    outputs, taken = _stack_groups(groups, by_prefix, notes) if stack_experts else ([], set())
+    outputs, taken = _stack_groups(groups, by_prefix) if stack_experts else ([], set())
     notes += legacy_loader_notes(layers, taken)
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 
@@ -922,6 +986,7 @@ def convert(
 
         layers = [layer_entry(layer, digests, out_shard) for layer in plan.outputs]
         kept = [_kept_entry(layer, digests, out_shard) for layer in plan.refused]
+        passthrough = _passthrough_entries(plan, digests, out_shard)
         bytes_out = sum(record["bytes"] for record in files.values())
         manifest = {
             "format": "marlin-convert-manifest",
@@ -937,9 +1002,9 @@ def convert(
             "shards": [shard.file_name for shard in plan.shards],
             "layers": layers,
             "kept": kept,
-            "expert_groups": expert_group_summary(layers),
+            "expert_groups": expert_group_summary(layers, kept, passthrough),
+            "passthrough": passthrough,
         }
-        manifest["passthrough"] = _passthrough_entries(plan, digests, out_shard)
         manifest["files"] = files
         write_manifest(tmp, manifest)
         digest = manifest_digest(tmp)

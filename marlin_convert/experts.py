@@ -18,26 +18,32 @@ EXPERT_KEY = re.compile(r"^(?P<base>.+\.experts)\.(?P<index>0|[1-9][0-9]{0,17})\
 
 @dataclass
 class ExpertGroup:
-    """All per-expert layers under one ``<base>.experts``: ``members[projection][expert] = prefix``."""
+    """All per-expert layers under one ``<base>.experts``: ``members[projection][expert] = prefix`` for the quantized
+    ones; ``unquantized[projection][expert]`` says what in the config leaves that expert of a projection with
+    quantized members unquantized (stored as a plain ``.weight``; filled in by the converter, which reads the config)."""
 
     base: str
     members: dict[str, dict[int, str]] = field(default_factory=dict)
+    unquantized: dict[str, dict[int, str]] = field(default_factory=dict)
 
     @property
     def expert_indices(self) -> list[int]:
-        return sorted({e for per in self.members.values() for e in per})
+        """Every expert index stored, quantized or left unquantized, of any projection."""
+        return sorted({e for stored in (self.members, self.unquantized) for per in stored.values() for e in per})
 
     def missing(self, limit: int = 9) -> dict[str, list[int]]:
-        """Per projection with a hole in 0..max (such as expert 17 of 0..63), its first ``limit`` absent indices.
-        The search stops there, so it costs at most len(members) + limit steps, whatever the largest index."""
+        """Per projection with a hole in 0..max (such as expert 17 of 0..63) that neither a quantized expert nor one
+        the config leaves unquantized fills, its first ``limit`` absent indices. The search stops there, so it costs
+        at most len(members) + limit steps, whatever the largest index."""
         top = max(self.expert_indices) + 1
         out = {}
         for projection, per in self.members.items():
-            if len(per) == top:
+            plain = self.unquantized.get(projection, {})
+            if len(per) + len(plain) == top:
                 continue
             gaps = []
             for e in range(top):
-                if e not in per:
+                if e not in per and e not in plain:
                     gaps.append(e)
                     if len(gaps) == limit:
                         break
@@ -68,18 +74,27 @@ def group_experts(prefixes: list[str]) -> tuple[list[ExpertGroup], list[str]]:
     return list(groups.values()), plain
 
 
-def expert_group_summary(layers: list[dict]) -> list[dict]:
-    """The manifest's ``expert_groups``, from its ``layers`` entries: one summary per group of per-expert layers
-    written per expert (entries with ``num_experts`` 0 whose names are expert keys) and projection, in order of
-    first appearance: ``base``, ``projection``, ``num_experts``, ``in_features``, ``out_features`` and
-    ``workspace_ints_per_expert`` (of the lowest expert index) and the ``layers`` in expert order. Stacked entries
-    describe themselves and are not summarised. The converter writes it and ``verify`` recomputes it."""
+def expert_group_summary(layers: list[dict], kept: list[dict], passthrough: list[dict]) -> list[dict]:
+    """The manifest's ``expert_groups``, from its ``layers``, ``kept`` and ``passthrough`` entries: one summary per
+    group of per-expert layers written per expert (entries with ``num_experts`` 0 whose names are expert keys) and
+    projection, in order of first appearance: ``base``, ``projection``, ``num_experts``, ``in_features``,
+    ``out_features`` and ``workspace_ints_per_expert`` (of the lowest expert index) and the ``layers`` in expert
+    order. Only a complete set is summarised: experts 0..E-1 all converted, and no expert of that projection kept in
+    its source form or passed through unquantized (a plain ``.weight``, which a ``dynamic`` rule or ``ignore`` left
+    so); the converted experts of any other set are entries of their own, found by name, so that no reader takes
+    ``layers[e]`` for expert ``e`` where it is not. Stacked entries describe themselves and are not summarised. The
+    converter writes it and ``verify`` recomputes it."""
     per_expert = {entry["name"]: entry for entry in layers if not entry["num_experts"]}
     groups, _ = group_experts(list(per_expert))
+    unconverted = [entry["name"] for entry in kept]
+    unconverted += [entry["name"].removesuffix(".weight") for entry in passthrough if entry["name"].endswith(".weight")]
+    incomplete = {(parts[0], parts[2]) for parts in map(split_expert_key, unconverted) if parts is not None}
     summary = []
     for group in groups:
         for projection, members in group.members.items():
-            first = per_expert[members[min(members)]]
+            if (group.base, projection) in incomplete or sorted(members) != list(range(len(members))):
+                continue
+            first = per_expert[members[0]]
             summary.append({
                 "base": group.base,
                 "projection": projection,

@@ -700,6 +700,38 @@ def _stored_bits_hint(rows: int, g_idx_k: int | None) -> str:
     return ""
 
 
+#: the settings of a stacked tensor's layout that a ``dynamic`` rule decides, each with how a message says a value
+#: (not desc_act: the stored g_idx decides act-order, per expert)
+STACKED_RULE_KEYS = (("bits", "bits"), ("group_size", "group size"), ("sym", "sym"))
+
+
+def _check_rules_for_stacked_experts(checkpoint: Checkpoint, prefix: str, num_experts: int,
+                                     settings: ModuleSettings, where: Path) -> None:
+    """A stacked 3-D layer ``<parent>.<projection>`` holds its experts in one tensor with one set of settings (its
+    own, ``settings``): a ``dynamic`` rule that resolves an expert by its per-expert name ``<parent>.<e>.<projection>``
+    (as a per-expert checkpoint would name it) to other settings (not quantized, other bits, group size or sym)
+    cannot apply and is refused (:class:`InputError`), not ignored."""
+    if not checkpoint.config.dynamic:
+        return
+    parent, _, projection = prefix.rpartition(".")
+    for expert in range(num_experts):
+        module = f"{parent}.{expert}.{projection}"
+        own = checkpoint.config.settings_for(module)
+        differs = [(key, text) for key, text in STACKED_RULE_KEYS if getattr(own, key) != getattr(settings, key)]
+        if own.quantized and not differs:
+            continue
+        if not own.quantized:
+            says = f"says expert {expert} ('{module}') is not quantized"
+        else:
+            key, text = differs[0]
+            says = f"gives expert {expert} ('{module}') {text} {json.dumps(getattr(own, key))}"
+        raise InputError(f"{where}: layer '{prefix}' holds {num_experts} experts stacked in one tensor, but "
+                         f"{own.origin} {says}: one stacked tensor has one set of settings ({settings.origin} for "
+                         f"'{prefix}')",
+                         hint=f"write the rule for the stacked module's own name ('{prefix}'), or store the experts "
+                              "one tensor each")
+
+
 def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     """Resolve one quantized linear's spec from its settings and tensors; check it; decide whether Marlin takes it.
 
@@ -722,6 +754,8 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     stacked = len(qweight.shape) == 3
     lead = qweight.shape[:1] if stacked else ()
     num_experts = qweight.shape[0] if stacked else 0
+    if stacked:
+        _check_rules_for_stacked_experts(checkpoint, prefix, num_experts, settings, where)
     rows, n = qweight.shape[-2:]
     k = rows * 32 // bits
     has_g_idx = f"{prefix}.g_idx" in checkpoint.location
@@ -855,6 +889,16 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
         for module in checkpoint.plain_linear_modules():
             checkpoint.config.settings_for(module)
     return [plan_layer(checkpoint, p) for p in prefixes]
+
+
+def quantized_by_config(checkpoint: Checkpoint, modules: list[str]) -> dict[str, tuple[bool, str]]:
+    """Per module of ``modules``: whether the config quantizes it, and what says so (``the config``, or the first
+    matching ``dynamic`` rule and its file: a ``-:`` rule leaves the module unquantized)."""
+    out = {}
+    for module in modules:
+        settings = checkpoint.config.settings_for(module)
+        out[module] = (settings.quantized, settings.origin)
+    return out
 
 
 def is_lm_head(module: str) -> bool:

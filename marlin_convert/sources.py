@@ -55,3 +55,8 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
 def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
     """What reading ``checkpoint`` decided (zero formats, ...), for the report and the manifest."""
     return _reader(checkpoint).plan_notes(checkpoint, layers)
+
+
+def quantized_by_config(checkpoint: Checkpoint, modules: list[str]) -> dict[str, tuple[bool, str]]:
+    """Per module of ``modules``: whether ``checkpoint``'s config quantizes it, and what in the config says so."""
+    return _reader(checkpoint).quantized_by_config(checkpoint, modules)

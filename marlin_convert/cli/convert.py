@@ -44,7 +44,8 @@ SkipOpt = Annotated[bool, typer.Option(
 StackOpt = Annotated[bool, typer.Option(
     "--stack-experts", help="Fuse per-expert keys '<base>.experts.<e>.<proj>' into one stacked tensor per projection "
     "and layer: '<base>.experts.<proj>.B' [E, K_pad/16, N_pad*bits/2] and '.s' [E, groups, N_pad] (+ zp, "
-    "perm/g_idx [E, K_pad]; README, Output format).")]
+    "perm/g_idx [E, K_pad]; README, Output format). Every expert of a set must be quantized alike: a set where a "
+    "dynamic rule leaves an expert unquantized or gives it other settings is refused, naming the expert.")]
 DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run", help="Show the plan (like 'inspect') and write nothing; exits 2 where the same command without "
     "--dry-run would stop before writing (OUT_DIR not usable: not empty, inside IN_DIR, a mount point, or in a directory "
