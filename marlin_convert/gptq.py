@@ -708,15 +708,19 @@ STACKED_RULE_KEYS = (("bits", "bits"), ("group_size", "group size"), ("sym", "sy
 def _check_rules_for_stacked_experts(checkpoint: Checkpoint, prefix: str, num_experts: int,
                                      settings: ModuleSettings, where: Path) -> None:
     """A stacked 3-D layer ``<parent>.<projection>`` holds its experts in one tensor with one set of settings (its
-    own, ``settings``): a ``dynamic`` rule that resolves an expert by its per-expert name ``<parent>.<e>.<projection>``
-    (as a per-expert checkpoint would name it) to other settings (not quantized, other bits, group size or sym)
-    cannot apply and is refused (:class:`InputError`), not ignored."""
+    own, ``settings``): a ``dynamic`` rule that matches an expert by its per-expert name ``<parent>.<e>.<projection>``
+    (as a per-expert checkpoint would name it) and gives it other settings (not quantized, other bits, group size or
+    sym) cannot apply and is refused (:class:`InputError`), not ignored. A per-expert name that no rule matches takes
+    the stacked layer's own settings (a rule written for the stacked name, ``+:.*experts\.down_proj``, matches no
+    per-expert name)."""
     if not checkpoint.config.dynamic:
         return
     parent, _, projection = prefix.rpartition(".")
     for expert in range(num_experts):
         module = f"{parent}.{expert}.{projection}"
         own = checkpoint.config.settings_for(module)
+        if own.rule is None:
+            continue
         differs = [(key, text) for key, text in STACKED_RULE_KEYS if getattr(own, key) != getattr(settings, key)]
         if own.quantized and not differs:
             continue

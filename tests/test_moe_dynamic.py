@@ -329,3 +329,18 @@ def test_a_rule_that_gives_every_expert_of_a_stacked_tensor_its_settings_convert
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q"]) == 0
     assert _verify_exit_codes(out, src) == [0, 0]
+
+
+@pytest.mark.parametrize("field, value, flags", [("group_size", 64, []), ("bits", 8, []),
+                                                 ("bits", 2, ["--skip-incompatible"])])
+def test_a_rule_on_the_stacked_tensors_own_name_applies_to_it(tmp_path, field, value, flags):
+    """A rule written for the stacked module's own name (``+:.*experts\\.down_proj``, as the refusal's hint says)
+    matches no per-expert name: those take the stacked layer's settings, not the defaults, and nothing is refused (an
+    attack helper found this refused, and a kept stacked 2-bit layer failing plain verify)."""
+    spec = qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64, group_size=32, vocab=256,
+                     stacked=True, dynamic={r"+:.*experts\.down_proj": {field: value}})
+    setattr(next(linear for linear in spec.linears if linear.name.endswith("experts.down_proj")), field, value)
+    src = write_checkpoint(tmp_path / "in", spec)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q", *flags]) == 0
+    assert _verify_exit_codes(out, src) == [0, 0]
