@@ -23,7 +23,8 @@ from pathlib import Path
 
 from . import compressed_tensors, layout, strict_json
 from .errors import InputError
-from .experts import expert_group_summary, split_expert_key
+from .experts import (SetGap, expert_group_summary, group_experts, plain_experts, set_problems, split_expert_key,
+                      stacked_count_problems, stated_expert_count)
 from .fileio import outside_link, read_inside
 from .gptq import (CONFIG_FILE, GPTQ_BITS, INDEX_FILE, LAYER_KINDS, QUANTIZE_CONFIG_FILE, Checkpoint, QuantConfig,
                    is_lm_head, lm_head_contradiction, parse_dynamic, plan_layer)
@@ -292,6 +293,7 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
             kept_problems[entry["name"]] += _kept_entry_problems(entry, stored, manifest["source"]["format"])
 
     problems += _format_problems(manifest)
+    problems += _expert_set_problems(out_dir, manifest)
     problems += _config_problems(out_dir, manifest, headers)
     problems += _index_problems(out_dir, headers, len(shard_names))
     files, file_problems = _file_checks(out_dir, manifest, headers, kept_problems)
@@ -412,6 +414,7 @@ def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, Safetenso
             problems.append(f"{name}: {exc.message}")
         else:
             problems += _settings_problems(name, config, manifest)
+            problems += _plain_expert_problems(name, config, manifest)
             problems += _kept_settings_problems(name, config, manifest, out_dir, headers)
         problems += _lm_head_problems(name, section, manifest)
         problems += _defaults_problems(name, section, manifest)
@@ -565,13 +568,15 @@ def _manifest_tensor_names(manifest: dict) -> list[str]:
 
 def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: dict) -> list[str]:
     """The modules passed through unquantized that the source's config excludes must be excluded by ``config`` (an
-    output config's rules) too, or a loader would look for their Marlin tensors: a GPTQ source's modules that its
+    output config's rules) too, or a loader would look for their Marlin tensors (an expert beside converted siblings,
+    whatever the source's config says: :func:`_plain_expert_problems`): a GPTQ source's modules that its
     ``dynamic`` rules (``quantization_defaults``, in their order) exclude with a ``-:`` rule (the same rules in another
     order can resolve such a module to a ``+:`` rule first); a compressed-tensors source's plain linears that its
     config leaves unquantized (:func:`marlin_convert.compressed_tensors.not_quantized`), for which the converter
     writes ``-:`` rules (where ``section`` states ``dynamic``)."""
     where = "the manifest's quantization_defaults"
-    plain = _plain_linears(manifest)
+    beside = _plain_experts_beside_converted(manifest)  # (held to more than this: _plain_expert_problems)
+    plain = [module for module in _plain_linears(manifest) if module not in beside]
     try:
         if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
             # the converter's rule (convert._gptq_settings): a "-:" rule for each plain linear the source's config
@@ -601,6 +606,59 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
                             f"unquantized, as the source's rules say ({why})")
             if len(problems) >= 5:
                 return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
+    return problems
+
+
+def _plain_experts_beside_converted(manifest: dict) -> dict[str, tuple[str, int, str]]:
+    """The experts passed through as a plain 2-D ``.weight`` whose projection has converted experts in the same set
+    (each expert of a stacked entry counts by its own name): module -> (base, expert, projection)."""
+    groups, _ = group_experts(_converted_modules(manifest))
+    return {module: (group.base, expert, projection)
+            for module, (group, expert, projection) in plain_experts(groups, _plain_linears(manifest)).items()}
+
+
+def _plain_expert_problems(name: str, config: QuantConfig, manifest: dict) -> list[str]:
+    """Each expert passed through unquantized beside converted siblings must resolve as not quantized under output
+    config ``name`` (``config``): a loader would otherwise look for its Marlin tensors. ``convert`` refuses a source
+    whose config quantizes such an expert (:func:`marlin_convert.convert._find_unquantized_experts`); here no
+    ``quantization_defaults`` and no absent ``dynamic`` excuses it (no release wrote such an output without the
+    ``-:`` rule: those before 2026-11-29 refused the source)."""
+    problems = []
+    for module, (_, _, projection) in _plain_experts_beside_converted(manifest).items():
+        settings = config.settings_for(module)
+        if settings.quantized:
+            origin = settings.origin if settings.rule is not None else f"{settings.origin}: no rule"
+            problems.append(f"{name}: says expert module '{module}' is quantized ({origin}); '{module}.weight' is "
+                            f"passed through unquantized beside converted '{projection}' experts, and a loader would "
+                            "look for its Marlin tensors (a '-:' rule must exclude it)")
+            if len(problems) >= 5:
+                return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
+    return problems
+
+
+def _expert_set_problems(out_dir: Path, manifest: dict) -> list[str]:
+    """The output's expert sets held to the rule ``convert`` holds a source's to
+    (:func:`marlin_convert.experts.set_problems`): every projection of a set has experts 0..E-1, each converted
+    (an entry of its own), kept in its source form, or passed through as a plain 2-D ``.weight``, and E (the experts
+    stored, and each stacked entry's ``num_experts``) is the number the output's config.json states, where it states
+    one. An expert deleted from the output, with its entry, would otherwise leave a loader with a gap."""
+    per_expert = [entry["name"] for entry in manifest["layers"] if not entry["num_experts"]]
+    groups, _ = group_experts(per_expert + [entry["name"] for entry in manifest["kept"]])
+    for module, (group, expert, projection) in plain_experts(groups, _plain_linears(manifest)).items():
+        group.unquantized.setdefault(projection, {})[expert] = f"'{module}.weight' passed through"
+    stated, problems = None, []
+    if (out_dir / CONFIG_FILE).exists():
+        data, problem = read_config(out_dir / CONFIG_FILE)  # (a problem is named by _config_problems)
+        try:
+            stated = stated_expert_count(data, CONFIG_FILE) if problem is None else None
+        except InputError as exc:
+            problems.append(exc.message)
+    stacked = {entry["name"]: entry["num_experts"] for entry in manifest["layers"] if entry["num_experts"]}
+    problems += stacked_count_problems(stacked, stated, CONFIG_FILE)
+    for group in groups:
+        problems += [problem.describe("neither converted, kept in its source form nor passed through as a plain "
+                                      ".weight") if isinstance(problem, SetGap) else problem
+                     for problem in set_problems(group, stated, CONFIG_FILE)]
     return problems
 
 

@@ -35,7 +35,8 @@ from .compressed_tensors import QUANT_METHOD, block_of, module_names, not_quanti
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
 from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers, is_lm_head
-from .experts import ExpertGroup, expert_group_summary, group_experts, split_expert_key
+from .experts import (ExpertGroup, expert_group_summary, group_experts, plain_experts, set_problems,
+                      stacked_count_problems, stated_expert_count)
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
                        write_manifest)
 from .outdir import PartialDir, check_free_space, check_out_dir, clear_stale_partials
@@ -209,43 +210,12 @@ def marlin_outputs(layer: OutputLayer) -> dict[str, PlannedTensor]:
     return out
 
 
-#: config.json keys that state a MoE model's number of routed experts (Qwen-MoE, Mixtral, DeepSeek)
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def _stated_expert_count(config_json: dict | None, config_path: Path) -> tuple[str, int] | None:
-    """(key, count) of the routed experts config.json (``config_path``) states (top level, or a multimodal model's
-    text_config); null and 0 (a dense model's) state none. Raises :class:`InputError` for a count that is not a JSON
-    integer >= 0 ("5", 5.0, true, -1)."""
-    for name, section in (("", config_json or {}), ("text_config.", (config_json or {}).get("text_config"))):
-        if isinstance(section, dict):
-            for key in EXPERT_COUNT_KEYS:
-                value = section.get(key)
-                if value is None:
-                    continue
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise InputError(f"{config_path}: '{name}{key}' must be a JSON integer >= 0 (the number of "
-                                     f"experts), got {json.dumps(value)}")
-                if value > 0:
-                    return f"{name}{key}", value
-    return None
-
-
 def _find_unquantized_experts(groups: list[ExpertGroup], checkpoint: Checkpoint) -> None:
     """Fill in each group's ``unquantized``: the experts of a projection with quantized members that are stored as a
-    plain 2-D ``.weight`` instead, with what in the config leaves them so. Raises :class:`InputError` for such an
-    expert that the config quantizes (no ``-:`` rule or ``ignore`` entry for it): the config contradicts the stored
-    tensors, as a ``-:`` rule on a stored ``qweight`` does."""
-    by_base = {group.base: group for group in groups}
-    plain: dict[str, tuple[ExpertGroup, int, str]] = {}
-    for module in checkpoint.plain_linear_modules():
-        parts = split_expert_key(module)
-        if parts is None or parts[0] not in by_base:
-            continue
-        group, expert, projection = by_base[parts[0]], parts[1], parts[2]
-        # (a projection with no quantized expert is an ordinary plain linear, as in a dense model)
-        if projection in group.members and expert not in group.members[projection]:
-            plain[module] = (group, expert, projection)
+    plain 2-D ``.weight`` instead (:func:`marlin_convert.experts.plain_experts`), with what in the config leaves them
+    so. Raises :class:`InputError` for such an expert that the config quantizes (no ``-:`` rule or ``ignore`` entry
+    for it): the config contradicts the stored tensors, as a ``-:`` rule on a stored ``qweight`` does."""
+    plain = plain_experts(groups, checkpoint.plain_linear_modules())
     for module, (quantized, origin) in (quantized_by_config(checkpoint, list(plain)) if plain else {}).items():
         group, expert, projection = plain[module]
         if quantized:
@@ -260,36 +230,29 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
     """Per-expert keys must form complete sets: every projection of a group has experts 0..E-1, each quantized or
     left unquantized by the config (:func:`_find_unquantized_experts`), and E is the number of experts config.json
     states (where it states one: the last experts missing altogether leave no gap to see); stacked 3-D layers hold
-    that many too. The experts of a set may be quantized differently (``dynamic`` rules): each is converted by its
-    own settings (only ``--stack-experts`` needs them alike: :func:`_stack_groups`)."""
+    that many too (:func:`marlin_convert.experts.set_problems`, which ``verify`` holds an output to). The experts of a
+    set may be quantized differently (``dynamic`` rules): each is converted by its own settings (only
+    ``--stack-experts`` needs them alike: :func:`_stack_groups`)."""
     config_path = checkpoint.path / CONFIG_FILE
-    stated = _stated_expert_count(checkpoint.config_json, config_path)
-    if stated is not None:
-        key, count = stated
-        for layer in by_prefix.values():
-            if layer.spec.num_experts and layer.spec.num_experts != count:
-                raise InputError(f"layer '{layer.prefix}': {layer.spec.num_experts} stacked experts, {config_path} "
-                                 f"says {key} = {count}")
+    stated = stated_expert_count(checkpoint.config_json, config_path)
+    stacked = {layer.prefix: layer.spec.num_experts for layer in by_prefix.values() if layer.spec.num_experts}
+    for problem in stacked_count_problems(stacked, stated, config_path):
+        raise InputError(problem)
     _find_unquantized_experts(groups, checkpoint)
     for group in groups:
-        top = max(group.expert_indices) + 1
-        for projection, gaps in group.missing().items():
-            shown = ", ".join(str(e) for e in gaps[:8]) + (" ..." if len(gaps) > 8 else "")
-            module = f"{group.base}.{gaps[0]}.{projection}"
+        for problem in set_problems(group, stated, config_path):
+            if isinstance(problem, str):
+                raise InputError(problem)
+            module = f"{group.base}.{problem.experts[0]}.{problem.projection}"
             quantized, origin = quantized_by_config(checkpoint, [module])[module]
             if quantized:
                 present = by_prefix[next(iter(next(iter(group.members.values())).values()))]
                 # qweight, compressed-tensors' weight_packed, or the stored weight of a layer kept in another form
                 stored = present.roles.get("qweight") or present.kept_names.get("weight") or f"{present.prefix}.weight"
-                expected = f"no {group.base}.<e>.{projection}.{stored.rsplit('.', 1)[-1]}"
+                expected = f"no {group.base}.<e>.{problem.projection}.{stored.rsplit('.', 1)[-1]}"
             else:
                 expected = f"no {module}.weight, which {origin} leaves unquantized"
-            raise InputError(f"layer '{group.base}': expert(s) {shown} of 0..{top - 1} missing for '{projection}' "
-                             f"({expected})")
-        if stated is not None and top != stated[1]:
-            missing = f" (expert(s) {top}..{stated[1] - 1} missing)" if top < stated[1] else ""
-            raise InputError(f"layer '{group.base}': experts 0..{top - 1} stored, {config_path} says {stated[0]} = "
-                             f"{stated[1]}{missing}")
+            raise InputError(problem.describe(expected))
 
 
 #: what one stacked tensor needs its experts to share, each with how a message says an expert's value

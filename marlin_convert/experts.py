@@ -7,8 +7,12 @@ Per-expert 2-D layers are named ``<base>.experts.<e>.<projection>`` (Qwen2/Qwen3
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InputError
 
 #: the index is a plain ASCII decimal without leading zeros, at most 18 digits (``experts.00``, a non-ASCII digit or
 #: a 5000-digit number is not an expert index: such a layer stays an ordinary layer, so two spellings of one index
@@ -72,6 +76,84 @@ def group_experts(prefixes: list[str]) -> tuple[list[ExpertGroup], list[str]]:
         group = groups.setdefault(base, ExpertGroup(base))
         group.members.setdefault(projection, {})[index] = prefix
     return list(groups.values()), plain
+
+
+def plain_experts(groups: list[ExpertGroup], plain_modules: list[str]) -> dict[str, tuple[ExpertGroup, int, str]]:
+    """The modules of ``plain_modules`` (stored as a plain 2-D ``.weight``) that are experts of a projection with
+    quantized members in ``groups`` and not themselves among them: module -> (group, expert, projection). A
+    projection with no quantized member is an ordinary plain linear, as in a dense model, and is left out."""
+    by_base = {group.base: group for group in groups}
+    found = {}
+    for module in plain_modules:
+        parts = split_expert_key(module)
+        if parts is None or parts[0] not in by_base:
+            continue
+        group, expert, projection = by_base[parts[0]], parts[1], parts[2]
+        if projection in group.members and expert not in group.members[projection]:
+            found[module] = (group, expert, projection)
+    return found
+
+
+#: config.json keys that state a MoE model's number of routed experts (Qwen-MoE, Mixtral, DeepSeek)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def stated_expert_count(config_json: dict | None, where: Path | str) -> tuple[str, int] | None:
+    """(key, count) of the routed experts config.json (``config_json``, read from ``where``) states (top level, or a
+    multimodal model's text_config); null and 0 (a dense model's) state none. Raises :class:`InputError` for a count
+    that is not a JSON integer >= 0 ("5", 5.0, true, -1)."""
+    for name, section in (("", config_json or {}), ("text_config.", (config_json or {}).get("text_config"))):
+        if isinstance(section, dict):
+            for key in EXPERT_COUNT_KEYS:
+                value = section.get(key)
+                if value is None:
+                    continue
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise InputError(f"{where}: '{name}{key}' must be a JSON integer >= 0 (the number of "
+                                     f"experts), got {json.dumps(value)}")
+                if value > 0:
+                    return f"{name}{key}", value
+    return None
+
+
+def stacked_count_problems(stacked: dict[str, int], stated: tuple[str, int] | None, where: Path | str) -> list[str]:
+    """Each stacked layer (prefix -> its number of experts) that holds another number of experts than config.json
+    (``where``) states (``stated``: :func:`stated_expert_count`)."""
+    if stated is None:
+        return []
+    key, count = stated
+    return [f"layer '{prefix}': {experts} stacked experts, {where} says {key} = {count}"
+            for prefix, experts in stacked.items() if experts != count]
+
+
+@dataclass(frozen=True)
+class SetGap:
+    """A hole in one projection of an expert set: ``experts`` (the first few) of 0..``top - 1`` are stored in no
+    form. :meth:`describe` says so; the caller adds what it looked for."""
+
+    group: ExpertGroup
+    projection: str
+    experts: list[int]
+    top: int
+
+    def describe(self, looked_for: str) -> str:
+        shown = ", ".join(str(e) for e in self.experts[:8]) + (" ..." if len(self.experts) > 8 else "")
+        return (f"layer '{self.group.base}': expert(s) {shown} of 0..{self.top - 1} missing for '{self.projection}' "
+                f"({looked_for})")
+
+
+def set_problems(group: ExpertGroup, stated: tuple[str, int] | None, where: Path | str) -> list[SetGap | str]:
+    """What keeps ``group`` (its ``unquantized`` filled in) from being complete sets, in order: a :class:`SetGap` per
+    projection with a hole in 0..top-1 (neither a quantized expert nor one left unquantized), then a message where
+    the experts stored end at another count than config.json (``where``) states (``stated``: the last experts
+    missing altogether leave no gap to see). The rule ``convert`` holds a source to and ``verify`` an output."""
+    top = max(group.expert_indices) + 1
+    found: list[SetGap | str] = [SetGap(group, projection, gaps, top) for projection, gaps in group.missing().items()]
+    if stated is not None and top != stated[1]:
+        missing = f" (expert(s) {top}..{stated[1] - 1} missing)" if top < stated[1] else ""
+        found.append(f"layer '{group.base}': experts 0..{top - 1} stored, {where} says {stated[0]} = "
+                     f"{stated[1]}{missing}")
+    return found
 
 
 def expert_group_summary(layers: list[dict], kept: list[dict], passthrough: list[dict]) -> list[dict]:

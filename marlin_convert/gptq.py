@@ -711,7 +711,7 @@ def _check_rules_for_stacked_experts(checkpoint: Checkpoint, prefix: str, num_ex
     own, ``settings``): a ``dynamic`` rule that matches an expert by its per-expert name ``<parent>.<e>.<projection>``
     (as a per-expert checkpoint would name it) and gives it other settings (not quantized, other bits, group size or
     sym) cannot apply and is refused (:class:`InputError`), not ignored. A per-expert name that no rule matches takes
-    the stacked layer's own settings (a rule written for the stacked name, ``+:.*experts\.down_proj``, matches no
+    the stacked layer's own settings (a rule written for the stacked name, ``+:.*experts\\.down_proj``, matches no
     per-expert name)."""
     if not checkpoint.config.dynamic:
         return

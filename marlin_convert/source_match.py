@@ -104,7 +104,8 @@ def _first_difference(said, made, path: str, source=None):
     ``source`` is the same part of the source's config (None where it has none): a key the converter adds that the
     source does not have and the output lacks is no difference (an earlier release of the converter may not have
     written it, as before 2026-11-26 the ``-:`` rules for modules compressed-tensors ignores; what loaders act on is
-    the audit's to check)."""
+    the audit's to check, which runs with ``--source`` too: an MoE expert passed through beside converted experts
+    must be excluded, ``dynamic`` stated or not, :func:`marlin_convert.audit._plain_expert_problems`)."""
     if isinstance(said, dict) and isinstance(made, dict):
         for key in [*made, *(key for key in said if key not in made)]:
             where = f"{path}.{key}" if path else key
