@@ -98,19 +98,28 @@ def plain_experts(groups: list[ExpertGroup], plain_modules: list[str]) -> dict[s
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def stated_expert_count(config_json: dict | None, where: Path | str) -> tuple[str, int] | None:
     """(key, count) of the routed experts config.json (``config_json``, read from ``where``) states (top level, or a
-    multimodal model's text_config); null and 0 (a dense model's) state none. Raises :class:`InputError` for a count
-    that is not a JSON integer >= 0 ("5", 5.0, true, -1)."""
+    multimodal model's text_config); null and 0 (a dense model's) state none. A list of counts, one per layer
+    (transformers' HunYuan: "int or List"), states its count where every layer has the same, and none where they
+    differ. Raises :class:`InputError` for a count that is not a JSON integer >= 0 ("5", 5.0, true, -1), or a list
+    that is not of such integers."""
     for name, section in (("", config_json or {}), ("text_config.", (config_json or {}).get("text_config"))):
         if isinstance(section, dict):
             for key in EXPERT_COUNT_KEYS:
                 value = section.get(key)
                 if value is None:
                     continue
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                per_layer = isinstance(value, list) and all(_is_count(v) for v in value)
+                if not (_is_count(value) or per_layer):
                     raise InputError(f"{where}: '{name}{key}' must be a JSON integer >= 0 (the number of "
-                                     f"experts), got {json.dumps(value)}")
+                                     f"experts) or a list of them (one per layer), got {json.dumps(value)[:80]}")
+                if per_layer:
+                    value = value[0] if value and len(set(value)) == 1 else 0  # (differing counts: none stated)
                 if value > 0:
                     return f"{name}{key}", value
     return None

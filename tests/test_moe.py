@@ -217,6 +217,39 @@ def test_an_expert_count_of_another_type_is_refused_not_ignored(tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("counts, missing_at_the_end", [([4, 4], False), ([4, 4, 5], False), ([5, 5], True),
+                                                         ([], False)])
+def test_an_expert_count_per_layer_is_read_as_a_list(tmp_path, capsys, counts, missing_at_the_end):
+    """transformers' HunYuan configs state num_experts as "int or List" (one per layer): a false-positive hunt found
+    such a checkpoint refused ("must be a JSON integer"), a dense one too. Equal counts state that count (5 where 4
+    are stored: the last expert missing); differing ones, or none, state no count."""
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=2, num_experts=4, hidden=128, expert_intermediate=64,
+                                                      vocab=256))
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts"] = counts
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    if missing_at_the_end:
+        assert main([str(src), str(out), "-q"]) == 2
+        assert "says num_experts = 5 (expert(s) 4..4 missing)" in capsys.readouterr().err
+        return
+    assert main([str(src), str(out), "-q"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "--source", str(src), "-q"]) == 0
+
+
+@pytest.mark.parametrize("counts", [[4, "4"], [4, -1], [[4]]])
+def test_a_per_layer_expert_count_of_another_type_is_refused(tmp_path, capsys, counts):
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64,
+                                                      vocab=256))
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts"] = counts
+    (src / "config.json").write_text(json.dumps(config))
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
+    assert "'num_experts' must be a JSON integer >= 0 (the number of experts) or a list of them" in \
+        capsys.readouterr().err
+
+
 def test_a_stacked_expert_whose_g_idx_label_contradicts_its_data_fails(tmp_path):
     """--stack-experts with act-order experts: relabelling one expert's source g_idx "act_order" as "trivial" left the
     layer act-order through its other experts; the label is now held to the rebuilt g_idx."""

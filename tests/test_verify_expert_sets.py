@@ -158,7 +158,8 @@ def test_a_malformed_expert_count_in_config_json_is_named(tmp_path):
     config["num_experts"] = "4"
     (out / "config.json").write_text(json.dumps(config, indent=2))
     resign(out)
-    _assert_fails(out, "config.json: 'num_experts' must be a JSON integer >= 0 (the number of experts), got \"4\"")
+    _assert_fails(out, "config.json: 'num_experts' must be a JSON integer >= 0 (the number of experts) or a list of them (one per "
+                       "layer), got \"4\"")
 
 
 # ------------------------------------------------------------------------------ legitimate outputs still pass
