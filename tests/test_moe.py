@@ -204,13 +204,19 @@ def test_experts_missing_at_the_end_are_named_by_the_configs_count(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("value, fragment", [("5", '"5"'), (5.0, "5.0"), (True, "true"), (-1, "-1")])
-def test_an_expert_count_of_another_type_is_refused_not_ignored(tmp_path, capsys, value, fragment):
-    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64,
-                                                      vocab=256))
+def _with_expert_count(tmp_path, value, num_layers: int = 1):
+    """A Qwen3-MoE source of 4 experts per layer whose config.json states num_experts = ``value``."""
+    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=num_layers, num_experts=4, hidden=128,
+                                                      expert_intermediate=64, vocab=256))
     config = json.loads((src / "config.json").read_text())
     config["num_experts"] = value
     (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+@pytest.mark.parametrize("value, fragment", [("5", '"5"'), (5.0, "5.0"), (True, "true"), (-1, "-1")])
+def test_an_expert_count_of_another_type_is_refused_not_ignored(tmp_path, capsys, value, fragment):
+    src = _with_expert_count(tmp_path, value)
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
     err = capsys.readouterr().err
     assert f"{src / 'config.json'}: 'num_experts' must be" in err and fragment in err, err
@@ -223,11 +229,7 @@ def test_an_expert_count_per_layer_is_read_as_a_list(tmp_path, capsys, counts, m
     """transformers' HunYuan configs state num_experts as "int or List" (one per layer): a false-positive hunt found
     such a checkpoint refused ("must be a JSON integer"), a dense one too. Equal counts state that count (5 where 4
     are stored: the last expert missing); differing ones, or none, state no count."""
-    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=2, num_experts=4, hidden=128, expert_intermediate=64,
-                                                      vocab=256))
-    config = json.loads((src / "config.json").read_text())
-    config["num_experts"] = counts
-    (src / "config.json").write_text(json.dumps(config))
+    src = _with_expert_count(tmp_path, counts, num_layers=2)
     out = tmp_path / "out"
     if missing_at_the_end:
         assert main([str(src), str(out), "-q"]) == 2
@@ -240,11 +242,7 @@ def test_an_expert_count_per_layer_is_read_as_a_list(tmp_path, capsys, counts, m
 
 @pytest.mark.parametrize("counts", [[4, "4"], [4, -1], [[4]]])
 def test_a_per_layer_expert_count_of_another_type_is_refused(tmp_path, capsys, counts):
-    src = write_checkpoint(tmp_path / "in", qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64,
-                                                      vocab=256))
-    config = json.loads((src / "config.json").read_text())
-    config["num_experts"] = counts
-    (src / "config.json").write_text(json.dumps(config))
+    src = _with_expert_count(tmp_path, counts)
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
     assert "'num_experts' must be a JSON integer >= 0 (the number of experts) or a list of them" in \
         capsys.readouterr().err
