@@ -294,12 +294,15 @@ def _unstackable(group: ExpertGroup, projection: str, members: dict[int, LayerPl
 
 def _stack_groups(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan]) -> tuple[list[OutputLayer], set[str]]:
     """``--stack-experts``: one OutputLayer per (expert group, projection), its experts in one stacked tensor. A
-    projection of one expert has nothing to stack and stays as it is. Raises :class:`UnsupportedLayerError` naming
+    projection of one expert, or one none of whose experts has a Marlin form (all kept in their source form by
+    ``--skip-incompatible``), has nothing to stack and stays as it is. Raises :class:`UnsupportedLayerError` naming
     the expert and the reason where a set cannot share one tensor (:func:`_unstackable`)."""
     stacked, taken = [], set()
     for group in groups:
         for projection, per_expert in group.members.items():
             members = {e: by_prefix[per_expert[e]] for e in sorted(per_expert)}
+            if not any(member.convertible for member in members.values()):
+                continue
             reason = _unstackable(group, projection, members)
             if reason is not None:
                 raise UnsupportedLayerError(

@@ -251,6 +251,20 @@ def test_stack_experts_refuses_a_set_with_an_expert_kept_in_gptq_form(tmp_path, 
             "forms only) and stays in its source form") in err, err
 
 
+def test_stack_experts_keeps_a_set_none_of_whose_experts_has_a_marlin_form(tmp_path):
+    """Every expert 2-bit, with --skip-incompatible: nothing of the sets can be stacked, and each expert is kept as
+    --skip-incompatible keeps a layer, while the attention converts (a false-positive hunt found the whole run
+    refused)."""
+    src = _moe(tmp_path, {r"+:.*mlp\.experts\..*": {"bits": 2}}, own={e: {"bits": 2} for e in range(4)})
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q", "--stack-experts", "--skip-incompatible"]) == 0
+    manifest = load_manifest(out)
+    assert sorted(entry["name"] for entry in manifest["kept"]) == sorted(
+        f"{BASE}.{e}.{projection}" for e in range(4) for projection in ("gate_proj", "up_proj", "down_proj"))
+    assert manifest["layers"] and not any(entry["num_experts"] for entry in manifest["layers"])
+    assert _verify_exit_codes(out, src) == [0, 0]
+
+
 def test_stack_experts_refuses_a_compressed_tensors_expert_in_ignore(tmp_path, capsys):
     src = _ct_moe(tmp_path)
     assert main([str(src), str(tmp_path / "out"), "-q", "--stack-experts"]) == 2
