@@ -621,8 +621,9 @@ def _plain_expert_problems(name: str, config: QuantConfig, manifest: dict) -> li
     """Each expert passed through unquantized beside converted siblings must resolve as not quantized under output
     config ``name`` (``config``): a loader would otherwise look for its Marlin tensors. ``convert`` refuses a source
     whose config quantizes such an expert (:func:`marlin_convert.convert._find_unquantized_experts`); here no
-    ``quantization_defaults`` and no absent ``dynamic`` excuses it (no release wrote such an output without the
-    ``-:`` rule: those before 2026-11-29 refused the source)."""
+    ``quantization_defaults`` and no absent ``dynamic`` excuses it (a release before 2026-11-29 wrote such an output
+    without the ``-:`` rule where the plain expert was the set's last and config.json stated no count; it fails
+    here, as a loader would fail on it)."""
     problems = []
     for module, (_, _, projection) in _plain_experts_beside_converted(manifest).items():
         settings = config.settings_for(module)

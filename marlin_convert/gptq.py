@@ -712,14 +712,15 @@ def _check_rules_for_stacked_experts(checkpoint: Checkpoint, prefix: str, num_ex
     (as a per-expert checkpoint would name it) and gives it other settings (not quantized, other bits, group size or
     sym) cannot apply and is refused (:class:`InputError`), not ignored. A per-expert name that no rule matches takes
     the stacked layer's own settings (a rule written for the stacked name, ``+:.*experts\\.down_proj``, matches no
-    per-expert name)."""
+    per-expert name), and so does one whose rule matches the stacked name too (``+:.*``, after the stacked name's own
+    rule): only a rule that singles out experts speaks of them."""
     if not checkpoint.config.dynamic:
         return
     parent, _, projection = prefix.rpartition(".")
     for expert in range(num_experts):
         module = f"{parent}.{expert}.{projection}"
         own = checkpoint.config.settings_for(module)
-        if own.rule is None:
+        if own.rule is None or config_regex_match(own.rule.pattern, prefix):
             continue
         differs = [(key, text) for key, text in STACKED_RULE_KEYS if getattr(own, key) != getattr(settings, key)]
         if own.quantized and not differs:

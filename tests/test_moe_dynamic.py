@@ -358,3 +358,16 @@ def test_a_rule_on_the_stacked_tensors_own_name_applies_to_it(tmp_path, field, v
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q", *flags]) == 0
     assert _verify_exit_codes(out, src) == [0, 0]
+
+
+def test_a_broad_rule_after_the_stacked_names_own_rule_does_not_single_out_experts(tmp_path):
+    """``+:.*experts\\.down_proj`` (8-bit, the stacked name's own rule) then ``+:.*``: the per-expert names fall through
+    to the broad rule, which matches the stacked name too and so says nothing of experts; this converted before the
+    per-expert check, which a review found refusing it."""
+    spec = qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64, group_size=32, vocab=256,
+                     stacked=True, dynamic={r"+:.*experts\.down_proj": {"bits": 8}, "+:.*": {"desc_act": False}})
+    next(linear for linear in spec.linears if linear.name.endswith("experts.down_proj")).bits = 8
+    src = write_checkpoint(tmp_path / "in", spec)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    assert _verify_exit_codes(out, src) == [0, 0]
