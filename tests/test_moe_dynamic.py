@@ -371,3 +371,19 @@ def test_a_broad_rule_after_the_stacked_names_own_rule_does_not_single_out_exper
     out = tmp_path / "out"
     assert main([str(src), str(out), "-q"]) == 0
     assert _verify_exit_codes(out, src) == [0, 0]
+
+
+def test_what_a_stacked_set_must_share_covers_every_field_of_the_spec():
+    """_unstackable compares the experts field by field (STACKED_FIELDS); the comparison it replaced went over the
+    whole QuantSpec but act_order and zero_format, so a field added to QuantSpec later would have split a set. A review
+    asked that a new field not stack silently: each field is either compared or named here as free per expert."""
+    import dataclasses
+
+    from marlin_convert.convert import STACKED_FIELDS
+    from marlin_convert.spec import QuantSpec
+
+    free_per_expert = {"act_order", "zero_format", "num_experts"}  # (perm / g_idx and zp are per expert; num_experts:
+    # a stacked source is refused before the comparison)
+    compared = {name for name, _ in STACKED_FIELDS}
+    assert compared | free_per_expert == {field.name for field in dataclasses.fields(QuantSpec)}
+    assert not compared & free_per_expert
