@@ -294,7 +294,7 @@ def audit(out_dir: Path, manifest: dict) -> Audit:
 
     problems += _format_problems(manifest)
     problems += _expert_set_problems(out_dir, manifest)
-    problems += _config_problems(out_dir, manifest, headers)
+    problems += _config_problems(out_dir, manifest, headers, kept_problems)
     problems += _index_problems(out_dir, headers, len(shard_names))
     files, file_problems = _file_checks(out_dir, manifest, headers, kept_problems)
     problems += file_problems
@@ -362,10 +362,13 @@ def read_config(path: Path) -> tuple[dict | None, str | None]:
     return (data, None) if isinstance(data, dict) else (None, f"{path.name}: not a JSON object")
 
 
-def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFile]) -> list[str]:
+def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, SafetensorsFile],
+                     kept_problems: dict[str, list[str]]) -> list[str]:
     """config.json's quantization_config (when the file exists) and quantize_config.json (always written) must say
     what the manifest says: format, Marlin or not, the source format, the modules kept in their source form, each
-    layer's settings (those kept in GPTQ form held to their tensors in the shards of ``headers``)."""
+    layer's settings (those kept in GPTQ form held to their tensors in the shards of ``headers``: a contradiction is
+    that kept layer's problem, in ``kept_problems``)."""
+    planned: dict[tuple, str | None] = {}  # (_kept_settings_problems: each kept layer read once per settings)
     label = manifest["checkpoint_format"]
     source_format = manifest["source"]["format"]
     kept_key = KEPT_MODULES_KEYS[source_format]
@@ -415,7 +418,7 @@ def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, Safetenso
         else:
             problems += _settings_problems(name, config, manifest)
             problems += _plain_expert_problems(name, config, manifest)
-            problems += _kept_settings_problems(name, config, manifest, out_dir, headers)
+            _kept_settings_problems(name, config, manifest, out_dir, headers, kept_problems, planned)
         problems += _lm_head_problems(name, section, manifest)
         problems += _defaults_problems(name, section, manifest)
     return problems
@@ -512,7 +515,8 @@ def _settings_problems(name: str, config: QuantConfig, manifest: dict) -> list[s
 
 
 def _kept_settings_problems(name: str, config: QuantConfig, manifest: dict, out_dir: Path,
-                            headers: dict[str, SafetensorsFile]) -> list[str]:
+                            headers: dict[str, SafetensorsFile], kept_problems: dict[str, list[str]],
+                            planned: dict[tuple, str | None]) -> None:
     """Each layer kept in GPTQ form against the settings output config ``name`` (``config``) gives its module: its
     tensors in the shards of ``headers`` must be the layer those settings describe, as the converter checked them in
     the source (:func:`marlin_convert.gptq.plan_layer`): qweight's rows hold K (g_idx's length) at that many bits,
@@ -522,12 +526,13 @@ def _kept_settings_problems(name: str, config: QuantConfig, manifest: dict, out_
     ``sym: true`` is kept for that, and the stored g_idx decides act-order whatever desc_act says.) A layer with a
     tensor in an unreadable shard is left out (the shard is named already). Nothing is checked for a checkpoint
     converted from compressed-tensors: its GPTQ-style config describes the converted layers only, and names the kept
-    ones apart."""
+    ones apart. A contradiction is the kept layer's problem (``kept_problems``), naming this file; ``planned`` keeps
+    each layer's outcome per resolved settings and their origin, so that configs which resolve it alike (by their
+    defaults, no rule) read its tensors once."""
     if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
-        return []
+        return
     output = Checkpoint(out_dir, config, None, None, list(headers.values()), None,
                         {tensor: header for header in headers.values() for tensor in header.tensors})
-    problems = []
     for entry in manifest["kept"]:
         module = entry["name"]
         settings = config.settings_for(module)
@@ -538,12 +543,18 @@ def _kept_settings_problems(name: str, config: QuantConfig, manifest: dict, out_
                 and (group_size == -1 or group_size > 0)):
             continue  # (no GPTQ value: the config's defaults are held to quantization_defaults, whose values are
             # checked, and every converted layer's bits and group size to its entry, above)
-        try:
-            plan_layer(output, module)
-        except InputError as exc:
-            problems.append(f"{name}: layer '{module}', kept in GPTQ form, is not the layer this file's settings "
-                            f"describe ({settings.origin}: {bits}-bit, group size {group_size}): {exc.message}")
-    return problems
+        # (the origin too: a message names the rule and its file; configs without rules share the defaults' outcome)
+        key = (module, bits, group_size, settings.sym, settings.desc_act, settings.quantized, settings.origin)
+        if key not in planned:
+            try:
+                plan_layer(output, module)
+                planned[key] = None
+            except InputError as exc:
+                planned[key] = exc.message
+        if planned[key] is not None:
+            kept_problems[module].append(f"{name}: layer '{module}', kept in GPTQ form, is not the layer this file's "
+                                         f"settings describe ({settings.origin}: {bits}-bit, group size "
+                                         f"{group_size}): {planned[key]}")
 
 
 def _converted_modules(manifest: dict) -> list[str]:

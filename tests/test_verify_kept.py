@@ -167,6 +167,8 @@ def test_configs_that_give_a_kept_layer_settings_its_tensors_contradict_fail(tmp
     _forge_configs(out, **changes)
     for name in CONFIGS:
         _plain_fails(out, f"{name}: layer '{layer}', kept in GPTQ form, ", *fragments)
+    # the kept layer itself fails (a review found it reported ok, the contradiction only on the config files)
+    assert [kept.name for kept in verify(out, gpus=None, workers=1).kept if not kept.ok] == [layer]
     assert not verify(out, gpus=None, workers=1, source_dir=src).ok
 
 
