@@ -513,42 +513,37 @@ def block_of(module: str) -> str | None:
     return None if index is None else ".".join(parts[:index + 1])
 
 
+def quantization_of(config: CompressedTensorsConfig, module: str, modules: set[str]) -> tuple[bool, str]:
+    """Whether ``config`` quantizes ``module``, and what says so: the ``ignore`` entry that names it (not), else the
+    config group that targets it (groups that target it with different schemes, an error for a quantized layer,
+    count as quantizing it), else no group (not). ``modules``: every module name of the checkpoint (to tell a module
+    name from a class-name target)."""
+    entry = config.ignored_by(module)
+    if entry is not None:
+        return False, f"ignore entry {json.dumps(entry)} in {config.where}"
+    try:
+        group = config.group_for(module, modules)
+    except InputError:
+        return True, f"more than one config group in {config.where}"
+    if group is None:
+        return False, f"no config group in {config.where} targets it"
+    return True, f"config group '{group.name}' in {config.where}"
+
+
 def not_quantized(config: CompressedTensorsConfig, module: str, modules: set[str], blocks: set[str]) -> bool:
     """Whether ``config`` leaves ``module`` (stored as a plain ``.weight``) unquantized as a linear an output config
-    must exclude: its ``ignore`` list names it, or no config group targets it and it lies in a numbered block that
-    holds a quantized module, one of ``blocks`` (:func:`block_of`; ``model.embed_tokens`` lies in none). ``modules``:
-    every module name of the checkpoint (to tell a module name from a class-name target). Groups that target it with
-    different schemes (an error for a quantized layer) count as targeting it."""
+    must exclude: its ``ignore`` list names it, or no config group targets it (:func:`quantization_of`) and it lies
+    in a numbered block that holds a quantized module, one of ``blocks`` (:func:`block_of`; ``model.embed_tokens``
+    lies in none)."""
     if config.ignored_by(module) is not None:
         return True
-    if block_of(module) not in blocks:
-        return False
-    try:
-        return config.group_for(module, modules) is None
-    except InputError:
-        return False
+    return block_of(module) in blocks and not quantization_of(config, module, modules)[0]
 
 
 def quantized_by_config(checkpoint: Checkpoint, modules: list[str]) -> dict[str, tuple[bool, str]]:
-    """Per module of ``modules``: whether the config quantizes it, and what says so: the ``ignore`` entry that
-    names it, else the config group that targets it (groups that target it with different schemes count as
-    quantizing it), else no group (unquantized)."""
-    config = checkpoint.config
+    """Per module of ``modules``: whether the config quantizes it, and what says so (:func:`quantization_of`)."""
     names = module_names(checkpoint.location)
-    out = {}
-    for module in modules:
-        entry = config.ignored_by(module)
-        if entry is not None:
-            out[module] = (False, f"ignore entry {json.dumps(entry)} in {config.where}")
-            continue
-        try:
-            group = config.group_for(module, names)
-        except InputError:
-            out[module] = (True, f"several config groups in {config.where}")
-            continue
-        out[module] = ((False, f"no config group in {config.where} targets it") if group is None
-                       else (True, f"config group '{group.name}' in {config.where}"))
-    return out
+    return {module: quantization_of(checkpoint.config, module, names) for module in modules}
 
 
 def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
