@@ -18,7 +18,9 @@ and per file the byte ranges whose digests to check while the file is hashed.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from . import compressed_tensors, layout, strict_json
@@ -369,6 +371,7 @@ def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, Safetenso
     layer's settings (those kept in GPTQ form held to their tensors in the shards of ``headers``: a contradiction is
     that kept layer's problem, in ``kept_problems``)."""
     planned: dict[tuple, str | None] = {}  # (_kept_settings_problems: each kept layer read once per settings)
+    beside = _plain_experts_beside_converted(manifest)  # (the same for every config)
     label = manifest["checkpoint_format"]
     source_format = manifest["source"]["format"]
     kept_key = KEPT_MODULES_KEYS[source_format]
@@ -416,8 +419,8 @@ def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, Safetenso
         except InputError as exc:
             problems.append(f"{name}: {exc.message}")
         else:
-            problems += _settings_problems(name, config, manifest)
-            problems += _plain_expert_problems(name, config, manifest)
+            problems += _settings_problems(name, config, manifest, beside)
+            problems += _plain_expert_problems(name, config, beside)
             _kept_settings_problems(name, config, manifest, out_dir, headers, kept_problems, planned)
         problems += _lm_head_problems(name, section, manifest)
         problems += _defaults_problems(name, section, manifest)
@@ -487,7 +490,8 @@ def _section_config(name: str, section: dict) -> QuantConfig:
                        dynamic=parse_dynamic(section.get("dynamic"), name), sources=[name], as_read=section)
 
 
-def _settings_problems(name: str, config: QuantConfig, manifest: dict) -> list[str]:
+def _settings_problems(name: str, config: QuantConfig, manifest: dict,
+                       beside: dict[str, tuple[str, int, str]]) -> list[str]:
     """Each converted layer's settings as a loader takes them from output config ``name`` (``config``) against the
     layer's entry: bits, group size (exactly) and, where the config states it, sym. A config edited to other settings
     would have an engine size ``B`` and ``s`` wrongly. (desc_act is not compared: a source whose g_idx is not trivial
@@ -511,7 +515,7 @@ def _settings_problems(name: str, config: QuantConfig, manifest: dict) -> list[s
                                 f"it was converted with {json.dumps(made[key])}")
             if len(problems) >= 5:  # a config that says other settings for hundreds of experts: the first few
                 return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
-    return problems + _excluded_problems(name, section, config, manifest)
+    return problems + _excluded_problems(name, section, config, manifest, beside)
 
 
 def _kept_settings_problems(name: str, config: QuantConfig, manifest: dict, out_dir: Path,
@@ -531,8 +535,9 @@ def _kept_settings_problems(name: str, config: QuantConfig, manifest: dict, out_
     defaults, no rule) read its tensors once."""
     if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
         return
-    output = Checkpoint(out_dir, config, None, None, list(headers.values()), None,
-                        {tensor: header for header in headers.values() for tensor in header.tensors})
+    location = {tensor: header for header in headers.values() for tensor in header.tensors}
+    output = Checkpoint(path=out_dir, config=config, config_json=None, quantize_json=None,
+                        shards=list(headers.values()), index_json=None, location=location)
     for entry in manifest["kept"]:
         module = entry["name"]
         settings = config.settings_for(module)
@@ -577,7 +582,8 @@ def _manifest_tensor_names(manifest: dict) -> list[str]:
     return names
 
 
-def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: dict) -> list[str]:
+def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: dict,
+                       beside: dict[str, tuple[str, int, str]]) -> list[str]:
     """The modules passed through unquantized that the source's config excludes must be excluded by ``config`` (an
     output config's rules) too, or a loader would look for their Marlin tensors (an expert beside converted siblings,
     whatever the source's config says: :func:`_plain_expert_problems`): a GPTQ source's modules that its
@@ -586,7 +592,7 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
     config leaves unquantized (:func:`marlin_convert.compressed_tensors.not_quantized`), for which the converter
     writes ``-:`` rules (where ``section`` states ``dynamic``)."""
     where = "the manifest's quantization_defaults"
-    beside = _plain_experts_beside_converted(manifest)  # (held to more than this: _plain_expert_problems)
+    # (``beside``: the experts held to more than this, by _plain_expert_problems)
     plain = [module for module in _plain_linears(manifest) if module not in beside]
     try:
         if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
@@ -609,15 +615,19 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
                         if not (settings := source.settings_for(module)).quantized}
     except InputError:
         return []  # (malformed there: the output config's own settings were compared with them above)
-    problems = []
-    for module, why in excluded.items():
-        resolved = config.settings_for(module)
-        if resolved.quantized:
-            problems.append(f"{name}: says module '{module}' is quantized ({resolved.origin}); it is passed through "
-                            f"unquantized, as the source's rules say ({why})")
-            if len(problems) >= 5:
-                return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
-    return problems
+    return _first_five(name, (f"{name}: says module '{module}' is quantized ({resolved.origin}); it is passed through "
+                              f"unquantized, as the source's rules say ({why})"
+                              for module, why in excluded.items()
+                              if (resolved := config.settings_for(module)).quantized))
+
+
+def _first_five(name: str, problems: Iterator[str]) -> list[str]:
+    """The first five of config ``name``'s ``problems`` (a generator, consumed no further), and at five a line saying
+    there may be more."""
+    first = list(islice(problems, 5))
+    if len(first) == 5:
+        first.append(f"{name}: (and maybe more modules: the first 5 are named)")
+    return first
 
 
 def _plain_experts_beside_converted(manifest: dict) -> dict[str, tuple[str, int, str]]:
@@ -628,24 +638,19 @@ def _plain_experts_beside_converted(manifest: dict) -> dict[str, tuple[str, int,
             for module, (group, expert, projection) in plain_experts(groups, _plain_linears(manifest)).items()}
 
 
-def _plain_expert_problems(name: str, config: QuantConfig, manifest: dict) -> list[str]:
+def _plain_expert_problems(name: str, config: QuantConfig, beside: dict[str, tuple[str, int, str]]) -> list[str]:
     """Each expert passed through unquantized beside converted siblings must resolve as not quantized under output
     config ``name`` (``config``): a loader would otherwise look for its Marlin tensors. ``convert`` refuses a source
     whose config quantizes such an expert (:func:`marlin_convert.convert._find_unquantized_experts`); here no
     ``quantization_defaults`` and no absent ``dynamic`` excuses it (a release before 2026-11-29 wrote such an output
     without the ``-:`` rule where the plain expert was the set's last and config.json stated no count; it fails
-    here, as a loader would fail on it)."""
-    problems = []
-    for module, (_, _, projection) in _plain_experts_beside_converted(manifest).items():
-        settings = config.settings_for(module)
-        if settings.quantized:
-            origin = settings.origin if settings.rule is not None else f"{settings.origin}: no rule"
-            problems.append(f"{name}: says expert module '{module}' is quantized ({origin}); '{module}.weight' is "
-                            f"passed through unquantized beside converted '{projection}' experts, and a loader would "
-                            "look for its Marlin tensors (a '-:' rule must exclude it)")
-            if len(problems) >= 5:
-                return problems + [f"{name}: (and maybe more modules: the first 5 are named)"]
-    return problems
+    here, as a loader would fail on it). ``beside``: those experts (:func:`_plain_experts_beside_converted`)."""
+    return _first_five(name, (f"{name}: says expert module '{module}' is quantized "
+                              f"({settings.origin if settings.rule is not None else settings.origin + ': no rule'}); "
+                              f"'{module}.weight' is passed through unquantized beside converted '{projection}' "
+                              "experts, and a loader would look for its Marlin tensors (a '-:' rule must exclude it)"
+                              for module, (_, _, projection) in beside.items()
+                              if (settings := config.settings_for(module)).quantized))
 
 
 def _expert_set_problems(out_dir: Path, manifest: dict) -> list[str]:

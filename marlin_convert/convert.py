@@ -236,8 +236,9 @@ def _check_expert_sets(groups: list[ExpertGroup], by_prefix: dict[str, LayerPlan
     config_path = checkpoint.path / CONFIG_FILE
     stated = stated_expert_count(checkpoint.config_json, config_path)
     stacked = {layer.prefix: layer.spec.num_experts for layer in by_prefix.values() if layer.spec.num_experts}
-    for problem in stacked_count_problems(stacked, stated, config_path):
-        raise InputError(problem)
+    problems = stacked_count_problems(stacked, stated, config_path)
+    if problems:
+        raise InputError(problems[0])
     _find_unquantized_experts(groups, checkpoint)
     for group in groups:
         for problem in set_problems(group, stated, config_path):
