@@ -214,18 +214,6 @@ __device__ __forceinline__ void cluster_barrier() {
   __trap();
 #endif
 }
-// The same two barriers in their non-aligned forms, for threads that meet at different barrier instructions (the
-// [PROD] producer and its consumers): the .aligned forms, __syncthreads() included (bar.sync 0 = barrier.sync.aligned
-// 0), require every thread to execute the same instruction (PTX ISA, "barrier", "barrier.cluster"); from different
-// instructions they are undefined (compute-sanitizer's synccheck: "Divergent thread(s) in block", kernel/NOTES.md).
-__device__ __forceinline__ void block_barrier_unaligned() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_barrier_unaligned() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
 __device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
@@ -302,39 +290,6 @@ __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
-}
-
-// [PROD] the producer form of the 128-row wgmma kernel (PROD = true): a third warpgroup issues every [G2S] copy while
-// the two consumer warpgroups only dequantize and issue wgmma. The register file is rebalanced between them
-// (setmaxnreg, sm_90a: whole warpgroups, multiples of 8 in 24..256). A 384-thread block starts every thread at
-// kLaunchRegs = 65536 / 384 = 170, rounded down to the allocation unit of 8, = 168; setmaxnreg.inc only takes what the
-// block's other warps gave back (it waits for them otherwise: a first version asking 2 x 128 x (232 - 168) of the
-// producer's 128 x (168 - 64) hung), so 2 kConsumerRegs + kProducerRegs <= 3 kLaunchRegs. The producer's copies need
-// about 64 (ptxas, sm_90a: 20-32 bytes spilled at 48, 0-20 at 56, none at 64); the consumers' loop fits 224 with
-// no spill (the kernel without a producer: 254-255, its copies' addresses included). ptxas honours the split only
-// where no code after it runs on both sides (C7507 otherwise). After the main loop the consumers synchronise among
-// themselves on named barrier 1 (kThreads threads), which the producer never joins.
-constexpr int kProducerThreads = 128;
-constexpr int kLaunchRegs = 65536 / (kThreads + kProducerThreads) / 8 * 8;
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
-static_assert(kLaunchRegs == 168 && 2 * kConsumerRegs + kProducerRegs <= 3 * kLaunchRegs,
-              "setmaxnreg: the consumers take no more than the producer gives back");
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-__device__ __forceinline__ void consumer_barrier() {
-  static_assert(kThreads == 256, "named barrier 1 counts the consumers' threads");
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");
 }
 
 // Shared-memory matrix descriptor of wgmma's B operand (PTX ISA, "matrix descriptor"): K-major rows of 128 bytes
@@ -760,8 +715,8 @@ __host__ __device__ constexpr int min_blocks() {
 //   cluster_red   1: [RED] in a cluster (the wgmma kernel in split-K, m_chunks == 1, launched in clusters of
 //              `splits` blocks with T::kClusterSmemBytes of shared memory; the locks are not touched); 0: the lock chain
 template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP, bool NO_F32_SCALE = false,
-          bool SEGMENTS = false, bool PROD = false>
-__global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads, min_blocks<MB, WN, STRIPS, STAGES, GROUPED, NO_F32_SCALE ? 0 : SWAP,
+          bool SEGMENTS = false>
+__global__ void __launch_bounds__(kThreads, min_blocks<MB, WN, STRIPS, STAGES, GROUPED, NO_F32_SCALE ? 0 : SWAP,
                                                        K::kBits, K::kZp>())
     marlin_gemm_kernel(const int4* __restrict__ A, const int4* __restrict__ B, const int4* __restrict__ S,
                        const int4* __restrict__ Z, typename K::ActT* __restrict__ C, int* __restrict__ locks, int m,
@@ -770,7 +725,6 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
   static_assert(SWAP >= 0 && SWAP <= 3 && (SWAP == 0 || SWAP == 3 || MB == 1),
                 "the swapped mma.sync (W^T x A^T) path serves m <= 16 only");
   static_assert(SWAP != 3 || (WN == 4 && !NO_F32_SCALE), "wgmma: a warpgroup is 4 warps of 64 columns");
-  static_assert(!PROD || (SWAP == 3 && !SEGMENTS), "[PROD]: the wgmma kernel in split-K only");
   constexpr int BITS = K::kBits;
   constexpr bool ZP = K::kZp;
   constexpr bool WG = SWAP == 3;
@@ -788,25 +742,6 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
   const int wn = warp % WN;  // this warp's 64 columns inside the tile
   const int wk = WG ? 0 : warp / WN;  // this warp's k-slot inside a stage
   const int jh = WG ? warp / WN : 0;  // (wgmma) this warpgroup's half of the tiles: 2 jh, 2 jh + 1
-  // [PROD] threads kThreads.. are the producer: the copies' thread index ltid and count kLoadThreads are its own
-  const bool producer = PROD && tid >= kThreads;
-  constexpr int kLoadThreads = PROD ? kProducerThreads : kThreads;
-  const int ltid = PROD ? tid - kThreads : tid;
-  // the barrier of the block's threads after the main loop: with [PROD] the consumers' own (the producer has left)
-  auto block_sync = [] {
-    if constexpr (PROD) consumer_barrier();
-    else __syncthreads();
-  };
-  // the barriers the producer takes part in (the main loop's, the one after it, the cluster's): it reaches them at
-  // its own instructions, so with [PROD] they are the non-aligned forms on both sides
-  auto pipeline_sync = [] {
-    if constexpr (PROD) block_barrier_unaligned();
-    else __syncthreads();
-  };
-  auto cluster_sync = [] {
-    if constexpr (PROD) cluster_barrier_unaligned();
-    else cluster_barrier();
-  };
 
   // ---- which rows, which tiles and k ranges. Block `blk` owns the units [units_lo, units_hi) of the flattened
   // (n-tile, k-stage) space, unit = ntile * tile_units + stage (stages >= total_stages of a tile are padding, skipped).
@@ -837,30 +772,30 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
   // int4), so a stage's copies cost an add and an address each, not the 64-bit index arithmetic of every copy from
   // scratch (ncu, H200, 8192 x 10240 m = 1 g128: about 45 of the ~390 instructions per warp and stage went to that).
   constexpr int kBPiece = WN * T::kPieceInt4;
-  static_assert(kLoadThreads % kBPiece == 0, "one pass of the threads covers whole strips of the B tile");
-  constexpr int kBStripsPerPass = kLoadThreads / kBPiece;
-  const int b_strip = ltid / kBPiece;
-  const uint32_t b_thread = (uint32_t)b_strip * (uint32_t)b_row_int4 + (uint32_t)(ltid % kBPiece);
+  static_assert(kThreads % kBPiece == 0, "one pass of the threads covers whole strips of the B tile");
+  constexpr int kBStripsPerPass = kThreads / kBPiece;
+  const int b_strip = tid / kBPiece;
+  const uint32_t b_thread = (uint32_t)b_strip * (uint32_t)b_row_int4 + (uint32_t)(tid % kBPiece);
   const uint32_t b_pass = (uint32_t)kBStripsPerPass * (uint32_t)b_row_int4;
   const uint32_t b_stage = (uint32_t)T::kStageStrips * (uint32_t)b_row_int4;
   // The A copies likewise where one pass of the threads covers whole rows of the A tile (kAChunks divides kThreads;
   // the 3-strip kernels' 48 chunks per row do not): copy j is row a_row + j * kARowsPerPass, chunk a_ch, at int4
   // a_first + k0 / 8 + j * a_pass of A (32-bit: the host checks (m + 128) * k / 8 < 2^32).
-  constexpr bool kAPasses = kLoadThreads % T::kAChunks == 0;
-  constexpr int kARowsPerPass = kAPasses ? kLoadThreads / T::kAChunks : 1;
-  const int a_row = ltid / T::kAChunks;
-  const int a_ch = ltid % T::kAChunks;
+  constexpr bool kAPasses = kThreads % T::kAChunks == 0;
+  constexpr int kARowsPerPass = kAPasses ? kThreads / T::kAChunks : 1;
+  const int a_row = tid / T::kAChunks;
+  const int a_ch = tid % T::kAChunks;
   const uint32_t a_first = (uint32_t)(row0 + a_row) * (uint32_t)(k / 8) + (uint32_t)a_ch;
   const uint32_t a_pass = (uint32_t)kARowsPerPass * (uint32_t)(k / 8);
   // The grouped scale rows (kSPer int4 each) and zero-point rows (kZInt4) of a stage, at most kStageStrips of each.
   constexpr int kSPer = WN * 8;
   constexpr int kZInt4 = WN * BITS / 2;  // int4 of one zero-point row of the tile (64 columns: 8 * BITS bytes)
-  constexpr int kSRowsPerPass = kLoadThreads / kSPer, kZRowsPerPass = kLoadThreads / kZInt4;
+  constexpr int kSRowsPerPass = kThreads / kSPer, kZRowsPerPass = kThreads / kZInt4;
   constexpr int kSPasses = (T::kStageStrips + kSRowsPerPass - 1) / kSRowsPerPass;
   constexpr int kZPasses = (T::kStageStrips + kZRowsPerPass - 1) / kZRowsPerPass;
-  const int s_r = ltid / kSPer, z_r = ltid / kZInt4;
-  const uint32_t s_thread = (uint32_t)s_r * (uint32_t)s_row_int4 + (uint32_t)(ltid % kSPer);  // + ntile * kSPer
-  const uint32_t z_thread = (uint32_t)z_r * (uint32_t)z_row_int4 + (uint32_t)(ltid % kZInt4);  // + ntile * kZInt4
+  const int s_r = tid / kSPer, z_r = tid / kZInt4;
+  const uint32_t s_thread = (uint32_t)s_r * (uint32_t)s_row_int4 + (uint32_t)(tid % kSPer);  // + ntile * kSPer
+  const uint32_t z_thread = (uint32_t)z_r * (uint32_t)z_row_int4 + (uint32_t)(tid % kZInt4);  // + ntile * kZInt4
 
   // ---- [G2S] issue the copies of pipeline stage `st` (absolute k stage) of n-tile `ntile` into shared slot `slot`
   auto load_stage = [&](int slot, int ntile, int st) {
@@ -894,7 +829,7 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
       const bool col_ok = k0 + a_ch * 8 < k;
       const int rows = m - row0;  // rows of A from this chunk on
 #pragma unroll
-      for (int j = 0; j < T::kRows * T::kAChunks / kLoadThreads; ++j) {
+      for (int j = 0; j < T::kRows * T::kAChunks / kThreads; ++j) {
         const int r = a_row + j * kARowsPerPass;
         if (SWAP == 1 && r >= rows) break;  // m <= 8: only the rows < m are visited (as below)
         cp_async16(sA + a_at(r, a_ch), A + (at + (uint32_t)j * a_pass), col_ok && r < rows);
@@ -907,13 +842,13 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
       // slower).
       const int a_chunks = min(m - row0, T::kRows) * T::kAChunks;
 #pragma unroll
-      for (int i = ltid; i < T::kRows * T::kAChunks; i += kLoadThreads) {
+      for (int i = tid; i < T::kRows * T::kAChunks; i += kThreads) {
         if (i >= a_chunks) break;
         copy_a(i);
       }
     } else {
 #pragma unroll
-      for (int i = ltid; i < T::kRows * T::kAChunks; i += kLoadThreads) copy_a(i);
+      for (int i = tid; i < T::kRows * T::kAChunks; i += kThreads) copy_a(i);
     }
     // B: kStageStrips strips x WN pieces of kPieceInt4 int4, copied as they lie (lane l's int4 is l for 4-bit, 2l and
     // 2l + 1 for 8-bit): consecutive threads copy consecutive 16 bytes into consecutive shared memory. (An earlier
@@ -924,8 +859,8 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
       const uint32_t at = b_thread + (uint32_t)(ntile * kBPiece) + (uint32_t)st * b_stage;
       const int strips_left = k_strips - strip0 - b_strip;  // copy j's strip is inside k: j * kBStripsPerPass < this
 #pragma unroll
-      for (int j = 0; j < T::kBBytes / 16 / kLoadThreads; ++j)
-        cp_async16(sB + ltid + j * kLoadThreads, B + (at + (uint32_t)j * b_pass), j * kBStripsPerPass < strips_left);
+      for (int j = 0; j < T::kBBytes / 16 / kThreads; ++j)
+        cp_async16(sB + tid + j * kThreads, B + (at + (uint32_t)j * b_pass), j * kBStripsPerPass < strips_left);
     }
     // Scales and zero points (grouped): the distinct rows k0 / g .. (last k of the stage) / g, kTN values each.
     if constexpr (GROUPED) {
@@ -938,13 +873,13 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
 #pragma unroll
       for (int p = 0; p < kSPasses; ++p)
         if (s_r + p * kSRowsPerPass < nrows)
-          cp_async16(sS + ltid + p * kLoadThreads, S + (s_at + (uint32_t)(p * kSRowsPerPass * s_row_int4)), true);
+          cp_async16(sS + tid + p * kThreads, S + (s_at + (uint32_t)(p * kSRowsPerPass * s_row_int4)), true);
       if constexpr (ZP) {
         const uint32_t z_at = z_thread + (uint32_t)(ntile * kZInt4) + (uint32_t)r0 * (uint32_t)z_row_int4;
 #pragma unroll
         for (int p = 0; p < kZPasses; ++p)
           if (z_r + p * kZRowsPerPass < nrows)
-            cp_async16(sZ + ltid + p * kLoadThreads, Z + (z_at + (uint32_t)(p * kZRowsPerPass * z_row_int4)), true);
+            cp_async16(sZ + tid + p * kThreads, Z + (z_at + (uint32_t)(p * kZRowsPerPass * z_row_int4)), true);
       }
     }
   };
@@ -1054,7 +989,7 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
   // ---- [PDL] let the next kernel start, then wait for the one before: nothing above read or wrote memory
   grid_launch_dependents();
   grid_dependency_wait();
-  if (have_seg && !PROD) prologue(seg);  // ([PROD]: the producer's part below)
+  if (have_seg) prologue(seg);
   trace.stamp(1, 0.0f);
   while (have_seg) {
     const int ntile = seg.ntile;
@@ -1065,37 +1000,6 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
     const int split = blk - tile_lo / units_per_block;
     const int splits = (tile_lo + total_stages - 1) / units_per_block - tile_lo / units_per_block + 1;
     const int col0 = ntile * T::kTN;
-    const bool in_cluster = WG && !SEGMENTS && cluster_red != 0 && splits > 1;
-
-    // [PROD] the producer's whole part: the main loop's copies and barriers (the consumers' loop below has the same
-    // barriers, one per stage), the barrier after it that frees the pipeline's shared memory for [RED] (its copies all
-    // waited for first, as every thread does without a producer: with only the loop's waits compute-sanitizer's
-    // racecheck reported the peers' pushes into that memory as racing the copies, kernel/NOTES.md), then the cluster
-    // barriers of [RED], which every thread of a cluster takes part in.
-    // The register split (setmaxnreg) is made at the start of each side, with no code after it that both run: ptxas
-    // ignores it otherwise (C7507).
-    if constexpr (PROD) {
-      if (producer) {
-        setmaxnreg_dec<kProducerRegs>();
-        prologue(seg);
-        for (int it = 0; it < n_stages; ++it) {
-          cp_async_wait<STAGES - 2>();  // stage `it` has landed
-          fence_proxy_async();          // ... and is visible to wgmma's reads
-          pipeline_sync();              // ... for all threads; and the consumers are done with stage it - 1
-          const int next = it + STAGES - 1;
-          if (next < n_stages) load_stage(slot_of(next), ntile, stage_begin + next);  // refills stage it - 1's slot
-          cp_async_commit();
-        }
-        cp_async_wait<0>();
-        pipeline_sync();
-        if (in_cluster) {
-          cluster_sync();
-          cluster_sync();
-        }
-        return;
-      }
-      setmaxnreg_inc<kConsumerRegs>();
-    }
 
     // Channelwise zero points (one row, constant over k): this lane's words, read once.
     uint32_t zconst[kWords] = {};
@@ -1408,16 +1312,12 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
 
     // ---- main loop: STAGES - 1 stages in flight (the prologue issued the first), one barrier per stage
     for (int it = 0; it < n_stages; ++it) {
-      if constexpr (!PROD) {
-        cp_async_wait<STAGES - 2>();            // stage `it` has landed (for this thread)
-        if constexpr (WG) fence_proxy_async();  // ... and is visible to wgmma's reads
-      }
-      pipeline_sync();  // ... for all threads; and everyone is done computing stage it - 1
-      if constexpr (!PROD) {
-        const int next = it + STAGES - 1;
-        if (next < n_stages) load_stage(slot_of(next), ntile, stage_begin + next);  // refills the slot of stage it - 1
-        cp_async_commit();
-      }
+      cp_async_wait<STAGES - 2>();  // stage `it` has landed (for this thread)
+      if constexpr (WG) fence_proxy_async();  // ... and is visible to wgmma's reads
+      __syncthreads();              // ... for all threads; and everyone is done computing stage it - 1
+      const int next = it + STAGES - 1;
+      if (next < n_stages) load_stage(slot_of(next), ntile, stage_begin + next);  // refills the slot of stage it - 1
+      cp_async_commit();
       compute_stage(slot_of(it), stage_begin + it);
       if constexpr (WG) wgmma_wait<0>();  // the stage's wgmma are done with its shared memory (refilled next)
       if (it == 0) trace.stamp(2, acc[0][0][0]);
@@ -1440,15 +1340,16 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
       prologue(following);  // into slots 1 .. STAGES - 1, past the [RED] area
     } else {
       cp_async_wait<0>();
-      pipeline_sync();  // the pipeline's shared memory is now free for the reduction ([PROD]: the producer's last)
+      __syncthreads();  // the pipeline's shared memory is now free for the reduction
     }
     trace.stamp(4, 0.0f);
 
     // ---- [RED] across blocks: wait for our turn on this tile's lock; or, in a cluster, for every block of it to be done
     // with its pipeline, whose shared memory the peers write from here on (entries of the pairs this block owns)
+    const bool in_cluster = WG && !SEGMENTS && cluster_red != 0 && splits > 1;
     int* lock = locks + ntile * m_chunks + mchunk;
     if (in_cluster) {
-      cluster_sync();
+      cluster_barrier();
     } else if (splits > 1) {
       if (tid == 0) {
         int v;
@@ -1456,7 +1357,7 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
           asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(lock) : "memory");
         } while (v != split);
       }
-      block_sync();
+      __syncthreads();
     }
     trace.stamp(5, 0.0f);
 
@@ -1502,7 +1403,7 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
             red[(((wk * WN + wn) * 8 + nb) * 2 + hi) * 32 + lane] =
                 make_float2(acc[mb][nb][2 * hi], acc[mb][nb][2 * hi + 1]);
       }
-      block_sync();
+      __syncthreads();
       // Pair p = ((wn * 8 + nb) * 2 + hi) * 32 + ln: accumulator registers 2 hi, 2 hi + 1 of lane ln, which hold
       // C[row, col], C[row, col + 1] with row = ln / 4 + 8 hi, col = 8 nb + 2 (ln % 4) (mma C fragment layout).
       // Thread tid takes pairs tid + q * kThreads. All of its reads of C (the earlier contributors' sums) are issued
@@ -1547,7 +1448,7 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
           st_cluster_f2(slots + (uint32_t)(((split * entries + idx / splits) * kThreads + tid) * 8),
                         (uint32_t)(idx % splits), v[q]);
         }
-        block_sync();  // `red` is rewritten by the next m-block
+        __syncthreads();  // `red` is rewritten by the next m-block
         continue;
       }
       if (splits > 1 && split > 0) {  // add the partial sums of contributors 0 .. split - 1 (read from L2)
@@ -1565,12 +1466,12 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
 #pragma unroll
       for (int q = 0; q < kPairs; ++q)
         if (ok[q]) C2[at[q]] = Ops::pack(v[q].x, v[q].y);
-      block_sync();  // `red` is rewritten by the next m-block
+      __syncthreads();  // `red` is rewritten by the next m-block
     }
 
     // ---- [RED] in a cluster: the pairs this block owns, each the sum of the `splits` contributors' in split order
     if (in_cluster) {
-      cluster_sync();  // every push is in place (and no peer writes into this block's shared memory after this)
+      cluster_barrier();  // every push is in place (and no peer writes into this block's shared memory after this)
       const float2* pushed = reinterpret_cast<const float2*>(smem + T::kRedBytes);
       for (int e = 0; e < entries; ++e) {
         const int idx = e * splits + split;
@@ -1593,7 +1494,7 @@ __global__ void __launch_bounds__(PROD ? kThreads + kProducerThreads : kThreads,
     // ---- [RED] across blocks: hand the tile to the next split (the last one re-zeroes the lock)
     if (splits > 1 && !in_cluster) {
       __threadfence();  // our C writes are visible device-wide before the lock moves
-      block_sync();
+      __syncthreads();
       if (tid == 0) atomicExch(lock, split == splits - 1 ? 0 : split + 1);
     }
     trace.stamp(6, 0.0f);
@@ -1697,9 +1598,9 @@ inline int smem_attribute(int smem, int optin) { return kOneBlockSmem <= optin &
 struct LaunchShape {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[2];
-  LaunchShape(long grid, int smem, cudaStream_t stream, int cluster_x, bool pdl, int threads = kThreads) {
+  LaunchShape(long grid, int smem, cudaStream_t stream, int cluster_x, bool pdl) {
     cfg.gridDim = dim3((unsigned)grid, 1, 1);
-    cfg.blockDim = dim3((unsigned)threads, 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
     cfg.dynamicSmemBytes = (size_t)smem;
     cfg.stream = stream;
     cfg.attrs = attr;
@@ -1732,7 +1633,7 @@ struct LaunchShape {
 // kept.
 using ClusterFits = std::atomic<int>[16][kMaxClusterRed + 1];
 template <class Kernel>
-int cluster_split(Kernel kernel, ClusterFits& fits, long n_tiles, int total_stages, int sms, int smem, int threads) {
+int cluster_split(Kernel kernel, ClusterFits& fits, long n_tiles, int total_stages, int sms, int smem) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 1;
   for (int s = (int)min((long)kMaxClusterRed, sms / max(n_tiles, 1L)); s >= 2; --s) {
@@ -1744,7 +1645,7 @@ int cluster_split(Kernel kernel, ClusterFits& fits, long n_tiles, int total_stag
       cudaLaunchConfig_t cfg = {};
       cudaLaunchAttribute attr[1];
       cfg.gridDim = dim3((unsigned)(n_tiles * s), 1, 1);
-      cfg.blockDim = dim3((unsigned)threads, 1, 1);
+      cfg.blockDim = dim3(kThreads, 1, 1);
       cfg.dynamicSmemBytes = (size_t)smem;
       attr[0].id = cudaLaunchAttributeClusterDimension;
       attr[0].val.clusterDim.x = (unsigned)s;
@@ -1780,13 +1681,11 @@ constexpr int kClusterMinK = 1536;
 // Pick the split over k, then launch one instantiation. cluster_only (the wgmma kernel where wgmma_pays says no):
 // launch only with [RED] in a cluster that leaves each block >= kClusterMinK of k; else set *cluster_only = false
 // and return MARLIN_OK without launching.
-template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false,
-          bool PROD = false>
+template <class K, int MB, int WN, int STRIPS, int STAGES, bool GROUPED, int SWAP = 0, bool NO_F32_SCALE = false>
 int launch_config(const Launch& L, bool* cluster_only = nullptr) {
   using T = Tile<MB, WN, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, SWAP == 3>;
   using ActT = typename K::ActT;
-  auto kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE, false, PROD>;
-  constexpr int kBlockThreads = PROD ? kThreads + kProducerThreads : kThreads;
+  auto kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE>;
   const int smem = T::kSmemBytes;
   const int optin = smem_optin();
   // [RED] in a cluster (the wgmma kernel): its launches take kClusterSmem, so the attribute allows that too where the
@@ -1802,7 +1701,7 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
     return MARLIN_CUDA_ERROR;
   }
   int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, smem);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
   if (e != cudaSuccess || per_sm < 1) {
     set_error(L.err, L.errlen, "kernel configuration (MB=%d, WN=%d, %d bytes of shared memory) cannot run here: %s",
               MB, WN, smem, e != cudaSuccess ? cudaGetErrorString(e) : "0 blocks fit on a multiprocessor");
@@ -1842,8 +1741,7 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
     if (L.split_k <= 0 && stream_k_per_sm() <= 0 && m_chunks == 1 && base_blocks < L.sms && cluster_fits &&
         wgmma_cluster_variant() != 0) {
       static ClusterFits cluster_fits_cache;  // (this instantiation's: one kernel, one kClusterSmem)
-      const int fits =
-          cluster_split(kernel, cluster_fits_cache, n_tiles, total_stages, L.sms, kClusterSmem, kBlockThreads);
+      const int fits = cluster_split(kernel, cluster_fits_cache, n_tiles, total_stages, L.sms, kClusterSmem);
       if (fits > 1 && (cluster_only != nullptr || fits >= splits || L.k / splits < kClusterLongK)) cluster = fits;
       if (cluster > 1) {
         splits = cluster;
@@ -1874,7 +1772,7 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
   // nor the 128-row wgmma kernels, whose stream-K forms spilled 530-640 bytes and were slower where the rule below
   // would take them (H200, nineteenth session: fp16 x 4-bit m = 128 4096 x 22016 61.1 -> 69.8 us, 8192 x 57344 248.5
   // -> 251.3).
-  constexpr bool kStreamKAble = (STAGES == 2 || (SWAP == 3 && MB == 4)) && STRIPS >= 4 && !NO_F32_SCALE && !PROD &&
+  constexpr bool kStreamKAble = (STAGES == 2 || (SWAP == 3 && MB == 4)) && STRIPS >= 4 && !NO_F32_SCALE &&
                                 !(std::is_same<ActT, __nv_bfloat16>::value && !K::kZp && GROUPED && WN == 2 &&
                                   STRIPS == 8 && SWAP == 2);
   auto sk_kernel = marlin_gemm_kernel<K, MB, WN, STRIPS, STAGES, GROUPED, SWAP, NO_F32_SCALE, kStreamKAble>;
@@ -1940,7 +1838,7 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
     while ((1 << group_shift) < group_size) ++group_shift;
   }
   const PdlLaunch pl = pdl_launch(grid, launch_smem, per_sm, L.sms, optin);
-  const LaunchShape shape(grid, pl.smem, L.stream, cluster, pl.pdl, kBlockThreads);
+  const LaunchShape shape(grid, pl.smem, L.stream, cluster, pl.pdl);
 #if defined(MARLIN_CONVERT_TRACE)
   trace_arm(L.stream);
 #endif
@@ -1956,7 +1854,7 @@ int launch_config(const Launch& L, bool* cluster_only = nullptr) {
               grid, cluster, pl.smem, cudaGetErrorString(e));
     return MARLIN_CUDA_ERROR;
   }
-  note_launch(PROD ? "pipelined-producer" : "pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid, cluster);
+  note_launch("pipelined", MB, WN, STRIPS, STAGES, SWAP, stream_k ? 1 : 0, grid, cluster);
   return MARLIN_OK;
 }
 
@@ -1989,7 +1887,7 @@ inline bool wgmma_pays(const Launch& L) {
   return L.k / splits >= (splits <= 2 ? 2048 : 2560);
 }
 
-template <class K, int STRIPS, int STAGES, bool GROUPED, bool PROD = false>
+template <class K, int STRIPS, int STAGES, bool GROUPED>
 int launch_wgmma(const Launch& L, bool& launched, bool cluster_only = false) {
   launched = false;
   if (L.n % 256 != 0) return MARLIN_OK;
@@ -2003,12 +1901,12 @@ int launch_wgmma(const Launch& L, bool& launched, bool cluster_only = false) {
   }
   if (optin < Tile<8, 4, STRIPS, STAGES, GROUPED, K::kBits, K::kZp, true>::kSmemBytes) return MARLIN_OK;
   if (cluster_only) {  // (launch_config clears the flag where it does not launch)
-    const int rc = launch_config<K, 8, 4, STRIPS, STAGES, GROUPED, 3, false, PROD>(L, &cluster_only);
+    const int rc = launch_config<K, 8, 4, STRIPS, STAGES, GROUPED, 3>(L, &cluster_only);
     launched = cluster_only;
     return rc;
   }
   launched = true;
-  return launch_config<K, 8, 4, STRIPS, STAGES, GROUPED, 3, false, PROD>(L);
+  return launch_config<K, 8, 4, STRIPS, STAGES, GROUPED, 3>(L);
 }
 
 // Hopper: MARLIN_CONVERT_WGMMA's value where the wgmma kernels can run (marlin_gemm.cu), else 0.
@@ -2023,17 +1921,14 @@ int try_wgmma(const Launch& L, bool& launched) {
 #if defined(MARLIN_CONVERT_SM90A)  // (no wgmma instantiations in builds without sm_90a code)
   if constexpr (K::kBits == 4) {
     if (L.m <= 32) return MARLIN_OK;  // (before wgmma_variant's environment and device queries)
-    int wg = wgmma_variant();
+    const int wg = wgmma_variant();
     if (wg == 0) return MARLIN_OK;
-    // 5 / 6 (benchmark): as 1 / 2, with the [PROD] form of the 128-row kernel
-    const bool prod = wg == 5 || wg == 6;
-    if (prod) wg -= 4;
     bool cluster_only = false;
     if (wg == 1 && !wgmma_pays(L)) {
       if (L.m <= 64 || L.m > 128 || wgmma_cluster_variant() == 0) return MARLIN_OK;
       cluster_only = true;
     }
-    if (wg == 2) return prod ? launch_wgmma<K, 8, 3, GROUPED, true>(L, launched) : launch_wgmma<K, 8, 3, GROUPED>(L, launched);
+    if (wg == 2) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
     if (wg == 3) return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
     if (wg == 4) return launch_wgmma<K, 4, 4, GROUPED>(L, launched);
     // default: 8 strips x 3 stages (the fastest of the three on most shapes, kernel/NOTES.md); with group scales it
@@ -2041,10 +1936,7 @@ int try_wgmma(const Launch& L, bool& launched) {
     // else the mma.sync kernels. Grouped 128-row chunks took 4 x 6 until the wgmma kernel had one path per stage: 8 x 3
     // was then serialised by ptxas; without that, H200 group 128 m = 128 (seventh session): 8192 x 57344 253 -> 226
     // us, 28672 x 8192 144 -> 133, 4096 x 22016 67 -> 59, 8192 x 10240 70 -> 66.
-    if (!GROUPED || (L.k / L.scale_rows) % 128 == 0) {
-      return prod ? launch_wgmma<K, 8, 3, GROUPED, true>(L, launched, cluster_only)
-                  : launch_wgmma<K, 8, 3, GROUPED>(L, launched, cluster_only);
-    }
+    if (!GROUPED || (L.k / L.scale_rows) % 128 == 0) return launch_wgmma<K, 8, 3, GROUPED>(L, launched, cluster_only);
     return launch_wgmma<K, 4, 6, GROUPED>(L, launched, cluster_only);
   }
 #endif

@@ -99,11 +99,7 @@ def main(argv=None) -> int:
                   # blocks of 3 (fp16) / 5 (bf16: at most 8 contributors); 4 x 6 with act-order, 3 tiles of 25 stages
                   # over blocks of 2 / 4; channelwise, 10 tiles of 34 stages over blocks of 3 / 5
                   (kind, 64, 4096, 1280, 128, False, 0, "1", "2"), (kind, 40, 1600, 768, 64, True, 0, "1", "3"),
-                  (kind, 64, 4352, 2560, -1, False, 0, "1", "2"),
-                  # the producer form of the 128-row kernel (MARLIN_CONVERT_WGMMA = 6: a third warpgroup copies):
-                  # a partial chunk and stage, act-order with group 128, [RED] in a cluster, the lock chain (forced)
-                  (kind, 100, 1040, 768, -1, False, 0, None, "6"), (kind, 128, 1024, 512, 128, True, 0, None, "6"),
-                  (kind, 128, 4096, 256, 128, False, 0, None, "6"), (kind, 97, 2048, 512, 128, False, 3, None, "6")]
+                  (kind, 64, 4352, 2560, -1, False, 0, "1", "2")]
     # the Hopper direct-load kernel (4-bit kinds, m <= 32, k a multiple of 128, group size a multiple of 128 or
     # channelwise; forced: MARLIN_CONVERT_DIRECT = 2): one chunk, clusters of 3, 5 and 8 blocks with uneven chunks
     # (blocks whose warps have none), one block per tile (split 1: no cluster), two and four batch blocks, act-order

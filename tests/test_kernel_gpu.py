@@ -632,8 +632,7 @@ WGMMA_SHAPES = [  # (m, k, n, group, act_order, split_k)
     (80, 3072, 512, 256, False, 2),
 ]
 FOUR_BIT_KINDS = [("float16", 4, False), ("bfloat16", 4, False), ("float16", 4, True), ("bfloat16", 4, True)]
-# 5 / 6: as 1 / 2 with the producer form of the 128-row kernel (m > 64: a third warpgroup issues the copies).
-WGMMA_CASES = [(kind, v) for kind in FOUR_BIT_KINDS for v in ("1", "2", "3", "4", "5", "6")]
+WGMMA_CASES = [(kind, v) for kind in FOUR_BIT_KINDS for v in ("1", "2", "3", "4")]
 
 
 # The m > 16 benchmark configurations (MARLIN_CONVERT_SMALL_CFG 30 and 33, launch_m32_cfg): the unswapped 32-row kernel
@@ -812,19 +811,12 @@ WGMMA_CLUSTER_SHAPES = [  # (m, k, n, group, act_order, wgmma variant, blocks pe
 ]
 
 
-# The producer form of the 128-row kernel (MARLIN_CONVERT_WGMMA = 6) on the same 128-row cases: its consumers meet on
-# their own barrier after the main loop, the producer only in the cluster barriers.
-WGMMA_CLUSTER_CASES = ([(shape, False) for shape in WGMMA_CLUSTER_SHAPES] +
-                       [(shape, True) for shape in WGMMA_CLUSTER_SHAPES if shape[0] > 64 and shape[5] == "2"])
-
-
 @pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
 @pytest.mark.parametrize("cluster", ["0", "1"])
-@pytest.mark.parametrize("shape,producer", WGMMA_CLUSTER_CASES,
-                         ids=lambda c: ("producer" if c else "-") if isinstance(c, bool) else "-".join(map(str, c)))
-def test_wgmma_cluster_reduction(torch, monkeypatch, kind, cluster, shape, producer):
-    m, k, n, group, act_order, variant, blocks_expected = shape
-    monkeypatch.setenv("MARLIN_CONVERT_WGMMA", "6" if producer else variant)
+@pytest.mark.parametrize("m,k,n,group,act_order,variant,blocks_expected", WGMMA_CLUSTER_SHAPES)
+def test_wgmma_cluster_reduction(torch, monkeypatch, kind, cluster, m, k, n, group, act_order, variant,
+                                 blocks_expected):
+    monkeypatch.setenv("MARLIN_CONVERT_WGMMA", variant)
     monkeypatch.setenv("MARLIN_CONVERT_WGMMA_CLUSTER", cluster)
     monkeypatch.delenv("MARLIN_CONVERT_STREAM_K", raising=False)
     dtype, bits, asym = kind
@@ -833,7 +825,6 @@ def test_wgmma_cluster_reduction(torch, monkeypatch, kind, cluster, shape, produ
     if torch.cuda.get_device_capability() == (9, 0):
         launch = _last_launch(torch)
         assert "SWAP=3 stream_k=0 " in launch, launch
-        assert launch.startswith("pipelined-producer ") == producer, launch
         blocks = int(re.search(r" cluster=(\d+) ", launch).group(1))
         grid = int(re.search(r" grid=(\d+)", launch).group(1))
         if cluster == "0":
