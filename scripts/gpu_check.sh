@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: build the kernel, run the GPU tests, compute-sanitizer (memcheck, racecheck, initcheck) over many small
-# kernel calls, a quick kernel benchmark, then convert generated checkpoints of every supported kind and run
+# GPU check: build the kernel, run the GPU tests, compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over
+# many small kernel calls, a quick kernel benchmark, then convert generated checkpoints of every supported kind and run
 # `marlin-convert verify --gpu 0` on each; a short table comes last.
 # Exact command (repo root, on a machine with an NVIDIA GPU of compute capability >= 8.0, nvcc and ninja):
 #     bash scripts/gpu_check.sh            # OUT=/some/dir to keep the logs there (default: ./bench_out)
@@ -89,16 +89,26 @@ processes (exit codes: $shard_codes; 124: stopped after ${shard_timeout} s), $((
 fi
 
 # ---- 2b. compute-sanitizer over small calls of every kind (scripts/sanitize_kernel.py; the kernel is built already,
-# and only the marlin_ kernels (pipelined and direct) are instrumented). racecheck is slow: it gets the --few subset; initcheck gets
-# inputs made on the host (writes of the uninstrumented torch kernels are not tracked).
+# and only the marlin_ kernels (pipelined and direct) are instrumented): memcheck, racecheck, synccheck and initcheck,
+# run at once on the one GPU (each its own process and log). racecheck and synccheck are slow: they get the --few subset
+# (synccheck finds barriers that threads reach at different instructions, e.g. a warp-specialised block's roles at
+# their own __syncthreads, undefined for its .aligned form: kernel/NOTES.md); initcheck gets inputs made on the host
+# (writes of the uninstrumented torch kernels are not tracked).
 if [ "${SKIP_SANITIZER:-0}" = 1 ]; then
   RESULT[sanitizer]="skipped (SKIP_SANITIZER=1)"
 elif command -v compute-sanitizer > /dev/null; then
   san_status=ok san_summary=""
-  for tool in memcheck racecheck initcheck; do
-    few=(); [[ $tool == racecheck ]] && few=(--few); [[ $tool == initcheck ]] && few=(--host-inputs)
-    if ! compute-sanitizer --tool "$tool" --kernel-name kns=marlin_ --error-exitcode 3 \
-         $PY scripts/sanitize_kernel.py "${few[@]}" > "$OUT/sanitizer_$tool.log" 2>&1; then
+  san_tools=(memcheck racecheck synccheck initcheck)
+  declare -A san_pid
+  for tool in "${san_tools[@]}"; do
+    few=(); [[ $tool == racecheck || $tool == synccheck ]] && few=(--few)
+    [[ $tool == initcheck ]] && few=(--host-inputs)
+    compute-sanitizer --tool "$tool" --kernel-name kns=marlin_ --error-exitcode 3 \
+      $PY scripts/sanitize_kernel.py "${few[@]}" > "$OUT/sanitizer_$tool.log" 2>&1 &
+    san_pid[$tool]=$!
+  done
+  for tool in "${san_tools[@]}"; do
+    if ! wait "${san_pid[$tool]}"; then
       san_status=FAILED; tail -20 "$OUT/sanitizer_$tool.log"
     fi
     san_summary+="$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1 \

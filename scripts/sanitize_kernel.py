@@ -5,8 +5,9 @@ Run under the sanitizer (after the kernel is built, so that the JIT build is not
     compute-sanitizer --tool memcheck --kernel-name kns=marlin_gemm_kernel --error-exitcode 3 \\
         python3 scripts/sanitize_kernel.py
     compute-sanitizer --tool racecheck ... python3 scripts/sanitize_kernel.py --few
+    compute-sanitizer --tool synccheck ... python3 scripts/sanitize_kernel.py --few
     compute-sanitizer --tool initcheck ... python3 scripts/sanitize_kernel.py --host-inputs
-``scripts/gpu_check.sh`` runs memcheck, racecheck and initcheck this way. Each call gets fresh random inputs and a
+``scripts/gpu_check.sh`` runs memcheck, racecheck, synccheck and initcheck this way. Each call gets fresh random inputs and a
 NaN-poisoned output, and is compared with an fp32 reference (mean relative error < 1e-2: this is a memory and race
 check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
@@ -31,7 +32,7 @@ KINDS = [(dtype, bits, asym) for dtype in ("float16", "bfloat16") for bits in (4
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--few", action="store_true", help="fewer calls (for racecheck, which is slow)")
+    parser.add_argument("--few", action="store_true", help="fewer calls (for racecheck and synccheck, which are slow)")
     parser.add_argument("--host-inputs", action="store_true",
                         help="make every tensor the kernel reads on the host and copy it over, and gather act-order "
                              "columns on the host (for initcheck with --kernel-name: writes of uninstrumented torch "
