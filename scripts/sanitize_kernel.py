@@ -7,9 +7,9 @@ Run under the sanitizer (after the kernel is built, so that the JIT build is not
     compute-sanitizer --tool racecheck ... python3 scripts/sanitize_kernel.py --few
     compute-sanitizer --tool synccheck ... python3 scripts/sanitize_kernel.py --few
     compute-sanitizer --tool initcheck ... python3 scripts/sanitize_kernel.py --host-inputs
-``scripts/gpu_check.sh`` runs memcheck, racecheck, synccheck and initcheck this way. Each call gets fresh random inputs and a
-NaN-poisoned output, and is compared with an fp32 reference (mean relative error < 1e-2: this is a memory and race
-check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
+``scripts/gpu_check.sh`` runs memcheck, racecheck, synccheck and initcheck this way. Each call gets fresh random
+inputs and a NaN-poisoned output, and is compared with an fp32 reference (mean relative error < 1e-2: this is a memory
+and race check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
 Shapes: n = 64 (one 64-column tile, the most k-splits: the lock chain) and 192, group 16 (a warp's strips cross
 groups; an unexplained segfault was once seen at group 16, n = 64), 32, 64, 128 and channelwise, act-order,
 m = 1, 9, 17 (m <= 8, 9..16 and > 16 kernels), forced k-splits, n = 10240, 17408, 34816 (and 4352 with k = 16448)
