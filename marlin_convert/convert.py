@@ -325,7 +325,15 @@ def _listed(refused: list[LayerPlan]) -> str:
 
 
 def refusal_error(refused: list[LayerPlan], total: int) -> UnsupportedLayerError:
-    """The error that stops a conversion (without ``--skip-incompatible``) at layers with no Marlin form."""
+    """The error that stops a conversion at layers with no Marlin form: some of the ``total`` (without
+    ``--skip-incompatible``, which its hint names), or all of them, which stops the run with that option too (the
+    output would be the source checkpoint, relabelled), so its hint says the option does not help."""
+    if len(refused) == total:
+        return UnsupportedLayerError(
+            f"none of the {total} quantized layers can be converted: {_listed(refused)}",
+            hint="no layer here has a Marlin form, so --skip-incompatible does not help: it keeps some layers in their "
+                 "source form while others convert",
+        )
     return UnsupportedLayerError(
         f"{len(refused)} of {total} quantized layers cannot be converted: {_listed(refused)}",
         hint="--skip-incompatible keeps such layers in their source form and lists them in the manifest",
@@ -334,18 +342,10 @@ def refusal_error(refused: list[LayerPlan], total: int) -> UnsupportedLayerError
 
 def plan_refusal(plan: "ConversionPlan", skip_incompatible: bool) -> UnsupportedLayerError | None:
     """Why the conversion of ``plan`` must stop at its refused layers, or None: any refused layer without
-    ``skip_incompatible``; with it, only when every quantized layer is refused (the output would be the source
-    checkpoint, relabelled)."""
-    if not plan.refused:
+    ``skip_incompatible``; with it, only when every quantized layer is refused (:func:`refusal_error`)."""
+    if not plan.refused or (skip_incompatible and len(plan.refused) < len(plan.layers)):
         return None
-    if not skip_incompatible:
-        return refusal_error(plan.refused, len(plan.layers))
-    if len(plan.refused) < len(plan.layers):
-        return None
-    return UnsupportedLayerError(
-        f"none of the {len(plan.layers)} quantized layers can be converted: {_listed(plan.refused)}",
-        hint="--skip-incompatible keeps some layers in their source form; with none converted there is nothing to do",
-    )
+    return refusal_error(plan.refused, len(plan.layers))
 
 
 def legacy_loader_notes(layers: list[LayerPlan], stacked: set[str] = frozenset()) -> list[str]:

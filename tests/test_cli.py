@@ -383,7 +383,59 @@ def test_a_dry_run_where_no_layer_converts_does_not_offer_skip_incompatible(tmp_
     assert "--skip-incompatible keeps them" not in captured.out and "refuse: 2-bit weights" in captured.out
     assert "1 refused (no Marlin form, and none converted: the conversion stops, --skip-incompatible or not)" \
         in captured.out
+    # and the error's hint agrees with that line (without the option it offered it: "--skip-incompatible keeps such
+    # layers in their source form", which would stop all the same)
+    assert "none of the 1 quantized layers can be converted" in captured.err
+    assert "keeps such layers" not in captured.err and "--skip-incompatible does not help" in captured.err
     assert not (tmp_path / "out").exists()
+
+
+def _one_two_bit_layer(tmp_path):
+    """tiny_llama with its down_proj at 2 bits (a GPTQModel dynamic rule): one layer of seven has no Marlin form."""
+    spec = tiny_llama(num_layers=1, dynamic={"+:.*down_proj": {"bits": 2}})
+    next(lin for lin in spec.linears if lin.name.endswith("down_proj")).bits = 2
+    return write_checkpoint(tmp_path / "b2", spec)
+
+
+def test_inspect_says_the_conversion_keeps_a_layer_only_with_skip_incompatible(tmp_path, capsys):
+    """inspect plans as --skip-incompatible would (the 2-bit layer 'kept'), and said nothing else: a user reading it
+    expected the conversion to succeed, and plain convert stopped with exit 2. It now says so, in the text and in the
+    JSON; and a dry run that stops has no output format and no kept layers in its JSON, but refused ones."""
+    src = _one_two_bit_layer(tmp_path)
+    assert main(["inspect", str(src), "--json", str(tmp_path / "plan.json")]) == 0
+    text = capsys.readouterr().out
+    assert "1 kept in GPTQ form" in text
+    assert ("convert keeps these 1 layer(s) in GPTQ form only with --skip-incompatible; without it the conversion "
+            "stops at them (exit 2)") in text
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["stops_without_skip_incompatible"] is True and plan["stops_with_skip_incompatible"] is False
+    assert (plan["kept_gptq"], plan["refused"], plan["checkpoint_format"]) == (1, 0, "marlin-partial")
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 2  # as inspect said
+    capsys.readouterr()
+    assert main([str(src), str(tmp_path / "out"), "--dry-run", "-q", "--json", str(tmp_path / "dry.json")]) == 2
+    dry = json.loads((tmp_path / "dry.json").read_text())
+    assert (dry["kept_gptq"], dry["refused"], dry["checkpoint_format"], dry["exit_code"]) == (0, 1, None, 2)
+    assert main([str(src), str(tmp_path / "out"), "--dry-run", "-q", "--skip-incompatible", "--json",
+                 str(tmp_path / "dry.json")]) == 0
+    dry = json.loads((tmp_path / "dry.json").read_text())
+    assert (dry["kept_gptq"], dry["refused"], dry["checkpoint_format"]) == (1, 0, "marlin-partial")
+    text = capsys.readouterr().out
+    assert "1 kept in GPTQ form" in text and "only with --skip-incompatible" not in text  # (it was given)
+
+
+def test_inspect_where_no_layer_converts_calls_them_refused(tmp_path, capsys):
+    """Every quantized layer without a Marlin form: inspect showed '0 layer(s) to convert ..., 1 kept in GPTQ form'
+    and a 'keep GPTQ' row, a plan no conversion can run (it stops with --skip-incompatible too)."""
+    spec = CheckpointSpec(linears=[LinearSpec("model.layers.0.mlp.down_proj", 256, 128)],
+                          extras=[TensorSpec("model.norm.weight", (128,), "float16")], bits=2)
+    src = write_checkpoint(tmp_path / "in", spec)
+    assert main(["inspect", str(src), "--json", str(tmp_path / "plan.json")]) == 0
+    text = capsys.readouterr().out
+    assert "keep GPTQ" not in text and "refuse: 2-bit weights" in text
+    assert "1 refused (no Marlin form, and none converted: the conversion stops, --skip-incompatible or not)" in text
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["stops_without_skip_incompatible"] is True and plan["stops_with_skip_incompatible"] is True
+    assert (plan["kept_gptq"], plan["refused"], plan["checkpoint_format"]) == (0, 1, None)
 
 
 def test_inspect_groups_experts(tmp_path, capsys):
@@ -792,7 +844,7 @@ def test_a_closed_stdout_loses_no_json_report_and_no_failed_verification(tmp_pat
     odd = write_checkpoint(tmp_path / "g8", tiny_llama(num_layers=1, group_size=8))
     _closed_stdout(monkeypatch)
     assert main([str(odd), str(tmp_path / "never"), "--dry-run", "--json", str(tmp_path / "d.json")]) == 2
-    assert json.loads((tmp_path / "d.json").read_text())["kept_gptq"] > 0
+    assert json.loads((tmp_path / "d.json").read_text())["refused"] > 0
 
 
 def test_an_os_error_is_one_line_with_exit_2_not_an_internal_error(capsys):
