@@ -402,6 +402,10 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     notes = plan_notes(checkpoint, layers)
     outputs, taken = _stack_groups(groups, by_prefix) if stack_experts else ([], set())
     notes += legacy_loader_notes(layers, taken)
+    if stack_experts and not groups:
+        stacked_already = any(layer.spec.num_experts for layer in layers)
+        notes.append("--stack-experts: no per-expert layers here, nothing to stack"
+                     + (" (the source's experts are stacked already)" if stacked_already else ""))
     outputs += [OutputLayer(layer.prefix, layer) for layer in layers if layer.convertible and layer.prefix not in taken]
 
     # Each source tensor of a converted layer is consumed by one output layer (none is copied). The Marlin

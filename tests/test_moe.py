@@ -105,6 +105,21 @@ def test_stack_experts_fuses_per_expert_keys_and_records_which_key_fed_which_sli
     assert verify(out, gpus=None, source_dir=src).failures == []
 
 
+@pytest.mark.parametrize("stacked", [None, True])
+def test_stack_experts_with_nothing_to_stack_says_so(tmp_path, stacked):
+    """--stack-experts on a dense model, or on one whose experts are stacked in the source already, was accepted
+    without a word: a user could not tell it had done nothing. A note says so (and the plan is otherwise the same)."""
+    spec = _small_qwen(num_experts=4, stacked=True) if stacked else _small_qwen(num_experts=0)
+    src = write_checkpoint(tmp_path / "in", spec)
+    plain, stacking = build_plan(src), build_plan(src, stack_experts=True)
+    expected = "--stack-experts: no per-expert layers here, nothing to stack" + (
+        " (the source's experts are stacked already)" if stacked else "")
+    assert expected in stacking.notes and not any("--stack-experts" in note for note in plain.notes)
+    assert [o.prefix for o in stacking.outputs] == [o.prefix for o in plain.outputs]
+    per_expert = build_plan(write_checkpoint(tmp_path / "per", _small_qwen(num_experts=4)), stack_experts=True)
+    assert not any("nothing to stack" in note for note in per_expert.notes)
+
+
 def test_a_flipped_bit_in_one_stacked_expert_is_reported_with_its_index(tmp_path, capsys):
     src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=8))
     out = tmp_path / "out"
