@@ -7,6 +7,7 @@ Run under the sanitizer (after the kernel is built, so that the JIT build is not
     compute-sanitizer --tool racecheck ... python3 scripts/sanitize_kernel.py --few
     compute-sanitizer --tool synccheck ... python3 scripts/sanitize_kernel.py --few
     compute-sanitizer --tool initcheck ... python3 scripts/sanitize_kernel.py --host-inputs
+    python3 scripts/sanitize_kernel.py --few --wgmma any --isolate racecheck   # one call per process, a line each
 ``scripts/gpu_check.sh`` runs memcheck, racecheck, synccheck and initcheck this way. Each call gets fresh random
 inputs and a NaN-poisoned output, and is compared with an fp32 reference (mean relative error < 1e-2: this is a memory
 and race check, the accuracy bounds are in tests/test_kernel_gpu.py); exit status 1 on a wrong result.
@@ -38,7 +39,14 @@ def main(argv=None) -> int:
                              "columns on the host (for initcheck with --kernel-name: writes of uninstrumented torch "
                              "kernels are not tracked, so their outputs would read as uninitialized)")
     parser.add_argument("--wgmma", type=str,
-                        help="only the calls with this MARLIN_CONVERT_WGMMA value (a quick pass over one variant)")
+                        help="only the calls with this MARLIN_CONVERT_WGMMA value (a quick pass over one variant; "
+                             "'any': every call that sets one, i.e. the Hopper wgmma kernel's)")
+    parser.add_argument("--list", action="store_true", help="print the selected calls with their index; run none")
+    parser.add_argument("--index", type=int, metavar="I", help="only the I-th of the selected calls (0-based)")
+    parser.add_argument("--isolate", metavar="TOOL",
+                        help="run each selected call in a process of its own under 'compute-sanitizer --tool TOOL' "
+                             "and print one line per call (racecheck: a hazard reported inside one launch, rather "
+                             "than across the launches of one process); exit 1 if any call's run fails")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -47,7 +55,6 @@ def main(argv=None) -> int:
     from marlin_convert import layout
     from marlin_convert.kernel import ensure_kernel, marlin_gemm, required_workspace_ints
 
-    ensure_kernel(0)
     rng = np.random.default_rng(0)
     cases = []  # (kind, m, k, n, group, act_order, split_k)
     for kind in KINDS:
@@ -126,11 +133,22 @@ def main(argv=None) -> int:
                  if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None or c in direct_cases
                  or c in direct_sk_cases]
     if args.wgmma is not None:
-        cases = [c for c in cases if c[8] == args.wgmma]
+        cases = [c for c in cases if (c[8] is not None if args.wgmma == "any" else c[8] == args.wgmma)]
     # a case whose k the group size does not divide is not a layer the converter emits (the reference below fails)
     bad = [c for c in cases if c[4] != -1 and c[2] % c[4] != 0]
     if bad:
         raise SystemExit(f"sanitize_kernel: k is not a multiple of the group size in {bad}")
+    if args.list:
+        for i, case in enumerate(cases):
+            print(i, _describe(case))
+        return 0
+    if args.isolate:
+        return _isolated(args, cases, argv if argv is not None else sys.argv[1:])
+    if args.index is not None:
+        if not 0 <= args.index < len(cases):
+            raise SystemExit(f"sanitize_kernel: --index {args.index}: {len(cases)} calls are selected (0..)")
+        cases = [cases[args.index]]
+    ensure_kernel(0)
     failures = 0
     for case in cases:
         (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma = case
@@ -179,11 +197,40 @@ def main(argv=None) -> int:
         ok = rel < 1e-2 and not torch.isnan(out_host).any() and int(ws_host.abs().sum()) == 0
         failures += not ok
         if not ok:
-            print(f"WRONG {dtype_name} b{bits} zp={asym} m={m} k={k} n={n} g={group} act={act} split={split_k} "
-                  f"stream-K={stream_k} wgmma={wgmma}: "
-                  f"mean-rel {rel:.2e}")
+            print(f"WRONG {_describe(case)}: mean-rel {rel:.2e}")
     print(f"sanitize_kernel: {len(cases)} calls, {failures} wrong")
     return 1 if failures else 0
+
+
+def _describe(case) -> str:
+    (dtype_name, bits, asym), m, k, n, group, act, split_k, stream_k, wgmma = case
+    return (f"{dtype_name} b{bits} zp={asym} m={m} k={k} n={n} g={group} act={act} split={split_k} "
+            f"stream-K={stream_k} wgmma={wgmma}")
+
+
+def _isolated(args, cases, argv: list[str]) -> int:
+    """Each selected call in a child process under compute-sanitizer (the kernel built first, outside it); a line
+    per call: its index, its exit status, the tool's summary line and the call."""
+    import re
+    import subprocess
+
+    from marlin_convert.kernel import ensure_kernel
+
+    ensure_kernel(0)
+    own = [a for a in argv if not a.startswith("--isolate")]
+    if "--isolate" in argv:  # (the value as a separate word)
+        at = argv.index("--isolate")
+        own = argv[:at] + argv[at + 2:]
+    bad = 0
+    for i, case in enumerate(cases):
+        run = subprocess.run(["compute-sanitizer", "--tool", args.isolate, "--kernel-name", "kns=marlin_",
+                              "--error-exitcode", "3", sys.executable, __file__, *own, "--index", str(i)],
+                             capture_output=True, text=True)
+        found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: [^\n]*", run.stdout + run.stderr)
+        bad += run.returncode != 0
+        print(f"{i:4d} rc={run.returncode} {found[-1] if found else 'no summary'} | {_describe(case)}", flush=True)
+    print(f"sanitize_kernel --isolate {args.isolate}: {len(cases)} calls, {bad} with a failing run")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

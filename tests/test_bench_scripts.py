@@ -97,3 +97,19 @@ def test_peak_rss_help_and_a_command_that_cannot_start(capsys):
     assert peak_rss.main(["--", "/nonexistent/command"]) == 2
     err = capsys.readouterr().err
     assert "cannot start /nonexistent/command" in err and "Traceback" not in err
+
+
+def test_sanitize_kernel_lists_and_indexes_its_calls_without_a_gpu():
+    """``--list`` prints the selected calls with their index (what ``--index I`` and ``--isolate TOOL`` run, one per
+    process, to tell a racecheck report inside one launch from one across launches) and touches no GPU."""
+    def listed(*args):
+        done = subprocess.run([sys.executable, str(REPO / "scripts" / "sanitize_kernel.py"), "--list", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    every, few, wgmma = listed(), listed("--few"), listed("--few", "--wgmma", "any")
+    assert len(every) > len(few) > len(wgmma) > 0
+    assert [line.split(" ", 1)[0] for line in wgmma] == [str(i) for i in range(len(wgmma))]
+    assert all(" wgmma=None" not in line for line in wgmma) and any(" wgmma=None" in line for line in few)
+    assert {line.split(" ", 1)[1] for line in wgmma} <= {line.split(" ", 1)[1] for line in few}
