@@ -99,6 +99,21 @@ def test_an_expert_a_rule_leaves_unquantized_passes_through_and_the_others_conve
     assert _verify_exit_codes(out, src) == [0, 0]
 
 
+def test_inspect_and_convert_count_the_experts_a_rule_leaves_unquantized(tmp_path, capsys):
+    """The experts column of a set with expert 1 excluded said 3, as if the model had three experts; it now says
+    '3 + 1 plain' (the plain one passes through)."""
+    src = _moe(tmp_path, {_rule_for(1, "-"): {}}, unquantized={1})
+    for args in (["inspect", str(src)], [str(src), str(tmp_path / "out")]):
+        assert main(args) == 0
+        text = capsys.readouterr().out
+        rows = [line for line in text.splitlines() if f"{BASE}.*." in line]
+        assert len(rows) == len(PROJECTIONS) and all("│ 3 + 1 plain" in row for row in rows), text
+    every = _moe(tmp_path, {}, name="every")
+    assert main(["inspect", str(every)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if f"{BASE}.*." in line]
+    assert rows and all("plain" not in row and "│ 4 " in row for row in rows)
+
+
 def test_experts_that_differ_only_in_group_size_are_still_one_group(tmp_path):
     src = _moe(tmp_path, {_rule_for(2): {"group_size": 64}}, own={2: {"group_size": 64}})
     out = tmp_path / "out"

@@ -6,7 +6,8 @@ zero points, act-order and shapes), never from the config's defaults.
 
 from __future__ import annotations
 
-from ..experts import group_experts
+from ..convert import ConversionPlan
+from ..experts import group_experts, plain_experts
 from ..gptq import LayerPlan
 from ..sources import FORM_NAMES
 from ._output import Output
@@ -39,10 +40,13 @@ def _joined(values) -> str:
     return ", ".join(dict.fromkeys(values))
 
 
-def add_layer_rows(output: Output, layers: list[LayerPlan], refusing: bool = False) -> None:
+def add_layer_rows(output: Output, layers: list[LayerPlan], refusing: bool = False,
+                   plain_experts: dict[str, int] | None = None) -> None:
     """Fill ``output`` with columns layer / experts / bits / group / zeros / act-order / K x N / padded / action.
     A layer with no Marlin form is kept in its source form (``--skip-incompatible``), or where the run would stop at
-    it (``refusing``: a dry run without that option) refused."""
+    it (``refusing``: a dry run without that option) refused. ``plain_experts``: for a row ``<base>.*.<projection>``,
+    how many experts of that set are stored unquantized (a ``dynamic`` rule or ``ignore`` leaves them so; they pass
+    through), shown beside the quantized ones (:func:`plain_expert_counts`)."""
     def refused_action(layer: LayerPlan, count: str = "") -> str:
         verb = "refuse" if refusing else f"keep {FORM_NAMES[layer.spec.source_format]}"
         return f"{verb}{count}: {layer.reason}"
@@ -65,7 +69,9 @@ def add_layer_rows(output: Output, layers: list[LayerPlan], refusing: bool = Fal
             member_layers = [by_prefix[p] for p in members.values()]
             refused = [m for m in member_layers if not m.convertible]
             action = "convert" if not refused else refused_action(refused[0], f" ({len(refused)})")
-            rows.append(([f"{group.base}.*.{projection}", str(len(members)),
+            row = f"{group.base}.*.{projection}"
+            plain = (plain_experts or {}).get(row, 0)
+            rows.append(([row, f"{len(members)} + {plain} plain" if plain else str(len(members)),
                           _joined(str(m.spec.bits) for m in member_layers),
                           _joined(_group_label(m.spec.group_size) for m in member_layers),
                           _joined(_zeros_label(m) for m in member_layers),
@@ -133,3 +139,14 @@ def layer_dict(layer: LayerPlan) -> dict:
         "reason": layer.reason,
         "workspace_ints": layer.workspace_ints if padded else None,
     }
+
+
+def plain_expert_counts(plan: ConversionPlan) -> dict[str, int]:
+    """``<base>.*.<projection>`` -> how many of that set's experts the checkpoint stores unquantized beside its
+    quantized ones (:func:`marlin_convert.experts.plain_experts`), for :func:`add_layer_rows`."""
+    groups, _ = group_experts([layer.prefix for layer in plan.layers])
+    counts: dict[str, int] = {}
+    for group, _expert, projection in plain_experts(groups, plan.checkpoint.plain_linear_modules()).values():
+        row = f"{group.base}.*.{projection}"
+        counts[row] = counts.get(row, 0) + 1
+    return counts

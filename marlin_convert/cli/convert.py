@@ -25,7 +25,7 @@ from ..workers import MAX_WORKERS, check_workers
 from ._errors import Interrupted, InterruptedAfterPublish
 from ._output import Output, check_json_path, human_bytes
 from ._progress import byte_progress
-from ._render import add_layer_rows, counts_line
+from ._render import add_layer_rows, counts_line, plain_expert_counts
 from ._signals import defer_signals, deferred_signal, output_in_place, raise_if_signalled
 from .inspect import plan_output
 
@@ -113,7 +113,7 @@ def convert(
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
     output.set_outcome(0)
     if not quiet:
-        add_layer_rows(output, plan.layers)
+        add_layer_rows(output, plan.layers, plain_experts=plain_expert_counts(plan))
     rate = report.bytes_in / report.seconds if report.seconds else 0.0
     form = FORM_NAMES[report.source_format]
     output.lines += [

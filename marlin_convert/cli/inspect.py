@@ -17,7 +17,7 @@ from ..convert import ConversionPlan, build_plan, plan_refusal
 from ..sources import FORM_NAMES
 from ._errors import Interrupted
 from ._output import Output, check_json_path, human_bytes
-from ._render import add_layer_rows, counts_line, layer_dict
+from ._render import add_layer_rows, counts_line, layer_dict, plain_expert_counts
 from ._signals import raise_if_signalled
 
 InDirArg = Annotated[Path, typer.Argument(metavar="IN_DIR", help="GPTQ or compressed-tensors (pack-quantized) checkpoint directory (safetensors, single file or sharded).")]
@@ -60,7 +60,7 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
     }
     output = Output(f"Plan for {plan.checkpoint.path}", data, as_json=as_json)
     if not quiet:
-        add_layer_rows(output, plan.layers, refusing=refusing)
+        add_layer_rows(output, plan.layers, refusing=refusing, plain_experts=plain_expert_counts(plan))
     output.lines.append(
         counts_line(data["converted_layers"], data["marlin_entries"], refused, form, data["passthrough_tensors"],
                     data["kept_tensors"], len(plan.shards), done=False, refusing=refusing))
