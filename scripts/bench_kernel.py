@@ -317,7 +317,7 @@ def main(argv=None) -> int:
                 c2 = torch.empty(m, n, dtype=dtype, device="cuda")
                 torch_us[dtype_name, m] = time_graph(torch, lambda i: torch.matmul(a, ws[i], out=c2), nw,
                                                      args.repeats)
-            del ws
+            ws = None  # frees the weights (assigned, not del: the lambda above names ws)
             torch.cuda.empty_cache()
         for g in groups:
             for kind in kinds:
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
                     for var in switches:
                         os.environ.pop(var, None)
                 assert int(workspace.abs().sum()) == 0, "workspace not left zeroed"
-                del ops
+                ops = None  # frees the operands (assigned, not del: call above names ops)
                 torch.cuda.empty_cache()
 
     def geomean(values):
