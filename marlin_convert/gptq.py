@@ -180,6 +180,12 @@ class QuantConfig:
     def zero_format_label(self) -> str:
         return ZERO_FORMAT_OF_LABEL[self.checkpoint_format]
 
+    @property
+    def format_stated(self) -> bool:
+        """Whether a config states the format (``checkpoint_format``, or GPTQModel's ``format``); where none does,
+        ``checkpoint_format`` is GPTQ's default ``gptq`` (v1 zeros)."""
+        return self.defaults()["checkpoint_format"] is not None
+
     def settings_for(self, module: str) -> ModuleSettings:
         """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``). Raises
         :class:`InputError` where config.json lists the ``dynamic`` rules in another order than quantize_config.json
@@ -956,23 +962,25 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
     in GPTQ form are copied unchanged: not counted)."""
     config = checkpoint.config
     label = config.zero_format_label
+    unlabelled = f"no checkpoint_format label: GPTQ's default {label}"
     notes = []
     symmetric = [layer for layer in layers if layer.zero_stored is not None and layer.convertible]
     for fmt in sorted({layer.spec.zero_format for layer in symmetric}):
         chosen = [layer for layer in symmetric if layer.spec.zero_format == fmt]
         stored = sorted({layer.zero_stored for layer in chosen})
         if fmt != label:
-            notes.append(f"checkpoint_format says {config.checkpoint_format} ({label} zeros) but qzeros of "
-                         f"{count_layers(chosen)} symmetric layer(s) hold {'/'.join(map(str, stored))}, the {fmt} "
-                         f"value: treated as {fmt}")
+            said = (f"checkpoint_format says {config.checkpoint_format} ({label} zeros)" if config.format_stated
+                    else f"{unlabelled} zeros,")
+            notes.append(f"{said} but qzeros of {count_layers(chosen)} symmetric layer(s) hold "
+                         f"{'/'.join(map(str, stored))}, the {fmt} value: treated as {fmt}")
         else:
             notes.append(f"zero format {label} for {count_layers(chosen)} symmetric layer(s) (qzeros hold "
-                         f"{'/'.join(map(str, stored))}), as labelled")
+                         f"{'/'.join(map(str, stored))}), {'as labelled' if config.format_stated else unlabelled}")
     asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
     if asymmetric:
-        notes.append(f"{count_layers(asymmetric)} asymmetric layer(s): zero points read as {label} (from "
-                     f"checkpoint_format {config.checkpoint_format}{', v1 stores zero - 1' if label == 'v1' else ''}"
-                     "); written to zp")
+        said = f"from checkpoint_format {config.checkpoint_format}" if config.format_stated else unlabelled
+        notes.append(f"{count_layers(asymmetric)} asymmetric layer(s): zero points read as {label} ({said}"
+                     f"{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
     unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]
     if unstated:
         asymmetric = count_layers([layer for layer in unstated if not layer.spec.sym])

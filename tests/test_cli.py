@@ -720,7 +720,8 @@ def test_convert_inspect_and_verify_count_layers_and_tensors_in_the_units_of_the
     assert ("15 layer(s) converted (each expert counts as one) into 6 Marlin manifest entries, 1 kept in GPTQ form; "
             "6 tensor(s) passed through, 4 tensor(s) of kept layers copied unchanged; 2 shard(s)") in text, text
     # the note counts the converted layers only (the kept one is copied as it is)
-    assert "note: zero format v1 for 15 symmetric layer(s) (qzeros hold 7), as labelled" in text, text
+    assert ("note: zero format v1 for 15 symmetric layer(s) (qzeros hold 7), no checkpoint_format label: GPTQ's "
+            "default v1") in text, text
     report = json.loads(report_path.read_text())
     assert (report["converted_layers"], len(report["layers"]), report["passthrough_tensors"],
             report["kept_tensors"]) == (15, 6, 6, 4)
@@ -775,6 +776,28 @@ def test_the_zero_format_note_counts_each_expert_of_a_stacked_layer(tmp_path, ca
     assert "note: zero format v1 for 8 symmetric layer(s)" in text, text
     assert main(["verify", str(tmp_path / "out"), "--skip-kernel", "-q"]) == 0
     assert "passed: 8/8 layers ok (8 converted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("label, sym, zero_format, note", [
+    ("gptq", True, "v1", "zero format v1 for 7 symmetric layer(s) (qzeros hold 7), as labelled"),
+    (None, True, "v1", "zero format v1 for 7 symmetric layer(s) (qzeros hold 7), no checkpoint_format label: "
+                       "GPTQ's default v1"),
+    ("gptq", True, "v2", "checkpoint_format says gptq (v1 zeros) but qzeros of 7 symmetric layer(s) hold 8, the v2 "
+                         "value: treated as v2"),
+    (None, True, "v2", "no checkpoint_format label: GPTQ's default v1 zeros, but qzeros of 7 symmetric layer(s) hold "
+                       "8, the v2 value: treated as v2"),
+    ("gptq", False, "v1", "7 asymmetric layer(s): zero points read as v1 (from checkpoint_format gptq, v1 stores "
+                          "zero - 1); written to zp"),
+    (None, False, "v1", "7 asymmetric layer(s): zero points read as v1 (no checkpoint_format label: GPTQ's default "
+                        "v1, v1 stores zero - 1); written to zp"),
+])
+def test_the_zero_format_note_says_as_labelled_only_where_a_config_states_the_label(tmp_path, capsys, label, sym,
+                                                                                    zero_format, note):
+    spec = tiny_llama(num_layers=1, checkpoint_format_label=label, sym=sym, zero_format=zero_format)
+    assert main([str(write_checkpoint(tmp_path / "in", spec)), str(tmp_path / "out"), "-q"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert f"note: {note}" in notes, notes
+    assert label is not None or not any("as labelled" in line for line in notes), notes
 
 
 def test_skip_incompatible_help_says_what_is_kept_and_what_always_stops_the_run(capsys):
