@@ -304,6 +304,16 @@ def test_malformed_input_is_an_error_naming_what_and_where(tmp_path, case, capsy
     assert main(["inspect", str(src)]) == 2 and fragment in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [{"sparsity_config": {}, "transform_config": {}}, {"sparsity_config": None},
+                                   {"sparsity_config": {"format": "dense"}}, {"transform_config": None}])
+def test_an_empty_or_null_sparsity_or_transform_config_is_read_as_none(tmp_path, extra):
+    # the README's rule: refused only where sparsity_config names a format other than dense, or transform_config is
+    # an object with keys; llm-compressor writes {} for both
+    config = quantization_config({"group_0": config_group(["Linear"], scheme())}, **extra)
+    src = write_compressed_tensors(tmp_path / "ct", [Linear(DOWN, 256, 128)], config)
+    assert [layer.convertible for layer in build_plan(src).layers] == [True]
+
+
 def test_zero_points_with_data_in_the_unused_slots_are_refused(tmp_path):
     src = _single(tmp_path, [Linear(DOWN, 256, 100, symmetric=False)], scheme(symmetric=False))
     tensors = read_all(src / "model.safetensors")
