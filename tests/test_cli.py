@@ -57,6 +57,7 @@ def test_convert_is_the_default_command(tmp_path, src, capsys):
     (["--help"], ["--help"]),
     (["-h"], ["-h"]),
     (["--version"], ["--version"]),
+    (["-V"], ["-V"]),
     (["verify", "OUT", "-q"], ["verify", "OUT", "-q"]),
     (["IN", "OUT"], ["convert", "IN", "OUT"]),
     (["-q", "IN", "OUT"], ["convert", "-q", "IN", "OUT"]),
@@ -130,6 +131,14 @@ def test_a_missing_source_is_named_as_the_source(capsys, tmp_path, src):
     for source, what in ((tmp_path / "nothere", "does not exist"), (out / "config.json", "not a directory")):
         assert main(["verify", str(out), "--skip-kernel", "--source", str(source)]) == 2
         assert capsys.readouterr().err.startswith(f"Error: --source {source}: {what}\nHint: ")
+
+
+@pytest.mark.parametrize("option", ["--version", "-V"])
+def test_version_and_its_short_form_print_the_version(capsys, option):
+    from marlin_convert import __version__
+
+    assert main([option]) == 0
+    assert capsys.readouterr() == (f"marlin-convert {__version__}\n", "")
 
 
 def test_a_mistyped_root_option_is_named(capsys):

@@ -84,13 +84,14 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                 help="Print the version."),
 ) -> None:
     """Convert GPTQ checkpoints to Marlin format and verify them."""
 
 
 #: the options of ``marlin-convert`` itself (not of a command)
-ROOT_OPTIONS = {"--version", "-h", "--help"}
+ROOT_OPTIONS = {"--version", "-V", "-h", "--help"}
 
 
 def _refuse_empty(argv: list[str]) -> None:
