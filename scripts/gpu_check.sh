@@ -11,7 +11,7 @@
 # GPU_TEST_TIMEOUT (seconds each of them may take, default 480), E2E_JOBS
 # (end-to-end checkpoints converted and verified at once, default 4), E2E_TIMEOUT (seconds each conversion and each
 # verify may take before its row says FAILED, default 300). Exit status 0 only when the GPU tests, the sanitizer and
-# every end-to-end row pass (or were skipped as asked).
+# every end-to-end row pass (or were skipped as asked); 2, with one line, where torch sees no CUDA GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 E2E_JOBS=${E2E_JOBS:-4} E2E_TIMEOUT=${E2E_TIMEOUT:-300}
@@ -29,6 +29,13 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# ---- 0. a CUDA GPU torch can see, or one line and exit 2 (not the kernel build's traceback)
+# (why: the probe's last line, "torch 2.13.0+cpu, built without CUDA" or the error that stopped it)
+probe="import torch as t; print(f'torch {t.__version__}, ' + (f'CUDA {t.version.cuda}' if t.version.cuda else"
+probe+=" 'built without CUDA')); raise SystemExit(not t.cuda.is_available())"
+if ! why=$($PY -c "$probe" 2>&1); then
+  echo "gpu_check: no CUDA GPU visible to torch (${why##*$'\n'}); run it on a machine with an NVIDIA GPU" >&2; exit 2
+fi
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 declare -A RESULT

@@ -89,6 +89,20 @@ def test_kernel_scripts_say_why_when_the_kernel_cannot_run(script, env):
     assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+def test_gpu_check_without_a_gpu_says_so_in_one_line_before_building(tmp_path):
+    """It built the kernel first: a traceback, then 'kernel build failed'. Now one line, exit 2, nothing written."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the script would run the whole check")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")})
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"gpu_check: no CUDA GPU visible to torch (torch {torch.__version__}"), done.stderr
+    assert done.stderr.endswith("); run it on a machine with an NVIDIA GPU\n"), done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_peak_rss_help_and_a_command_that_cannot_start(capsys):
     """--help printed a traceback (it was run as the command); a command that cannot start is one line, exit 2."""
     import peak_rss
