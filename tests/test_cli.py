@@ -40,6 +40,25 @@ def test_top_level_help_lists_every_command(capsys):
         assert command in text
 
 
+def test_top_level_help_gives_each_command_a_whole_line_and_does_not_say_verify_needs_a_gpu(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in text.split("Commands:")[1].splitlines() if line.strip()}
+    assert set(lines) == COMMANDS, lines
+    assert all(line.rstrip().endswith(".") and "..." not in line for line in lines.values()), lines
+    words = " ".join(text.split())
+    assert "verify every layer on the GPU" not in words and "verify --skip-kernel: the CPU checks only" in words
+
+
+def test_verify_help_says_what_exits_1_and_what_exits_2(capsys):
+    assert main(["verify", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exits 0 when all of it passed; 1 naming what failed" in text, text
+    assert ("2 for what it cannot check: bad arguments, an OUT_DIR without a readable, well-formed manifest, a "
+            "--source that is no checkpoint the converter reads, or no GPU (or no kernel build) for the kernel run"
+            ) in text, text
+
+
 def test_convert_is_the_default_command(tmp_path, src, capsys):
     assert main([str(src), str(tmp_path / "a"), "-q"]) == 0
     assert main(["convert", str(src), str(tmp_path / "b"), "-q"]) == 0

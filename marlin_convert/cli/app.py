@@ -40,7 +40,8 @@ from .verify import verify
 app = typer.Typer(
     name="marlin-convert",
     help="Convert 4- and 8-bit GPTQ (or compressed-tensors) safetensors checkpoints to the Marlin format offline, "
-    "and verify every layer on the GPU. 'marlin-convert IN_DIR OUT_DIR' is short for "
+    "and verify every layer: the lossless round trip on the CPU, and the Marlin kernel against an fp32 reference on "
+    "the GPU (verify --skip-kernel: the CPU checks only). 'marlin-convert IN_DIR OUT_DIR' is short for "
     "'marlin-convert convert IN_DIR OUT_DIR'.",
     add_completion=False,
     no_args_is_help=True,
@@ -69,9 +70,11 @@ class _Command(TyperCommand):
         return super().parse_args(ctx, args)
 
 
-app.command("convert", cls=_Command)(convert)
-app.command("inspect", cls=_Command)(inspect)
-app.command("verify", cls=_Command)(verify)
+# each command's line in the top-level help, whole: the docstring's first sentence would be cut off with '...' at
+# about 65 characters
+app.command("convert", cls=_Command, short_help="Convert the checkpoint in IN_DIR to Marlin form in OUT_DIR.")(convert)
+app.command("inspect", cls=_Command, short_help="Show the conversion plan of IN_DIR; nothing is written.")(inspect)
+app.command("verify", cls=_Command, short_help="Check a converted OUT_DIR: files, round trip, the kernel.")(verify)
 
 COMMANDS = {"convert", "inspect", "verify"}
 

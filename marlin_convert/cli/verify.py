@@ -110,8 +110,13 @@ def verify(
 ) -> None:
     """Check everything: the manifest against the files (every tensor, shape, config and digest), the inverse
     transform reproducing the source digests (lossless), layers kept in their source form byte for byte, and the Marlin
-    kernel against an fp32 dequantization reference (mean relative error < 1e-3, no NaN or unwritten output).
-    Exits 1 naming what failed."""
+    kernel against an fp32 dequantization reference on the GPU (mean relative error < 1e-3, no NaN or unwritten
+    output; not with --skip-kernel, which needs no GPU).
+
+    Exits 0 when all of it passed; 1 naming what failed (a layer, a kept layer, a file that is missing, unreadable or
+    different, a manifest whose digest is not --manifest-sha256); 2 for what it cannot check: bad arguments, an OUT_DIR
+    without a readable, well-formed manifest, a --source that is no checkpoint the converter reads, or no GPU (or no
+    kernel build) for the kernel run."""
     check_json_path(json_file, out_dir, source)
     batches = _parse_batches(batch)
     manifest_sha256 = _parse_digest(manifest_sha256)
