@@ -3,6 +3,7 @@ reason, prints no traceback, and leaves nothing at OUT_DIR (nor a temporary dire
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -1392,6 +1393,9 @@ def _killed(*args, **kwargs):
 
 
 def _crashed(*args, **kwargs):
+    # pytest's faulthandler, inherited by this forked worker, would print a "Fatal Python error: Segmentation fault"
+    # dump into the test run's output (written to the terminal, not captured): off in this process only
+    faulthandler.disable()
     os.kill(os.getpid(), 11)  # SIGSEGV: as a fault in native code ends a process
 
 
@@ -1425,6 +1429,17 @@ def test_a_worker_process_killed_is_named_not_called_a_bug(capsys, tmp_path, src
     assert main(args) == code
     if command == "convert":
         assert not out.exists()
+
+
+def test_the_crashing_worker_cases_print_no_fault_dump(tmp_path):
+    """The cases above whose worker ends by SIGSEGV printed pytest's "Fatal Python error: Segmentation fault" dump
+    (the worker's stack) into the test run's output, which read as the test suite itself crashing."""
+    env = {key: value for key, value in os.environ.items() if key != "MARLIN_TEST_SHARD"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path),
+                           f"{__file__}::test_a_worker_process_killed_is_named_not_called_a_bug", "-k", "crashed"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
+    assert "Fatal Python error" not in done.stdout + done.stderr, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
