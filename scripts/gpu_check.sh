@@ -17,8 +17,8 @@ cd "$(dirname "$0")/.."
 E2E_JOBS=${E2E_JOBS:-4} E2E_TIMEOUT=${E2E_TIMEOUT:-300}
 [[ $E2E_JOBS =~ ^[1-9][0-9]*$ ]] || { echo "E2E_JOBS=$E2E_JOBS: expected a positive integer" >&2; exit 2; }
 [[ $E2E_TIMEOUT =~ ^[1-9][0-9]*$ ]] || { echo "E2E_TIMEOUT=$E2E_TIMEOUT: expected a positive integer" >&2; exit 2; }
-# a signal to this script stops its end-to-end jobs too (they would go on writing into $OUT): each job's child (the
-# `timeout` around a command, which passes the signal on) and the job itself
+# a signal to this script stops its background jobs too (the sanitizer tools, the end-to-end jobs: they would go on
+# writing into $OUT): each job's child (the `timeout` around a command, which passes the signal on) and the job itself
 stop_jobs() {
   local pid
   for pid in $(jobs -p); do pkill -TERM -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done
@@ -33,7 +33,8 @@ PY=${PYTHON:-python3}
 # (why: the probe's last line, "torch 2.13.0+cpu, built without CUDA" or the error that stopped it)
 probe="import torch as t; print(f'torch {t.__version__}, ' + (f'CUDA {t.version.cuda}' if t.version.cuda else"
 probe+=" 'built without CUDA')); raise SystemExit(not t.cuda.is_available())"
-if ! why=$($PY -c "$probe" 2>&1); then
+if ! why=$($PY -W ignore -c "$probe" 2>&1); then  # (-W ignore: torch's warning on a machine with no driver would be
+                                                    # the last line)
   echo "gpu_check: no CUDA GPU visible to torch (${why##*$'\n'}); run it on a machine with an NVIDIA GPU" >&2; exit 2
 fi
 OUT=${OUT:-bench_out}
@@ -119,9 +120,10 @@ elif command -v compute-sanitizer > /dev/null; then
       san_status=FAILED; tail -20 "$OUT/sanitizer_$tool.log"
     fi
     san_summary+="$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1 \
-                          | sed 's/^=* *//' | tr -s ' ' || true); "
+                          | sed 's/^=* *//' | tr -s ' ' || true) \
+($(grep -o '[0-9]* calls, [0-9]* wrong' "$OUT/sanitizer_$tool.log" | tail -1 || true)); "
   done
-  RESULT[sanitizer]="$san_status ($san_summary$(grep -o 'sanitize_kernel: [0-9]* calls, [0-9]* wrong' "$OUT/sanitizer_memcheck.log" || true))"
+  RESULT[sanitizer]="$san_status (${san_summary%; })"
 else
   RESULT[sanitizer]="not run (compute-sanitizer not on PATH)"
 fi

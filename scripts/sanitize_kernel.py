@@ -32,7 +32,9 @@ KINDS = [(dtype, bits, asym) for dtype in ("float16", "bfloat16") for bits in (4
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # (no abbreviations: --isolate's children get their options rebuilt from these, never an '--iso' of their own)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--few", action="store_true", help="fewer calls (for racecheck and synccheck, which are slow)")
     parser.add_argument("--host-inputs", action="store_true",
                         help="make every tensor the kernel reads on the host and copy it over, and gather act-order "
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
                             (kind, 4, 1152, 128, 128, True, 0, None, None),
                             (kind, 27, 7296, 192, 128, False, 0, None, None)]
     cases += direct_cases + direct_sk_cases
+    all_cases = list(cases)
     if args.few:
         cases = [c for i, c in enumerate(cases)
                  if i % 3 == 0 or c[3] == 64 and c[4] == 16 or c[8] is not None or c in direct_cases
@@ -138,16 +141,22 @@ def main(argv=None) -> int:
     bad = [c for c in cases if c[4] != -1 and c[2] % c[4] != 0]
     if bad:
         raise SystemExit(f"sanitize_kernel: k is not a multiple of the group size in {bad}")
+    if not cases:
+        raise SystemExit("sanitize_kernel: no call is selected (--wgmma: the values the calls set are "
+                         f"{sorted({c[8] for c in all_cases if c[8] is not None})}, or 'any')")
+    numbered = list(enumerate(cases))  # (index among the selected calls, call)
+    if args.index is not None:
+        if not 0 <= args.index < len(cases):
+            raise SystemExit(f"sanitize_kernel: --index {args.index}: {len(cases)} calls are selected, "
+                             f"0..{len(cases) - 1}")
+        numbered = [numbered[args.index]]
     if args.list:
-        for i, case in enumerate(cases):
+        for i, case in numbered:
             print(i, _describe(case))
         return 0
     if args.isolate:
-        return _isolated(args, cases, argv if argv is not None else sys.argv[1:])
-    if args.index is not None:
-        if not 0 <= args.index < len(cases):
-            raise SystemExit(f"sanitize_kernel: --index {args.index}: {len(cases)} calls are selected (0..)")
-        cases = [cases[args.index]]
+        return _isolated(args, numbered)
+    cases = [case for _, case in numbered]
     ensure_kernel(0)
     failures = 0
     for case in cases:
@@ -208,28 +217,27 @@ def _describe(case) -> str:
             f"stream-K={stream_k} wgmma={wgmma}")
 
 
-def _isolated(args, cases, argv: list[str]) -> int:
-    """Each selected call in a child process under compute-sanitizer (the kernel built first, outside it); a line
-    per call: its index, its exit status, the tool's summary line and the call."""
+def _isolated(args, numbered: list[tuple[int, tuple]]) -> int:
+    """Each selected call (``numbered``: its index among the selected calls, the call) in a child process under
+    compute-sanitizer (the kernel built first, outside it), the child's options rebuilt from ``args`` (the
+    selection, then ``--index``); a line per call: its index, its exit status, the tool's summary line, the call."""
     import re
     import subprocess
 
     from marlin_convert.kernel import ensure_kernel
 
     ensure_kernel(0)
-    own = [a for a in argv if not a.startswith("--isolate")]
-    if "--isolate" in argv:  # (the value as a separate word)
-        at = argv.index("--isolate")
-        own = argv[:at] + argv[at + 2:]
+    selection = [*(["--few"] if args.few else []), *(["--host-inputs"] if args.host_inputs else []),
+                 *(["--wgmma", args.wgmma] if args.wgmma is not None else [])]
     bad = 0
-    for i, case in enumerate(cases):
+    for i, case in numbered:
         run = subprocess.run(["compute-sanitizer", "--tool", args.isolate, "--kernel-name", "kns=marlin_",
-                              "--error-exitcode", "3", sys.executable, __file__, *own, "--index", str(i)],
+                              "--error-exitcode", "3", sys.executable, __file__, *selection, "--index", str(i)],
                              capture_output=True, text=True)
         found = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: [^\n]*", run.stdout + run.stderr)
         bad += run.returncode != 0
         print(f"{i:4d} rc={run.returncode} {found[-1] if found else 'no summary'} | {_describe(case)}", flush=True)
-    print(f"sanitize_kernel --isolate {args.isolate}: {len(cases)} calls, {bad} with a failing run")
+    print(f"sanitize_kernel --isolate {args.isolate}: {len(numbered)} calls, {bad} with a failing run")
     return 1 if bad else 0
 
 

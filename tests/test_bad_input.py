@@ -463,7 +463,7 @@ def test_an_out_dir_on_a_file_system_that_stores_nothing_is_named_as_such(capsys
 def test_unsupported_layer_without_skip_names_layer_and_reason(capsys, tmp_path):
     src = write_checkpoint(tmp_path / "in", _spec(bits=2))
     line = _convert_fails(capsys, tmp_path, src, LAYER, "2-bit")
-    assert "can be converted" in line  # ("none of the 1 quantized layers": the only layer)
+    assert "none of the 1 quantized layers can be converted" in line  # (the only layer)
 
 
 # --------------------------------------------------------------------------------- hostile input (issue #8)

@@ -127,3 +127,36 @@ def test_sanitize_kernel_lists_and_indexes_its_calls_without_a_gpu():
     assert [line.split(" ", 1)[0] for line in wgmma] == [str(i) for i in range(len(wgmma))]
     assert all(" wgmma=None" not in line for line in wgmma) and any(" wgmma=None" in line for line in few)
     assert {line.split(" ", 1)[1] for line in wgmma} <= {line.split(" ", 1)[1] for line in few}
+
+
+def test_sanitize_kernel_isolate_runs_each_selected_call_once_with_the_selection_rebuilt(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """``--isolate TOOL`` runs one compute-sanitizer child per selected call (``--index`` narrows it to one). The
+    children's options were the parent's words with '--isolate ...' filtered out: an abbreviation ('--iso') or a
+    second '--isolate=' went through, and every child started its own round of children; and --index was ignored.
+    Here a stand-in compute-sanitizer records its arguments instead of running the child."""
+    import sanitize_kernel
+
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\necho "========= RACECHECK SUMMARY: 0 hazards displayed"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr("marlin_convert.kernel.ensure_kernel", lambda device_index=0: None)
+    wgmma = len(subprocess.run([sys.executable, str(REPO / "scripts" / "sanitize_kernel.py"), "--list", "--few",
+                                "--wgmma", "any"], capture_output=True, text=True, check=True).stdout.splitlines())
+
+    assert sanitize_kernel.main(["--few", "--wgmma", "any", "--isolate", "racecheck"]) == 0
+    calls = log.read_text().splitlines()
+    assert len(calls) == wgmma
+    for i, call in enumerate(calls):
+        assert call.startswith("--tool racecheck --kernel-name kns=marlin_ --error-exitcode 3 ")
+        assert call.endswith(f"sanitize_kernel.py --few --wgmma any --index {i}") and "--isolate" not in call
+    assert f"sanitize_kernel --isolate racecheck: {wgmma} calls, 0 with a failing run" in capsys.readouterr().out
+
+    log.unlink()
+    assert sanitize_kernel.main(["--few", "--wgmma", "any", "--index", "3", "--isolate=synccheck"]) == 0
+    (call,) = log.read_text().splitlines()
+    assert call.startswith("--tool synccheck ") and call.endswith("--few --wgmma any --index 3")
+    with pytest.raises(SystemExit):  # (an abbreviation is refused, not passed on)
+        sanitize_kernel.main(["--few", "--iso", "racecheck"])

@@ -433,8 +433,8 @@ def test_inspect_says_the_conversion_keeps_a_layer_only_with_skip_incompatible(t
     assert main(["inspect", str(src), "--json", str(tmp_path / "plan.json")]) == 0
     text = capsys.readouterr().out
     assert "1 kept in GPTQ form" in text
-    assert ("convert keeps these 1 layer(s) in GPTQ form only with --skip-incompatible; without it the conversion "
-            "stops at them (exit 2)") in text
+    assert ("convert keeps the 1 layer(s) with no Marlin form in GPTQ form only with --skip-incompatible; without "
+            "it the conversion stops at them (exit 2)") in text
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["stops_without_skip_incompatible"] is True and plan["stops_with_skip_incompatible"] is False
     assert (plan["kept_gptq"], plan["refused"], plan["checkpoint_format"]) == (1, 0, "marlin-partial")
@@ -443,6 +443,7 @@ def test_inspect_says_the_conversion_keeps_a_layer_only_with_skip_incompatible(t
     assert main([str(src), str(tmp_path / "out"), "--dry-run", "-q", "--json", str(tmp_path / "dry.json")]) == 2
     dry = json.loads((tmp_path / "dry.json").read_text())
     assert (dry["kept_gptq"], dry["refused"], dry["checkpoint_format"], dry["exit_code"]) == (0, 1, None, 2)
+    assert dry["kept_tensors"] == 0 and plan["kept_tensors"] == 4  # (the text leaves them out too)
     assert main([str(src), str(tmp_path / "out"), "--dry-run", "-q", "--skip-incompatible", "--json",
                  str(tmp_path / "dry.json")]) == 0
     dry = json.loads((tmp_path / "dry.json").read_text())

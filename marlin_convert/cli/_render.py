@@ -41,12 +41,12 @@ def _joined(values) -> str:
 
 
 def add_layer_rows(output: Output, layers: list[LayerPlan], refusing: bool = False,
-                   plain_experts: dict[str, int] | None = None) -> None:
+                   plain_counts: dict[str, int] | None = None) -> None:
     """Fill ``output`` with columns layer / experts / bits / group / zeros / act-order / K x N / padded / action.
     A layer with no Marlin form is kept in its source form (``--skip-incompatible``), or where the run would stop at
-    it (``refusing``: a dry run without that option) refused. ``plain_experts``: for a row ``<base>.*.<projection>``,
-    how many experts of that set are stored unquantized (a ``dynamic`` rule or ``ignore`` leaves them so; they pass
-    through), shown beside the quantized ones (:func:`plain_expert_counts`)."""
+    it (``refusing``: a dry run without that option, or any plan where no layer converts) refused. ``plain_counts``:
+    for a row ``<base>.*.<projection>``, how many experts of that set are stored unquantized (a ``dynamic`` rule or
+    ``ignore`` leaves them so; they pass through), shown beside the quantized ones (:func:`plain_expert_counts`)."""
     def refused_action(layer: LayerPlan, count: str = "") -> str:
         verb = "refuse" if refusing else f"keep {FORM_NAMES[layer.spec.source_format]}"
         return f"{verb}{count}: {layer.reason}"
@@ -70,8 +70,8 @@ def add_layer_rows(output: Output, layers: list[LayerPlan], refusing: bool = Fal
             refused = [m for m in member_layers if not m.convertible]
             action = "convert" if not refused else refused_action(refused[0], f" ({len(refused)})")
             row = f"{group.base}.*.{projection}"
-            plain = (plain_experts or {}).get(row, 0)
-            rows.append(([row, f"{len(members)} + {plain} plain" if plain else str(len(members)),
+            n_plain = (plain_counts or {}).get(row, 0)
+            rows.append(([row, f"{len(members)} + {n_plain} plain" if n_plain else str(len(members)),
                           _joined(str(m.spec.bits) for m in member_layers),
                           _joined(_group_label(m.spec.group_size) for m in member_layers),
                           _joined(_zeros_label(m) for m in member_layers),

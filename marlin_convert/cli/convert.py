@@ -113,7 +113,7 @@ def convert(
     output = Output(f"Converted {in_dir} -> {out_dir}", report.to_dict())
     output.set_outcome(0)
     if not quiet:
-        add_layer_rows(output, plan.layers, plain_experts=plain_expert_counts(plan))
+        add_layer_rows(output, plan.layers, plain_counts=plain_expert_counts(plan))
     rate = report.bytes_in / report.seconds if report.seconds else 0.0
     form = FORM_NAMES[report.source_format]
     output.lines += [

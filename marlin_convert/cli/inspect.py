@@ -29,7 +29,8 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
                 describe_options: bool = False) -> Output:
     """The plan for people (a table of layers unless ``quiet``, then summary lines) and as JSON data. ``refusing``:
     the layers with no Marlin form stop the run (a dry run without ``--skip-incompatible``, or any run where no layer
-    converts), so the table and the summary call them refused, not kept, and the JSON has no output format.
+    converts), so the table and the summary call them refused, not kept, and the JSON has no output format and no
+    kept layers or tensors (its other counts are the plan's).
     ``describe_options`` (``inspect``, which runs with no conversion options): where such layers are kept, a line
     says that the conversion keeps them only with ``--skip-incompatible`` and stops at them without it. The JSON's
     ``stops_without_skip_incompatible`` / ``stops_with_skip_incompatible`` say whether a conversion would stop."""
@@ -53,20 +54,20 @@ def plan_output(plan: ConversionPlan, as_json: bool = False, quiet: bool = False
         "stops_without_skip_incompatible": plan_refusal(plan, False) is not None,
         "stops_with_skip_incompatible": plan_refusal(plan, True) is not None,
         "passthrough_tensors": plan.passthrough_tensors,
-        "kept_tensors": plan.kept_tensors,
+        "kept_tensors": 0 if refusing else plan.kept_tensors,
         "bytes_in": plan.bytes_in,
         "tensor_bytes_out": plan.tensor_bytes_out,
         "notes": plan.notes,
     }
     output = Output(f"Plan for {plan.checkpoint.path}", data, as_json=as_json)
     if not quiet:
-        add_layer_rows(output, plan.layers, refusing=refusing, plain_experts=plain_expert_counts(plan))
+        add_layer_rows(output, plan.layers, refusing=refusing, plain_counts=plain_expert_counts(plan))
     output.lines.append(
         counts_line(data["converted_layers"], data["marlin_entries"], refused, form, data["passthrough_tensors"],
                     data["kept_tensors"], len(plan.shards), done=False, refusing=refusing))
     if describe_options and refused and not refusing:
-        output.lines.append(f"convert keeps these {refused} layer(s) in {form} form only with --skip-incompatible; "
-                            "without it the conversion stops at them (exit 2)")
+        output.lines.append(f"convert keeps the {refused} layer(s) with no Marlin form in {form} form only with "
+                            "--skip-incompatible; without it the conversion stops at them (exit 2)")
     output.lines += [
         f"bytes in: {human_bytes(plan.bytes_in)}   tensor bytes out: {human_bytes(plan.tensor_bytes_out)}",
         f"{config.describe()} (from {', '.join(config.sources)}); each layer's own settings are in the table",

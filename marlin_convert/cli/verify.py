@@ -114,7 +114,8 @@ def verify(
     output; not with --skip-kernel, which needs no GPU).
 
     Exits 0 when all of it passed; 1 naming what failed (a layer, a kept layer, a file that is missing, unreadable or
-    different, a manifest whose digest is not --manifest-sha256); 2 for what it cannot check: bad arguments, an OUT_DIR
+    different, a manifest whose digest is not --manifest-sha256, a GPU check process that failed or died once the
+    kernel was loaded); 2 for what it cannot check: bad arguments, an OUT_DIR
     without a readable, well-formed manifest, a --source that is no checkpoint the converter reads, or no GPU (or no
     kernel build) for the kernel run."""
     check_json_path(json_file, out_dir, source)
