@@ -165,6 +165,10 @@ def test_a_mistyped_root_option_is_named(capsys):
     assert capsys.readouterr().err == "Error: no option --verison\nHint: did you mean 'marlin-convert --version'?\n"
     assert main(["--son", "IN", "OUT"]) == 2  # nearer to convert's --json: the parser's message, which names it
     assert "(Possible options: --json)" in capsys.readouterr().err
+    # a short root option in the other case got convert's usage as its hint
+    for option, meant in (("-v", "-V"), ("-H", "-h")):
+        assert main([option]) == 2
+        assert capsys.readouterr().err == f"Error: no option {option}\nHint: did you mean 'marlin-convert {meant}'?\n"
 
 
 def test_a_missing_in_dir_is_named_before_out_dir_problems(capsys, tmp_path, src):

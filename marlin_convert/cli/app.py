@@ -143,6 +143,10 @@ def with_default_command(argv: list[str]) -> list[str]:
             close = difflib.get_close_matches(option, sorted(ROOT_OPTIONS | convert_options), n=1, cutoff=0.7)
             if close and close[0] in ROOT_OPTIONS:  # (a root option mistyped: convert's usage would be no help)
                 raise InputError(f"no option {option}", hint=f"did you mean 'marlin-convert {close[0]}'?")
+        elif option not in convert_options:  # a short root option in the other case: -v for -V, -H for -h
+            close = [root for root in sorted(ROOT_OPTIONS) if root.lower() == option.lower()]
+            if close:
+                raise InputError(f"no option {option}", hint=f"did you mean 'marlin-convert {close[0]}'?")
         words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
         named = next((word for word in words if word in COMMANDS), None)
         if named is not None:
