@@ -186,6 +186,13 @@ class QuantConfig:
         ``checkpoint_format`` is GPTQ's default ``gptq`` (v1 zeros)."""
         return self.defaults()["checkpoint_format"] is not None
 
+    @property
+    def format_key(self) -> str:
+        """The key that states the format, for messages: ``checkpoint_format``, or ``format`` where only GPTQModel's
+        own key is written (both must agree where both are)."""
+        return "format" if self.as_read.get("checkpoint_format") is None and "format" in self.as_read else \
+            "checkpoint_format"
+
     def settings_for(self, module: str) -> ModuleSettings:
         """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``). Raises
         :class:`InputError` where config.json lists the ``dynamic`` rules in another order than quantize_config.json
@@ -969,7 +976,7 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
         chosen = [layer for layer in symmetric if layer.spec.zero_format == fmt]
         stored = sorted({layer.zero_stored for layer in chosen})
         if fmt != label:
-            said = (f"checkpoint_format says {config.checkpoint_format} ({label} zeros)" if config.format_stated
+            said = (f"{config.format_key} says {config.checkpoint_format} ({label} zeros)" if config.format_stated
                     else f"{unlabelled} zeros,")
             notes.append(f"{said} but qzeros of {count_layers(chosen)} symmetric layer(s) hold "
                          f"{'/'.join(map(str, stored))}, the {fmt} value: treated as {fmt}")
@@ -978,7 +985,7 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
                          f"{'/'.join(map(str, stored))}), {'as labelled' if config.format_stated else unlabelled}")
     asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
     if asymmetric:
-        said = f"from checkpoint_format {config.checkpoint_format}" if config.format_stated else unlabelled
+        said = f"from {config.format_key} {config.checkpoint_format}" if config.format_stated else unlabelled
         notes.append(f"{count_layers(asymmetric)} asymmetric layer(s): zero points read as {label} ({said}"
                      f"{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
     unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]

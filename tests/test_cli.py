@@ -833,6 +833,22 @@ def test_the_zero_format_note_says_as_labelled_only_where_a_config_states_the_la
     assert label is not None or not any("as labelled" in line for line in notes), notes
 
 
+def test_the_zero_format_notes_name_gptqmodels_format_key_where_only_that_states_the_label(tmp_path, capsys):
+    """A config that states the label as GPTQModel's 'format' only was quoted as 'checkpoint_format says gptq'."""
+    spec = tiny_llama(num_layers=1, checkpoint_format_label="gptq", sym=True, zero_format="v2")
+    src = write_checkpoint(tmp_path / "in", spec)
+    for path, keys in ((src / "config.json", ("quantization_config",)), (src / "quantize_config.json", ())):
+        data = json.loads(path.read_text())
+        section = data
+        for key in keys:
+            section = section[key]
+        section["format"] = section.pop("checkpoint_format")
+        path.write_text(json.dumps(data))
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 0
+    assert ("note: format says gptq (v1 zeros) but qzeros of 7 symmetric layer(s) hold 8, the v2 value: treated as "
+            "v2") in capsys.readouterr().out
+
+
 def test_skip_incompatible_help_says_what_is_kept_and_what_always_stops_the_run(capsys):
     assert main(["convert", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
