@@ -41,7 +41,7 @@ import queue
 import resource
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -59,8 +59,8 @@ from .sources import FORM_NAMES, open_checkpoint
 from .manifest import layer_count, read_manifest
 from .rebuild import SCALE_DTYPES, MarlinLayer, SliceRebuild, Stage, TensorReader, rebuild_slice, stage_bytes
 from .interrupts import held
-from .workers import (MAX_WORKERS, POLL_SECONDS, check_pool, check_workers, results_of, shutdown_pool, start_thread,
-                      submit_all, usable_cpus, worker_pool)
+from .workers import (MAX_WORKERS, POLL_SECONDS, check_pool, check_workers, completion_queue, results_of,
+                      shutdown_pool, start_thread, submit_all, take_completed, usable_cpus, worker_pool)
 
 DEFAULT_BATCH_SIZES = (1, 16, 128)
 DEFAULT_WORKERS = min(MAX_WORKERS, usable_cpus())
@@ -689,17 +689,14 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
             for task in tasks:
                 absorb(_run(task))
         waiting = set(futures)
+        finished = completion_queue(futures)  # (not concurrent.futures.wait: a scan of every pending task per call)
         while waiting or (checking and counts["received"] < counts["expected"]):
             if checking:
                 feed_gpus(True)
             with held():  # the pool's calls: a short wait at most (an interrupt: at its end)
-                if checking:
-                    done = {f for f in waiting if f.done()}
-                else:
-                    done, _ = wait(waiting, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
-                done = list(done)
+                done = take_completed(finished, 0.0 if checking else POLL_SECONDS)
                 outcomes = list(zip(done, results_of(pool, done)))
-                check_pool(pool, waiting.difference(done))
+                check_pool(pool, waiting)  # (its scan runs only once the pool's thread has ended)
             if not checking and gpu_workers is not None:
                 gpu_workers.poll()  # a GPU that cannot run the kernel is reported now, not at the end
             for future, outcome in outcomes:
