@@ -689,12 +689,12 @@ def _verify(out_dir: Path, gpu_workers: GpuWorkers | None, start: float, timelin
             for task in tasks:
                 absorb(_run(task))
         waiting = set(futures)
-        finished = completion_queue(futures)  # (not concurrent.futures.wait: a scan of every pending task per call)
+        completed = completion_queue(futures)  # (not concurrent.futures.wait: a scan of every pending task per call)
         while waiting or (checking and counts["received"] < counts["expected"]):
             if checking:
                 feed_gpus(True)
             with held():  # the pool's calls: a short wait at most (an interrupt: at its end)
-                done = take_completed(finished, 0.0 if checking else POLL_SECONDS)
+                done = take_completed(completed, 0.0 if checking else POLL_SECONDS)
                 outcomes = list(zip(done, results_of(pool, done)))
                 check_pool(pool, waiting)  # (its scan runs only once the pool's thread has ended)
             if not checking and gpu_workers is not None:
