@@ -101,7 +101,7 @@ fi
 # run at once on the one GPU (each its own process and log). racecheck and synccheck are slow: they get the --few subset
 # (synccheck finds barriers that threads reach at different instructions, e.g. a warp-specialised block's roles at
 # their own __syncthreads, undefined for its .aligned form: kernel/NOTES.md); initcheck gets inputs made on the host
-# (writes of the uninstrumented torch kernels are not tracked).
+# (writes of the uninstrumented torch kernels are not tracked). racecheck's reports go through racecheck_triage.py.
 if [ "${SKIP_SANITIZER:-0}" = 1 ]; then
   RESULT[sanitizer]="skipped (SKIP_SANITIZER=1)"
 elif command -v compute-sanitizer > /dev/null; then
@@ -116,12 +116,23 @@ elif command -v compute-sanitizer > /dev/null; then
     san_pid[$tool]=$!
   done
   for tool in "${san_tools[@]}"; do
-    if ! wait "${san_pid[$tool]}"; then
+    code=0 triaged=""
+    wait "${san_pid[$tool]}" || code=$?
+    # racecheck's reports of a cp.async write against a peer's cluster store after a cluster barrier are the tool's
+    # (scripts/racecheck_cluster_control.cu shows it): racecheck_triage.py lets those through, and only those, while
+    # its control still shows them, and only with every call's result right (exit 3 = reports, not wrong results)
+    if [[ $tool == racecheck && $code == 3 ]] && grep -q ' calls, 0 wrong' "$OUT/sanitizer_$tool.log"; then
+      if triaged=$($PY scripts/racecheck_triage.py "$OUT/sanitizer_$tool.log" --control-dir "$OUT/racecheck_control"); then
+        code=0
+      fi
+      triaged="; ${triaged#racecheck_triage: }"
+    fi
+    if [ "$code" != 0 ]; then
       san_status=FAILED; tail -20 "$OUT/sanitizer_$tool.log"
     fi
     san_summary+="$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1 \
                           | sed 's/^=* *//' | tr -s ' ' || true) \
-($(grep -o '[0-9]* calls, [0-9]* wrong' "$OUT/sanitizer_$tool.log" | tail -1 || true)); "
+($(grep -o '[0-9]* calls, [0-9]* wrong' "$OUT/sanitizer_$tool.log" | tail -1 || true)$triaged); "
   done
   RESULT[sanitizer]="$san_status (${san_summary%; })"
 else

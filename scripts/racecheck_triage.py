@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Sort a racecheck log's reports into the tool's cluster cp.async report and every other one.
+
+    python3 scripts/racecheck_triage.py bench_out/sanitizer_racecheck.log [--control-dir DIR] [--json]
+
+compute-sanitizer's racecheck (CUDA 13.0, H200) reports a race between a block's cp.async writes and a peer's
+st.shared::cluster stores into the same bytes although the two are ordered by cp.async.wait_group 0, __syncthreads and
+a release / acquire cluster barrier: scripts/racecheck_cluster_control.cu, a kernel of that chain alone, gets the
+report in every run, and none with plain stores in place of the copies (kernel/NOTES.md, twenty-seventh session). The
+wgmma kernel's [RED] in a cluster is that chain, and racecheck reports it there now and then.
+
+A report is the tool's when it is a race report between write accesses whose sites are all ``cp_async16`` or
+``st_cluster_f2`` (both present). Such reports pass only while the control still shows the tool's behaviour (its
+cp_async form reported, its plain form not): the control is built with nvcc and run under racecheck here, into DIR
+(default: a ``racecheck_control`` folder beside the log), and only when the log has such reports. Anything else
+fails: any other report, a "maximum number of hazards" warning (the tool stopped recording), a log whose reports do not
+add up to its RACECHECK SUMMARY, a log without one, a control that does not build or run.
+
+Exit status: 0 when every report is the tool's and the control shows it (or there is none), 1 otherwise, 2 for a log
+that cannot be read. ``scripts/gpu_check.sh`` runs this on its racecheck log when racecheck exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONTROL_SOURCE = Path(__file__).resolve().parent / "racecheck_cluster_control.cu"
+TOOL_SITES = ("cp_async16", "st_cluster_f2")  # the two sides of the tool's report, as the log names the functions
+
+_PREFIX = r"^=+\s*"
+_REPORT = re.compile(_PREFIX + r"(Error|Warning): Race reported between (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
+_AND = re.compile(_PREFIX + r"and (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
+_OTHER = re.compile(_PREFIX + r"(Error|Warning): (.*)")
+_SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+@dataclass
+class Report:
+    """One entry of a racecheck log: its first line, and for a race report the (access, function) of every site."""
+
+    line: str
+    sites: list[tuple[str, str]] = field(default_factory=list)
+
+    def is_tools(self) -> bool:
+        """A race between writes at cp_async16 and st_cluster_f2 sites only, both present."""
+        if not self.sites or any(access != "Write" for access, _ in self.sites):
+            return False
+        kinds = [next((name for name in TOOL_SITES if name in function), None) for _, function in self.sites]
+        return None not in kinds and set(kinds) == set(TOOL_SITES)
+
+
+def _bare(line: str) -> str:
+    """A log line without the tool's '=========' margin."""
+    return re.sub(_PREFIX, "", line).strip()
+
+
+def parse(text: str) -> tuple[list[Report], tuple[int, int, int] | None]:
+    """The log's reports in order, and its last RACECHECK SUMMARY's (displayed, errors, warnings), None if absent."""
+    reports: list[Report] = []
+    in_race = False
+    for line in text.splitlines():
+        if m := _REPORT.match(line):
+            reports.append(Report(_bare(line), [(m.group(2), m.group(3))]))
+            in_race = True
+        elif in_race and (m := _AND.match(line)):
+            reports[-1].sites.append((m.group(1), m.group(2)))
+        elif m := _OTHER.match(line):
+            reports.append(Report(_bare(line)))
+            in_race = False
+        elif not re.match(_PREFIX + r"(#|Host Frame|Saved host|\s*$)", line):
+            in_race = False
+    summaries = _SUMMARY.findall(text)
+    summary = tuple(int(x) for x in summaries[-1]) if summaries else None
+    return reports, summary
+
+
+def run_control(directory: Path) -> dict:
+    """Build the control and run both of its forms under racecheck: {"cp_async": reports, "plain": reports}, or
+    {"error": why} where it could not be built or run (each step's output is kept in ``directory``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for tool in ("nvcc", "compute-sanitizer"):
+        if shutil.which(tool) is None:
+            return {"error": f"{tool} is not on PATH"}
+    binary = directory / "racecheck_cluster_control"
+    build = subprocess.run(["nvcc", "-O2", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-o",
+                            str(binary), str(CONTROL_SOURCE)], capture_output=True, text=True)
+    (directory / "build.log").write_text(build.stdout + build.stderr)
+    if build.returncode != 0:
+        return {"error": f"the control did not build (nvcc exit {build.returncode}; {directory / 'build.log'})"}
+    counts: dict = {}
+    for form in ("cp_async", "plain"):
+        done = subprocess.run(["compute-sanitizer", "--tool", "racecheck", str(binary), form],
+                              capture_output=True, text=True)
+        log = directory / f"{form}.log"
+        log.write_text(done.stdout + done.stderr)
+        if f"racecheck_cluster_control {form}: no error" not in done.stdout:
+            return {"error": f"the control's {form} form did not run ({log})"}
+        counts[form] = sum(1 for report in parse(done.stdout + done.stderr)[0] if report.sites)
+    return counts
+
+
+def triage(text: str, control=None) -> dict:
+    """The verdict on one racecheck log: ``control`` (no arguments -> run_control's result) is called only when the
+    log has reports of the tool's kind. Keys: ok, reason, displayed, tools, other (their first lines), control."""
+    reports, summary = parse(text)
+    tools = [r for r in reports if r.is_tools()]
+    other = [r.line for r in reports if not r.is_tools()]
+    result = {"ok": False, "reason": "", "displayed": summary[0] if summary else None, "tools": len(tools),
+              "other": other, "control": None}
+    if summary is None:
+        result["reason"] = "no RACECHECK SUMMARY in the log (the run did not finish?)"
+    elif summary[0] != len(reports) or summary[1] + summary[2] != len(reports):
+        result["reason"] = (f"the log's summary says {summary[0]} reports ({summary[1]} errors, {summary[2]} "
+                            f"warnings), {len(reports)} were read")
+    elif other:
+        result["reason"] = f"{len(other)} report(s) not of the tool's kind, the first: {other[0]}"
+    elif tools:
+        result["control"] = control() if control is not None else {"error": "no control was run"}
+        ctl = result["control"]
+        if "error" in ctl:
+            result["reason"] = f"{len(tools)} report(s) of the tool's kind, and no control: {ctl['error']}"
+        elif ctl["cp_async"] == 0 or ctl["plain"] != 0:
+            result["reason"] = (f"{len(tools)} report(s) of the tool's kind, but the control does not show the "
+                                f"tool's behaviour (cp_async form {ctl['cp_async']} reports, plain form "
+                                f"{ctl['plain']}): take them as the kernel's")
+        else:
+            result["ok"] = True
+    else:
+        result["ok"] = True
+    return result
+
+
+def describe(result: dict) -> str:
+    """One line for people (gpu_check's summary row takes it)."""
+    ctl = result["control"]
+    control = (f" (control: cp_async form {ctl['cp_async']} reports, plain form {ctl['plain']})"
+               if ctl and "error" not in ctl else "")
+    head = (f"{result['displayed']} reports: {result['tools']} the tool's cluster cp.async report{control}, "
+            f"{len(result['other'])} other")
+    return head if result["ok"] else f"{head}; FAILED: {result['reason']}"
+
+
+def main(argv=None, control=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log", type=Path, help="a compute-sanitizer --tool racecheck log (its default report mode)")
+    parser.add_argument("--control-dir", type=Path, metavar="DIR",
+                        help="where the control is built and its logs kept (default: racecheck_control beside LOG)")
+    parser.add_argument("--json", action="store_true", help="print the verdict as JSON instead of one line")
+    args = parser.parse_args(argv)
+    try:
+        text = args.log.read_text(errors="replace")
+    except OSError as exc:
+        print(f"racecheck_triage: cannot read {args.log}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    directory = args.control_dir or args.log.parent / "racecheck_control"
+    result = triage(text, control or (lambda: run_control(directory)))
+    print(json.dumps(result, indent=1) if args.json else f"racecheck_triage: {describe(result)}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

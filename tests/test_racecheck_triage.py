@@ -1,0 +1,116 @@
+"""scripts/racecheck_triage.py on racecheck logs in the tool's format (lines as CUDA 13.0's compute-sanitizer wrote
+them on an H200): only races between cp_async16 and st_cluster_f2 writes pass, only while the control shows the
+tool's behaviour, and every count must add up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import racecheck_triage  # noqa: E402
+
+CP_ASYNC = ("void marlin_convert::detail::cp_async16<(bool)0>(void *, const void *, bool)+0x{pc:x} in "
+            "marlin_gemm_impl.cuh:109")
+PUSH = "marlin_convert::detail::st_cluster_f2(unsigned int, unsigned int, float2)+0x{pc:x} in marlin_gemm_impl.cuh:235"
+OTHER_SITE = "void marlin_convert::detail::marlin_gemm_kernel<...>(...)+0x{pc:x} in marlin_gemm_impl.cuh:1380"
+
+
+def race(first: tuple[str, str], *rest: tuple[str, str], level: str = "Error", pc: int = 0x1620) -> str:
+    """A report in racecheck's analysis form: (access, site) pairs, a host backtrace, a blank line."""
+    lines = [f"========= {level}: Race reported between {first[0]} access at {first[1].format(pc=pc)}"]
+    lines += [f"=========     and {access} access at {site.format(pc=pc + 16 * i)} [512 hazards]"
+              for i, (access, site) in enumerate(rest)]
+    lines += ["=========     Saved host backtrace up to driver entry point at kernel launch time",
+              "=========         Host Frame:  [0x13a51] in libcudart.so.13", "========= "]
+    return "\n".join(lines)
+
+
+def log(*reports: str, errors: int | None = None, warnings: int = 0, summary: bool = True) -> str:
+    count = len(reports)
+    errors = count - warnings if errors is None else errors
+    tail = [f"========= RACECHECK SUMMARY: {count} hazard{'s' if count != 1 else ''} displayed ({errors} error"
+            f"{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''})"] if summary else []
+    return "\n".join(["========= COMPUTE-SANITIZER", *reports, "sanitize_kernel: 40 calls, 0 wrong", *tail]) + "\n"
+
+
+TOOLS = race(("Write", CP_ASYNC), ("Write", PUSH))
+SHOWN = {"cp_async": 65, "plain": 0}
+
+
+def never():
+    raise AssertionError("the control ran although the log needs none")
+
+
+def test_only_the_tools_reports_pass_and_only_while_the_control_shows_them():
+    text = log(TOOLS, race(("Write", CP_ASYNC), ("Write", PUSH), ("Write", PUSH), pc=0x1680))
+    result = racecheck_triage.triage(text, lambda: dict(SHOWN))
+    assert result["ok"] and result["tools"] == 2 and result["other"] == [] and result["displayed"] == 2
+    assert "2 the tool's cluster cp.async report (control: cp_async form 65 reports, plain form 0), 0 other" \
+        in racecheck_triage.describe(result)
+    for control in ({"cp_async": 0, "plain": 0}, {"cp_async": 65, "plain": 3}, {"error": "nvcc is not on PATH"}):
+        result = racecheck_triage.triage(text, lambda control=control: control)
+        assert not result["ok"], control
+        assert "FAILED" in racecheck_triage.describe(result)
+
+
+@pytest.mark.parametrize("report", [
+    race(("Write", CP_ASYNC), ("Write", OTHER_SITE)),           # a cp.async against an ordinary store
+    race(("Read", PUSH.replace("st_cluster_f2", "ld_shared")), ("Write", PUSH)),
+    race(("Write", CP_ASYNC), ("Write", CP_ASYNC)),              # two copies: no cluster store in it
+    race(("Write", PUSH), ("Write", PUSH)),
+    race(("Read", CP_ASYNC), ("Write", PUSH)),                   # not write against write
+    race(("Write", CP_ASYNC), ("Write", PUSH), ("Read", OTHER_SITE)),
+    "========= Error: Potential WAW hazard detected (invalid memcpy_async synchronization) at __shared__ 0x9000 in "
+    "block (4,0,0) :",                                            # the per-hazard form: not read as the tool's
+])
+def test_any_other_report_fails_and_is_named_even_beside_the_tools(report):
+    result = racecheck_triage.triage(log(TOOLS, report), lambda: dict(SHOWN))
+    assert not result["ok"] and len(result["other"]) == 1
+    assert result["other"][0] == report.splitlines()[0].removeprefix("========= ")
+    assert "not of the tool's kind" in result["reason"]
+
+
+def test_a_clean_log_passes_without_the_control():
+    result = racecheck_triage.triage(log(), never)
+    assert result["ok"] and result["tools"] == 0 and result["control"] is None
+
+
+def test_counts_that_do_not_add_up_fail():
+    max_reached = ("========= Warning: Maximum number of hazards reached. Environment variable "
+                   "NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS can be used to increase this count.")
+    # the tool stopped recording: a warning that is no race report (and so counts as another report)
+    assert not racecheck_triage.triage(log(TOOLS, max_reached, warnings=1), lambda: dict(SHOWN))["ok"]
+    # 100 displayed of 1026 errors (racecheck's per-hazard form): the displayed ones are not all there were
+    assert not racecheck_triage.triage(log(TOOLS, errors=1026), lambda: dict(SHOWN))["ok"]
+    # a report the parser missed (a summary of 2 over one report read)
+    text = log(TOOLS).replace("1 hazard displayed (1 error", "2 hazards displayed (2 errors")
+    assert "2 reports" in racecheck_triage.triage(text, lambda: dict(SHOWN))["reason"]
+    # a run that never finished
+    assert "no RACECHECK SUMMARY" in racecheck_triage.triage(log(TOOLS, summary=False), never)["reason"]
+
+
+def test_the_command_line_exit_codes(tmp_path, capsys):
+    good, bad = tmp_path / "good.log", tmp_path / "bad.log"
+    good.write_text(log(TOOLS))
+    bad.write_text(log(race(("Write", CP_ASYNC), ("Write", OTHER_SITE))))
+    assert racecheck_triage.main([str(good)], control=lambda: dict(SHOWN)) == 0
+    assert racecheck_triage.main([str(bad)], control=lambda: dict(SHOWN)) == 1
+    assert racecheck_triage.main([str(good), "--json"], control=lambda: {"cp_async": 0, "plain": 0}) == 1
+    assert '"ok": false' in capsys.readouterr().out
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "racecheck_triage.py"), str(tmp_path / "missing")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "cannot read" in done.stderr
+
+
+def test_without_the_tools_the_control_is_an_error_not_a_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither nvcc nor compute-sanitizer
+    assert racecheck_triage.run_control(tmp_path / "control") == {"error": "nvcc is not on PATH"}
+    path = tmp_path / "r.log"
+    path.write_text(log(TOOLS))
+    assert racecheck_triage.main([str(path), "--control-dir", str(tmp_path / "c")]) == 1
