@@ -9,8 +9,9 @@
 //     racecheck_cluster_control cp_async   the buffer filled by cp.async in 3 groups (wait_group 2, then 0)
 //     racecheck_cluster_control plain      the same bytes by plain loads and stores
 // With CUDA 13.0's compute-sanitizer on an H200 (kernel/NOTES.md, twenty-seventh session) racecheck reports
-// "Race reported between Write access ... and Write access" in every run of the cp_async form (12 of 12; 60-68
-// reports at 128 blocks) and none in the plain one (0 of 12): a report of this pair is the tool's, not the kernel's.
+// "Race reported between Write access ... and Write access" in every run of the cp_async form and in no run of the
+// plain one: this program, 20-24 reports in each of 5 runs; its first form (three launches per run, 128 and 1024
+// blocks), 12 runs of each form, 23-68 reports in every cp_async run. A report of this pair is the tool's.
 // Build: nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o control racecheck_cluster_control.cu
 #include <cuda_runtime.h>
 
