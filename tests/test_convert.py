@@ -260,6 +260,28 @@ def test_manifest_records_shapes_group_workspace_and_digests(tmp_path):
     assert set(source["digests"]) == {"qweight", "scales", "qzeros", "g_idx"}
 
 
+def test_the_manifest_has_a_line_per_top_level_key_and_per_layer_entry(tmp_path):
+    """A reader can take the file apart with line tools: each top-level key on a line, each entry of a top-level list
+    of objects (the layers, the tensors passed through) whole on a line of its own."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2))
+    out = tmp_path / "out"
+    convert(src, out, workers=1)
+    text = (out / MANIFEST_FILE).read_text()
+    manifest = json.loads(text)
+    rebuilt: dict = {}
+    key = None
+    for line in text.splitlines()[1:-1]:
+        if line.startswith("  {"):  # an entry of the list that `key` opened
+            rebuilt[key].append(json.loads(line.strip().rstrip(",")))
+        elif line.startswith(' "'):
+            key, _, value = line[1:].rstrip(",").partition(": ")
+            key = json.loads(key)
+            rebuilt[key] = [] if value == "[" else json.loads(value)
+        else:
+            assert line.rstrip(",") == " ]" and isinstance(rebuilt[key], list), line
+    assert rebuilt == manifest and len(manifest["layers"]) == 14
+
+
 @pytest.mark.parametrize("missing", ["group_size", "bits"])
 def test_a_layout_setting_only_one_source_config_states_is_written_in_both(tmp_path, missing):
     """config.json's quantization_config without group_size (or bits), quantize_config.json with it: the reader
