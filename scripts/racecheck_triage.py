@@ -17,7 +17,8 @@ fails: any other report, a "maximum number of hazards" warning (the tool stopped
 add up to its RACECHECK SUMMARY, a log without one, a control that does not build or run.
 
 Exit status: 0 when every report is the tool's and the control shows it (or there is none), 1 otherwise, 2 for a log
-that cannot be read. ``scripts/gpu_check.sh`` runs this on its racecheck log when racecheck exits non-zero.
+that cannot be read. ``scripts/gpu_check.sh`` runs this on its racecheck log only when racecheck exits 3 (reports)
+and the log says every call's result was right (`` calls, 0 wrong``); any other exit fails its sanitizer row as is.
 """
 
 from __future__ import annotations
