@@ -357,7 +357,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         raise InputError(
             f"{in_dir}: no quantization config: neither {CONFIG_FILE} with 'quantization_config' "
             f"nor {QUANTIZE_CONFIG_FILE} found",
-            hint="is this a GPTQ checkpoint directory?",
+            hint="give a GPTQ or compressed-tensors checkpoint directory (with its config.json or quantize_config.json)",
         )
     method = merged.get("quant_method", "gptq")
     if not isinstance(method, str) or method.lower() != "gptq":
