@@ -85,10 +85,10 @@ def parse(text: str) -> tuple[list[Report], tuple[int, int, int] | None]:
 def run_control(directory: Path) -> dict:
     """Build the control and run both of its forms under racecheck: {"cp_async": reports, "plain": reports}, or
     {"error": why} where it could not be built or run (each step's output is kept in ``directory``)."""
-    directory.mkdir(parents=True, exist_ok=True)
     for tool in ("nvcc", "compute-sanitizer"):
         if shutil.which(tool) is None:
             return {"error": f"{tool} is not on PATH"}
+    directory.mkdir(parents=True, exist_ok=True)
     binary = directory / "racecheck_cluster_control"
     build = subprocess.run(["nvcc", "-O2", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-o",
                             str(binary), str(CONTROL_SOURCE)], capture_output=True, text=True)
@@ -141,9 +141,13 @@ def triage(text: str, control=None) -> dict:
 def describe(result: dict) -> str:
     """One line for people (gpu_check's summary row takes it)."""
     ctl = result["control"]
-    control = (f" (control: cp_async form {ctl['cp_async']} reports, plain form {ctl['plain']})"
+    control = (f" (control: cp_async form {ctl['cp_async']}, plain form {ctl['plain']} reports)"
                if ctl and "error" not in ctl else "")
-    head = (f"{result['displayed']} reports: {result['tools']} the tool's cluster cp.async report{control}, "
+    def reports(count) -> str:
+        return f"{count} report{'' if count == 1 else 's'}"
+
+    shown = "no summary" if result["displayed"] is None else reports(result["displayed"])
+    head = (f"{shown}: {result['tools']} the tool's cluster cp.async report{control}, "
             f"{len(result['other'])} other")
     return head if result["ok"] else f"{head}; FAILED: {result['reason']}"
 

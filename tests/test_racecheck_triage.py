@@ -51,8 +51,10 @@ def test_only_the_tools_reports_pass_and_only_while_the_control_shows_them():
     text = log(TOOLS, race(("Write", CP_ASYNC), ("Write", PUSH), ("Write", PUSH), pc=0x1680))
     result = racecheck_triage.triage(text, lambda: dict(SHOWN))
     assert result["ok"] and result["tools"] == 2 and result["other"] == [] and result["displayed"] == 2
-    assert "2 the tool's cluster cp.async report (control: cp_async form 65 reports, plain form 0), 0 other" \
-        in racecheck_triage.describe(result)
+    assert racecheck_triage.describe(result) == \
+        "2 reports: 2 the tool's cluster cp.async report (control: cp_async form 65, plain form 0 reports), 0 other"
+    one = racecheck_triage.triage(log(TOOLS), lambda: dict(SHOWN))
+    assert racecheck_triage.describe(one).startswith("1 report: 1 the tool's")
     for control in ({"cp_async": 0, "plain": 0}, {"cp_async": 65, "plain": 3}, {"error": "nvcc is not on PATH"}):
         result = racecheck_triage.triage(text, lambda control=control: control)
         assert not result["ok"], control
@@ -111,6 +113,7 @@ def test_the_command_line_exit_codes(tmp_path, capsys):
 def test_without_the_tools_the_control_is_an_error_not_a_pass(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # neither nvcc nor compute-sanitizer
     assert racecheck_triage.run_control(tmp_path / "control") == {"error": "nvcc is not on PATH"}
+    assert not (tmp_path / "control").exists()  # (no empty folder left beside the log)
     path = tmp_path / "r.log"
     path.write_text(log(TOOLS))
     assert racecheck_triage.main([str(path), "--control-dir", str(tmp_path / "c")]) == 1
