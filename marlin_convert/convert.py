@@ -696,7 +696,14 @@ class ConversionReport:
     peak_rss_bytes: int  # sum over this process and its workers of each one's peak RSS (an upper bound)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        """The report's fields, with ``marlin_entries`` (the manifest's entries, as the plan's JSON names them: one per
+        layer, or per stack of experts) after ``converted_layers``."""
+        data = {}
+        for key, value in self.__dict__.items():
+            data[key] = value
+            if key == "converted_layers":
+                data["marlin_entries"] = len(self.layers)
+        return data
 
 
 #: the layout settings each output config states when either source config did (a loader may read only one file)

@@ -756,8 +756,9 @@ def test_convert_inspect_and_verify_count_layers_and_tensors_in_the_units_of_the
     assert ("note: zero format v1 for 15 symmetric layer(s) (qzeros hold 7), no checkpoint_format label: GPTQ's "
             "default v1") in text, text
     report = json.loads(report_path.read_text())
-    assert (report["converted_layers"], len(report["layers"]), report["passthrough_tensors"],
-            report["kept_tensors"]) == (15, 6, 6, 4)
+    assert (report["converted_layers"], report["marlin_entries"], len(report["layers"]), report["passthrough_tensors"],
+            report["kept_tensors"]) == (15, 6, 6, 6, 4)
+    assert list(report).index("marlin_entries") == list(report).index("converted_layers") + 1
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
     assert "passed: 16/16 layers ok (15 converted, 1 kept in GPTQ form)" in capsys.readouterr().out
     assert main([str(src), str(tmp_path / "dry"), "-q", "--stack-experts", "--skip-incompatible", "--dry-run"]) == 0
