@@ -33,6 +33,27 @@ def test_every_command_has_help_and_is_documented_in_the_readme(capsys, command)
     assert f"marlin-convert {command}" in (REPO / "README.md").read_text()
 
 
+def test_the_readme_names_every_field_of_every_json_report(src, tmp_path, capsys):
+    """README's table of the JSON reports' fields lists each top-level key each report has, and each key of its
+    per-layer entries (a field added to a report must be added there)."""
+    readme = (REPO / "README.md").read_text()
+    rows = {row.split("|")[1].strip(): row for row in readme.splitlines()
+            if row.startswith("| `") and "--json" in row.split("|")[1]}
+    out, plan_file, report_file, verify_file = (tmp_path / name for name in ("out", "p.json", "c.json", "v.json"))
+    assert main(["inspect", str(src), "--json", str(plan_file)]) == 0
+    assert main([str(src), str(out), "-q", "--json", str(report_file)]) == 0
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--json", str(verify_file)]) == 0
+    capsys.readouterr()
+    for row_name, path in (("`convert --json`", report_file), ("`inspect --json`", plan_file),
+                           ("`verify --json`", verify_file)):
+        row = next(text for name, text in rows.items() if name.startswith(row_name))
+        report = json.loads(path.read_text())
+        entries = report["results"] if "results" in report else report["layers"]
+        keys = set(report) - {"ok", "exit_code"} | set(entries[0])
+        missing = sorted(key for key in keys if f"`{key}`" not in row)
+        assert not missing, f"{row_name}: README does not name {missing}"
+
+
 def test_top_level_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
