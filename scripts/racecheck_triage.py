@@ -38,6 +38,7 @@ TOOL_SITES = ("cp_async16", "st_cluster_f2")  # the two sides of the tool's repo
 _PREFIX = r"^=+\s*"
 _REPORT = re.compile(_PREFIX + r"(Error|Warning): Race reported between (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
 _AND = re.compile(_PREFIX + r"and (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
+_AND_ANY = re.compile(_PREFIX + r"and\s")  # any further site of a race report, read by _AND or not
 _OTHER = re.compile(_PREFIX + r"(Error|Warning): (.*)")
 _SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 
@@ -72,6 +73,10 @@ def parse(text: str) -> tuple[list[Report], tuple[int, int, int] | None]:
             in_race = True
         elif in_race and (m := _AND.match(line)):
             reports[-1].sites.append((m.group(1), m.group(2)))
+        elif in_race and _AND_ANY.match(line):
+            # a site _AND cannot read (no line info, an unknown function, another access kind): kept as a site that
+            # is never the tool's, not dropped (dropped, the report's other sites alone could pass as the tool's)
+            reports[-1].sites.append(("?", _bare(line)))
         elif m := _OTHER.match(line):
             reports.append(Report(_bare(line)))
             in_race = False

@@ -78,6 +78,20 @@ def test_any_other_report_fails_and_is_named_even_beside_the_tools(report):
     assert "not of the tool's kind" in result["reason"]
 
 
+@pytest.mark.parametrize("site", [
+    "void marlin_convert::detail::marlin_gemm_kernel<...>(...)+0x5a0 [12 hazards]",  # a function without line info
+    "0x5a0 in marlin_gemm_impl.cuh:1380 [12 hazards]",                                # no function
+])
+@pytest.mark.parametrize("access", ["Read", "Write"])
+def test_a_further_site_the_parser_cannot_read_is_not_dropped(site, access):
+    # the tool's two sites and a third one _AND does not read: the report must not pass as the tool's
+    lines = TOOLS.splitlines()
+    lines.insert(2, f"=========     and {access} access at {site}")
+    result = racecheck_triage.triage(log("\n".join(lines)), lambda: dict(SHOWN))
+    assert not result["ok"] and result["tools"] == 0 and len(result["other"]) == 1
+    assert "not of the tool's kind" in result["reason"]
+
+
 def test_a_clean_log_passes_without_the_control():
     result = racecheck_triage.triage(log(), never)
     assert result["ok"] and result["tools"] == 0 and result["control"] is None
