@@ -35,6 +35,8 @@ from pathlib import Path
 CONTROL_SOURCE = Path(__file__).resolve().parent / "racecheck_cluster_control.cu"
 TOOL_SITES = ("cp_async16", "st_cluster_f2")  # the two sides of the tool's report, as the log names the functions
 
+TOOL_NAMESPACE = "marlin_convert::detail"  # the namespace both are defined in (kernel/marlin_gemm_impl.cuh)
+
 _PREFIX = r"^=+\s*"
 _REPORT = re.compile(_PREFIX + r"(Error|Warning): Race reported between (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
 _AND = re.compile(_PREFIX + r"and (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
@@ -54,8 +56,17 @@ class Report:
         """A race between writes at cp_async16 and st_cluster_f2 sites only, both present."""
         if not self.sites or any(access != "Write" for access, _ in self.sites):
             return False
-        kinds = [next((name for name in TOOL_SITES if name in function), None) for _, function in self.sites]
+        kinds = [next((name for name in TOOL_SITES if _function_name(function) == f"{TOOL_NAMESPACE}::{name}"), None)
+                 for _, function in self.sites]
         return None not in kinds and set(kinds) == set(TOOL_SITES)
+
+
+def _function_name(signature: str) -> str:
+    """The qualified name of the function a site's signature names: 'void a::b<(bool)0>(int)' -> 'a::b' (text before
+    its template arguments or parameters, less a return type). Not a substring test: 'a::cp_async16_zfill',
+    'a::not_cp_async16' or a kernel with cp_async16 among its template arguments are other functions."""
+    head = re.split(r"[<(]", signature, maxsplit=1)[0].strip()
+    return head.split()[-1] if head else ""
 
 
 def _bare(line: str) -> str:

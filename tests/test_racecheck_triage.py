@@ -92,6 +92,19 @@ def test_a_further_site_the_parser_cannot_read_is_not_dropped(site, access):
     assert "not of the tool's kind" in result["reason"]
 
 
+@pytest.mark.parametrize("first, second", [
+    (CP_ASYNC.replace("cp_async16<", "cp_async16_zfill<"), PUSH),               # another function, a longer name
+    (CP_ASYNC.replace("detail::cp_async16", "detail::not_cp_async16"), PUSH),
+    (CP_ASYNC, PUSH.replace("st_cluster_f2(", "st_cluster_f2x4(")),
+    ("void marlin_convert::detail::marlin_gemm_kernel<&marlin_convert::detail::cp_async16<(bool)0>>(int)+0x{pc:x} in "
+     "marlin_gemm_impl.cuh:1380", PUSH),                                         # the name among template arguments
+    (CP_ASYNC.replace("marlin_convert::detail::", "other::"), PUSH),             # another namespace's cp_async16
+])
+def test_a_site_in_a_function_that_only_mentions_the_names_is_not_the_tools(first, second):
+    result = racecheck_triage.triage(log(race(("Write", first), ("Write", second))), lambda: dict(SHOWN))
+    assert not result["ok"] and result["tools"] == 0 and len(result["other"]) == 1
+
+
 def test_a_clean_log_passes_without_the_control():
     result = racecheck_triage.triage(log(), never)
     assert result["ok"] and result["tools"] == 0 and result["control"] is None
