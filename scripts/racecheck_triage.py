@@ -119,7 +119,14 @@ def run_control(directory: Path) -> dict:
         log.write_text(done.stdout + done.stderr)
         if f"racecheck_cluster_control {form}: no error" not in done.stdout:
             return {"error": f"the control's {form} form did not run ({log})"}
-        counts[form] = sum(1 for report in parse(done.stdout + done.stderr)[0] if report.sites)
+        reports, summary = parse(done.stdout + done.stderr)
+        if summary is None:
+            return {"error": f"the control's {form} form left no RACECHECK SUMMARY ({log})"}
+        # the cp_async form's count is its race reports (the behaviour shown); the plain form's is every report and
+        # hazard it had, of any shape: a hazard report in another form, a warning or a report the parser cannot
+        # read there is no clean plain form
+        counts[form] = (sum(1 for report in reports if report.sites) if form == "cp_async"
+                        else max(len(reports), summary[0], summary[1] + summary[2]))
     return counts
 
 

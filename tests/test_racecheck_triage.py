@@ -144,3 +144,44 @@ def test_without_the_tools_the_control_is_an_error_not_a_pass(tmp_path, monkeypa
     path = tmp_path / "r.log"
     path.write_text(log(TOOLS))
     assert racecheck_triage.main([str(path), "--control-dir", str(tmp_path / "c")]) == 1
+
+
+def _fake_tools(tmp_path, logs: dict) -> None:
+    """nvcc that 'builds' an empty file and a compute-sanitizer that prints logs[form] and the control's last line."""
+    for form, text in logs.items():
+        (tmp_path / f"{form}.txt").write_text(text)
+    (tmp_path / "nvcc").write_text('#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done; : > "$2"\n')
+    (tmp_path / "compute-sanitizer").write_text(
+        f'#!/bin/sh\nform=$4\ncat "{tmp_path}/$form.txt"\necho "racecheck_cluster_control $form: no error"\n')
+    for tool in ("nvcc", "compute-sanitizer"):
+        (tmp_path / tool).chmod(0o755)
+
+
+@pytest.mark.parametrize("plain", [
+    # racecheck's per-hazard form: no 'Race reported' line, so no sites
+    "========= Error: Potential WAW hazard detected at __shared__ 0x9000 in block (4,0,0) :\n"
+    "=========     Write Thread (0,0,0) at fill_then_push(const int4 *, float *, int)+0x1680 in c.cu:60\n"
+    "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)\n",
+    # hazards counted in the summary that no line shows
+    "========= RACECHECK SUMMARY: 0 hazards displayed (3 errors, 0 warnings)\n",
+    # no summary: the run did not finish
+    "========= COMPUTE-SANITIZER\n",
+])
+def test_a_plain_control_form_with_hazards_of_any_shape_is_not_clean(tmp_path, monkeypatch, plain):
+    shown = "\n".join(race(("Write", "fill_then_push(const int4 *, float *, int)+0x{pc:x} in c.cu:60"),
+                             ("Write", "fill_then_push(const int4 *, float *, int)+0x{pc:x} in c.cu:80"))
+                        for _ in range(3)) + "\n========= RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)\n"
+    _fake_tools(tmp_path, {"cp_async": shown, "plain": plain})
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    control = racecheck_triage.run_control(tmp_path / "control")
+    assert "error" in control or control["plain"] != 0, control
+    assert not racecheck_triage.triage(log(TOOLS), lambda: control)["ok"]
+
+
+def test_the_control_of_the_tools_behaviour_passes_with_fake_tools(tmp_path, monkeypatch):
+    shown = race(("Write", "fill_then_push(const int4 *, float *, int)+0x{pc:x} in c.cu:60"),
+                 ("Write", "fill_then_push(const int4 *, float *, int)+0x{pc:x} in c.cu:80"))
+    clean = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    _fake_tools(tmp_path, {"cp_async": log(shown), "plain": clean})
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert racecheck_triage.run_control(tmp_path / "control") == {"cp_async": 1, "plain": 0}
