@@ -42,7 +42,8 @@ _REPORT = re.compile(_PREFIX + r"(Error|Warning): Race reported between (\w+) ac
 _AND = re.compile(_PREFIX + r"and (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
 _AND_ANY = re.compile(_PREFIX + r"and\s")  # any further site of a race report, read by _AND or not
 _OTHER = re.compile(_PREFIX + r"(Error|Warning): (.*)")
-_SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+_SUMMARY = re.compile(_PREFIX + r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)",
+                      re.MULTILINE)
 
 
 @dataclass
@@ -75,7 +76,8 @@ def _bare(line: str) -> str:
 
 
 def parse(text: str) -> tuple[list[Report], tuple[int, int, int] | None]:
-    """The log's reports in order, and its last RACECHECK SUMMARY's (displayed, errors, warnings), None if absent."""
+    """The log's reports in order, and its RACECHECK SUMMARY lines' (displayed, errors, warnings) added up, None if
+    it has none."""
     reports: list[Report] = []
     in_race = False
     for line in text.splitlines():
@@ -93,8 +95,10 @@ def parse(text: str) -> tuple[list[Report], tuple[int, int, int] | None]:
             in_race = False
         elif not re.match(_PREFIX + r"(#|Host Frame|Saved host|\s*$)", line):
             in_race = False
-    summaries = _SUMMARY.findall(text)
-    summary = tuple(int(x) for x in summaries[-1]) if summaries else None
+    # the sanitizer's own summary lines only (not a program's output quoting one), added up: a log of several
+    # processes (or runs) has one per process, and its reports are those of all of them
+    summaries = [tuple(int(x) for x in found) for found in _SUMMARY.findall(text)]
+    summary = tuple(sum(column) for column in zip(*summaries)) if summaries else None
     return reports, summary
 
 

@@ -124,6 +124,20 @@ def test_counts_that_do_not_add_up_fail():
     assert "no RACECHECK SUMMARY" in racecheck_triage.triage(log(TOOLS, summary=False), never)["reason"]
 
 
+def test_a_log_of_several_processes_adds_up_their_summaries():
+    # two processes under one sanitizer, each with its report and its summary: the tool's both, the log passes
+    assert racecheck_triage.triage(log(TOOLS) + log(TOOLS), lambda: dict(SHOWN))["ok"]
+    # the first process's summary counts a report no line shows: the sum is not the reports read
+    text = log(TOOLS).replace("1 hazard displayed (1 error", "2 hazards displayed (2 errors") + log(TOOLS, TOOLS)
+    assert not racecheck_triage.triage(text, lambda: dict(SHOWN))["ok"]
+
+
+def test_a_summary_quoted_by_the_program_is_not_the_sanitizers():
+    # the run stopped before the sanitizer's summary; the program's output quotes an earlier run's
+    text = log(TOOLS, summary=False) + "earlier run: RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)\n"
+    assert "no RACECHECK SUMMARY" in racecheck_triage.triage(text, never)["reason"]
+
+
 def test_the_command_line_exit_codes(tmp_path, capsys):
     good, bad = tmp_path / "good.log", tmp_path / "bad.log"
     good.write_text(log(TOOLS))
