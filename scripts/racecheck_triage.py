@@ -42,6 +42,8 @@ _REPORT = re.compile(_PREFIX + r"(Error|Warning): Race reported between (\w+) ac
 _AND = re.compile(_PREFIX + r"and (\w+) access at (.*?)\+0x[0-9a-fA-F]+ in ")
 _AND_ANY = re.compile(_PREFIX + r"and\s")  # any further site of a race report, read by _AND or not
 _OTHER = re.compile(_PREFIX + r"(Error|Warning): (.*)")
+# the sanitizer's word that it failed itself, or that the program did: no verdict on races can rest on such a run
+_FAILED_RUN = re.compile(_PREFIX + r"(Internal Sanitizer Error\b.*|Target application returned an error.*)")
 _SUMMARY = re.compile(_PREFIX + r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)",
                       re.MULTILINE)
 
@@ -142,8 +144,11 @@ def triage(text: str, control=None) -> dict:
     other = [r.line for r in reports if not r.is_tools()]
     result = {"ok": False, "reason": "", "displayed": summary[0] if summary else None, "tools": len(tools),
               "other": other, "control": None}
+    failed_run = next((m.group(1).strip() for line in text.splitlines() if (m := _FAILED_RUN.match(line))), None)
     if summary is None:
         result["reason"] = "no RACECHECK SUMMARY in the log (the run did not finish?)"
+    elif failed_run:
+        result["reason"] = f"the sanitizer or the program failed: {failed_run}"
     elif summary[0] != len(reports) or summary[1] + summary[2] != len(reports):
         result["reason"] = (f"the log's summary says {summary[0]} reports ({summary[1]} errors, {summary[2]} "
                             f"warnings), {len(reports)} were read")

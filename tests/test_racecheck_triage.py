@@ -138,6 +138,17 @@ def test_a_summary_quoted_by_the_program_is_not_the_sanitizers():
     assert "no RACECHECK SUMMARY" in racecheck_triage.triage(text, never)["reason"]
 
 
+@pytest.mark.parametrize("line", [
+    "========= Internal Sanitizer Error: The Sanitizer encountered an error while tracking shared memory accesses",
+    "========= Target application returned an error",
+])
+def test_a_run_in_which_the_sanitizer_or_the_program_failed_does_not_pass(line):
+    # neither is a hazard (the summary does not count it), so read as a report it could not be: it was skipped
+    result = racecheck_triage.triage(log(TOOLS, line).replace("2 hazards displayed (2 errors", "1 hazard displayed "
+                                                                "(1 error"), lambda: dict(SHOWN))
+    assert not result["ok"] and line.removeprefix("========= ") in result["reason"]
+
+
 def test_the_command_line_exit_codes(tmp_path, capsys):
     good, bad = tmp_path / "good.log", tmp_path / "bad.log"
     good.write_text(log(TOOLS))
