@@ -16,6 +16,11 @@ cp_async form reported, its plain form not): the control is built with nvcc and 
 fails: any other report, a "maximum number of hazards" warning (the tool stopped recording), a log whose reports do not
 add up to its RACECHECK SUMMARY, a log without one, a control that does not build or run.
 
+A limit: racecheck's report names the two functions, not the kernel. The direct kernel (marlin_gemm_direct.cuh) also
+pushes with st_cluster_f2 and copies with cp_async16, so a race of those two there would pass too. Its pushes go to its
+sums area, which no copy writes (it arrives at the cluster barrier before its copies and waits there before its first
+push), and none has been reported in any run.
+
 Exit status: 0 when every report is the tool's and the control shows it (or there is none), 1 otherwise, 2 for a log
 that cannot be read. ``scripts/gpu_check.sh`` runs this on its racecheck log only when racecheck exits 3 (reports)
 and the log says every call's result was right (`` calls, 0 wrong``); any other exit fails its sanitizer row as is.
