@@ -14,7 +14,8 @@ A report is the tool's when it is a race report between write accesses whose sit
 cp_async form reported, its plain form not): the control is built with nvcc and run under racecheck here, into DIR
 (default: a ``racecheck_control`` folder beside the log), and only when the log has such reports. Anything else
 fails: any other report, a "maximum number of hazards" warning (the tool stopped recording), a log whose reports do not
-add up to its RACECHECK SUMMARY, a log without one, a control that does not build or run.
+add up to its RACECHECK SUMMARY, a log without one, a sanitizer line of a form the triage does not read (a CUDA API
+error, say), a control that does not build or run.
 
 A limit: racecheck's report names the two functions, not the kernel. The direct kernel (marlin_gemm_direct.cuh) also
 pushes with st_cluster_f2 and copies with cp_async16, so a race of those two there would pass too. Its pushes go to its
@@ -49,6 +50,11 @@ _AND_ANY = re.compile(_PREFIX + r"and\s")  # any further site of a race report, 
 _OTHER = re.compile(_PREFIX + r"(Error|Warning): (.*)")
 # the sanitizer's word that it failed itself, or that the program did: no verdict on races can rest on such a run
 _FAILED_RUN = re.compile(_PREFIX + r"(Internal Sanitizer Error\b.*|Target application returned an error.*)")
+# every other line the sanitizer writes (its '=' margin) in a racecheck log of the default (analysis) form or the
+# per-hazard one; a margin line of none of these forms (a CUDA API error, a note of a newer sanitizer) is not read,
+# so it fails the log rather than being passed over
+_KNOWN = re.compile(_PREFIX + r"(COMPUTE-SANITIZER|RACECHECK SUMMARY: .*|(Error|Warning): .*|#.*|Saved host backtrace.*"
+                    r"|Host Frame.*|Device Frame.*|(Read|Write) Thread .*|Current Value.*)?\s*$")
 _SUMMARY = re.compile(_PREFIX + r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)",
                       re.MULTILINE)
 
@@ -80,6 +86,25 @@ def _function_name(signature: str) -> str:
 def _bare(line: str) -> str:
     """A log line without the tool's '=========' margin."""
     return re.sub(_PREFIX, "", line).strip()
+
+
+def unread_lines(text: str) -> list[str]:
+    """The sanitizer's lines (its '=' margin) the parser does not read: of no form it knows, or a race report's further
+    site ('and ... access at') where no race report is open (a line of the program's output came between: the site
+    would otherwise be dropped, and the report's other sites alone could pass as the tool's)."""
+    unread: list[str] = []
+    in_race = False
+    for line in text.splitlines():
+        if _REPORT.match(line):
+            in_race = True
+        elif _AND_ANY.match(line):
+            if not in_race:
+                unread.append(_bare(line))
+        elif _OTHER.match(line) or not re.match(_PREFIX + r"(#|Host Frame|Saved host|\s*$)", line):
+            in_race = False
+            if re.match(_PREFIX, line) and not _KNOWN.match(line) and not _FAILED_RUN.match(line):
+                unread.append(_bare(line))
+    return unread
 
 
 def parse(text: str) -> tuple[list[Report], tuple[int, int, int] | None]:
@@ -150,10 +175,13 @@ def triage(text: str, control=None) -> dict:
     result = {"ok": False, "reason": "", "displayed": summary[0] if summary else None, "tools": len(tools),
               "other": other, "control": None}
     failed_run = next((m.group(1).strip() for line in text.splitlines() if (m := _FAILED_RUN.match(line))), None)
+    unread = unread_lines(text)
     if summary is None:
         result["reason"] = "no RACECHECK SUMMARY in the log (the run did not finish?)"
     elif failed_run:
         result["reason"] = f"the sanitizer or the program failed: {failed_run}"
+    elif unread:
+        result["reason"] = f"{len(unread)} sanitizer line(s) the triage does not read, the first: {unread[0]}"
     elif summary[0] != len(reports) or summary[1] + summary[2] != len(reports):
         result["reason"] = (f"the log's summary says {summary[0]} reports ({summary[1]} errors, {summary[2]} "
                             f"warnings), {len(reports)} were read")

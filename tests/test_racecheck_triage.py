@@ -210,3 +210,25 @@ def test_the_control_of_the_tools_behaviour_passes_with_fake_tools(tmp_path, mon
     _fake_tools(tmp_path, {"cp_async": log(shown), "plain": clean})
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     assert racecheck_triage.run_control(tmp_path / "control") == {"cp_async": 1, "plain": 0}
+
+
+@pytest.mark.parametrize("line", [
+    # a CUDA API error the sanitizer reports in any tool: no hazard, not in the RACECHECK SUMMARY
+    "========= Program hit cudaErrorInvalidValue (error 1) due to \"invalid argument\" on CUDA API call to cudaMemcpy.",
+    "========= Some line of a newer sanitizer this script has not seen",
+])
+def test_a_sanitizer_line_of_a_form_the_triage_does_not_read_fails(line):
+    result = racecheck_triage.triage(log(TOOLS).replace("sanitize_kernel:", line + "\nsanitize_kernel:"),
+                                     lambda: dict(SHOWN))
+    assert not result["ok"] and line.removeprefix("========= ") in result["reason"]
+    # the same log without it passes: the forms the tool writes (backtrace, frames, blank margin) are all read
+    assert racecheck_triage.triage(log(TOOLS), lambda: dict(SHOWN))["ok"]
+
+
+def test_a_further_site_after_a_line_of_the_programs_output_is_not_dropped():
+    # stdout and stderr share the log: a program line between a report's sites closed the report, and its third site
+    # (a Read in another function) was passed over, leaving the tool's two sites to pass
+    lines = race(("Write", CP_ASYNC), ("Write", PUSH), ("Read", OTHER_SITE)).splitlines()
+    lines.insert(2, "   12 float16 b4 zp=True m=100 k=512 n=512")
+    result = racecheck_triage.triage(log("\n".join(lines)), lambda: dict(SHOWN))
+    assert not result["ok"] and "and Read access at" in result["reason"]
