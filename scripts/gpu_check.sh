@@ -122,7 +122,8 @@ elif command -v compute-sanitizer > /dev/null; then
     # (scripts/racecheck_cluster_control.cu shows it): racecheck_triage.py lets those through, and only those, while
     # its control still shows them, and only with every call's result right (exit 3 = reports, not wrong results)
     if [[ $tool == racecheck && $code == 3 ]] && grep -q ' calls, 0 wrong' "$OUT/sanitizer_$tool.log"; then
-      if triaged=$($PY scripts/racecheck_triage.py "$OUT/sanitizer_$tool.log" --control-dir "$OUT/racecheck_control"); then
+      if triaged=$($PY scripts/racecheck_triage.py "$OUT/sanitizer_$tool.log" --expect-reports \
+                      --control-dir "$OUT/racecheck_control"); then
         code=0
       fi
       triaged="; ${triaged#racecheck_triage: }"

@@ -22,9 +22,10 @@ pushes with st_cluster_f2 and copies with cp_async16, so a race of those two the
 sums area, which no copy writes (it arrives at the cluster barrier before its copies and waits there before its first
 push), and none has been reported in any run.
 
-Exit status: 0 when every report is the tool's and the control shows it (or there is none), 1 otherwise, 2 for a log
-that cannot be read. ``scripts/gpu_check.sh`` runs this on its racecheck log only when racecheck exits 3 (reports)
-and the log says every call's result was right (`` calls, 0 wrong``); any other exit fails its sanitizer row as is.
+Exit status: 0 when every report is the tool's and the control shows it (or there is none, unless --expect-reports),
+1 otherwise, 2 for a log that cannot be read. ``scripts/gpu_check.sh`` runs this (with --expect-reports) on its
+racecheck log only when racecheck exits 3 (reports) and the log says every call's result was right
+(`` calls, 0 wrong``); any other exit fails its sanitizer row as is.
 """
 
 from __future__ import annotations
@@ -166,9 +167,11 @@ def run_control(directory: Path) -> dict:
     return counts
 
 
-def triage(text: str, control=None) -> dict:
+def triage(text: str, control=None, expect_reports: bool = False) -> dict:
     """The verdict on one racecheck log: ``control`` (no arguments -> run_control's result) is called only when the
-    log has reports of the tool's kind. Keys: ok, reason, displayed, tools, other (their first lines), control."""
+    log has reports of the tool's kind. ``expect_reports``: the sanitizer's exit status said it found errors, so a log
+    that shows none fails (what made that exit is not in a form read here). Keys: ok, reason, displayed, tools, other
+    (their first lines), control."""
     reports, summary = parse(text)
     tools = [r for r in reports if r.is_tools()]
     other = [r.line for r in reports if not r.is_tools()]
@@ -182,6 +185,8 @@ def triage(text: str, control=None) -> dict:
         result["reason"] = f"the sanitizer or the program failed: {failed_run}"
     elif unread:
         result["reason"] = f"{len(unread)} sanitizer line(s) the triage does not read, the first: {unread[0]}"
+    elif expect_reports and not reports and summary == (0, 0, 0):
+        result["reason"] = "the sanitizer's exit status says it found errors, and the log shows no report"
     elif summary[0] != len(reports) or summary[1] + summary[2] != len(reports):
         result["reason"] = (f"the log's summary says {summary[0]} reports ({summary[1]} errors, {summary[2]} "
                             f"warnings), {len(reports)} were read")
@@ -223,6 +228,8 @@ def main(argv=None, control=None) -> int:
     parser.add_argument("--control-dir", type=Path, metavar="DIR",
                         help="where the control is built and its logs kept (default: racecheck_control beside LOG)")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON instead of one line")
+    parser.add_argument("--expect-reports", action="store_true",
+                        help="the sanitizer exited with its --error-exitcode: a log that shows no report fails")
     args = parser.parse_args(argv)
     try:
         text = args.log.read_text(errors="replace")
@@ -230,7 +237,7 @@ def main(argv=None, control=None) -> int:
         print(f"racecheck_triage: cannot read {args.log}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     directory = args.control_dir or args.log.parent / "racecheck_control"
-    result = triage(text, control or (lambda: run_control(directory)))
+    result = triage(text, control or (lambda: run_control(directory)), expect_reports=args.expect_reports)
     print(json.dumps(result, indent=1) if args.json else f"racecheck_triage: {describe(result)}")
     return 0 if result["ok"] else 1
 

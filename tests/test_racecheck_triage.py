@@ -232,3 +232,15 @@ def test_a_further_site_after_a_line_of_the_programs_output_is_not_dropped():
     lines.insert(2, "   12 float16 b4 zp=True m=100 k=512 n=512")
     result = racecheck_triage.triage(log("\n".join(lines)), lambda: dict(SHOWN))
     assert not result["ok"] and "and Read access at" in result["reason"]
+
+
+def test_a_clean_log_fails_where_the_sanitizers_exit_status_said_it_found_errors(tmp_path):
+    # gpu_check asks on racecheck's exit 3: a log with no report means something the triage cannot see made that exit
+    result = racecheck_triage.triage(log(), never, expect_reports=True)
+    assert not result["ok"] and "exit status" in result["reason"]
+    assert racecheck_triage.triage(log(TOOLS), lambda: dict(SHOWN), expect_reports=True)["ok"]
+    path = tmp_path / "clean.log"
+    path.write_text(log())
+    assert racecheck_triage.main([str(path)], control=never) == 0
+    assert racecheck_triage.main([str(path), "--expect-reports"], control=never) == 1
+    assert "--expect-reports" in (REPO / "scripts" / "gpu_check.sh").read_text()
