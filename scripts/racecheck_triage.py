@@ -42,6 +42,7 @@ from pathlib import Path
 CONTROL_SOURCE = Path(__file__).resolve().parent / "racecheck_cluster_control.cu"
 TOOL_SITES = ("cp_async16", "st_cluster_f2")  # the two sides of the tool's report, as the log names the functions
 
+CONTROL_TIMEOUT_S = 600  # each of the control's steps (the build, each form under racecheck): a hang is an error
 TOOL_NAMESPACE = "marlin_convert::detail"  # the namespace both are defined in (kernel/marlin_gemm_impl.cuh)
 
 _PREFIX = r"^=+\s*"
@@ -143,15 +144,23 @@ def run_control(directory: Path) -> dict:
             return {"error": f"{tool} is not on PATH"}
     directory.mkdir(parents=True, exist_ok=True)
     binary = directory / "racecheck_cluster_control"
+    try:
+        return _run_control(directory, binary)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"the control's step {exc.cmd[0]} {exc.cmd[-1]} ran past {CONTROL_TIMEOUT_S} s"}
+
+
+def _run_control(directory: Path, binary: Path) -> dict:
     build = subprocess.run(["nvcc", "-O2", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-o",
-                            str(binary), str(CONTROL_SOURCE)], capture_output=True, text=True)
+                            str(binary), str(CONTROL_SOURCE)], capture_output=True, text=True,
+                           timeout=CONTROL_TIMEOUT_S)
     (directory / "build.log").write_text(build.stdout + build.stderr)
     if build.returncode != 0:
         return {"error": f"the control did not build (nvcc exit {build.returncode}; {directory / 'build.log'})"}
     counts: dict = {}
     for form in ("cp_async", "plain"):
         done = subprocess.run(["compute-sanitizer", "--tool", "racecheck", str(binary), form],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, timeout=CONTROL_TIMEOUT_S)
         log = directory / f"{form}.log"
         log.write_text(done.stdout + done.stderr)
         if f"racecheck_cluster_control {form}: no error" not in done.stdout:

@@ -244,3 +244,14 @@ def test_a_clean_log_fails_where_the_sanitizers_exit_status_said_it_found_errors
     assert racecheck_triage.main([str(path)], control=never) == 0
     assert racecheck_triage.main([str(path), "--expect-reports"], control=never) == 1
     assert "--expect-reports" in (REPO / "scripts" / "gpu_check.sh").read_text()
+
+
+def test_a_control_that_hangs_is_an_error_not_a_wait_without_end(tmp_path, monkeypatch):
+    # gpu_check has no time limit around the triage: a control stuck under racecheck (a cluster barrier that never
+    # completes) would hold it for ever
+    _fake_tools(tmp_path, {"cp_async": "", "plain": ""})
+    (tmp_path / "compute-sanitizer").write_text("#!/bin/sh\nexec sleep 30\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(racecheck_triage, "CONTROL_TIMEOUT_S", 1)
+    control = racecheck_triage.run_control(tmp_path / "control")
+    assert "ran past 1 s" in control.get("error", ""), control
