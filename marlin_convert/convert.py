@@ -787,7 +787,9 @@ def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
 
 def produced_names(plan: ConversionPlan) -> set[str]:
     """File names the converter writes itself into OUT_DIR (never copied from IN_DIR)."""
-    return {shard.file_name for shard in plan.shards} | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
+    source_index = {plan.checkpoint.index_name} if plan.checkpoint.index_name else set()
+    return ({shard.file_name for shard in plan.shards} | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
+            | source_index)
 
 
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:

@@ -419,6 +419,9 @@ class Checkpoint:
     shards: list[SafetensorsFile]
     index_json: dict | None
     location: dict[str, SafetensorsFile] = field(default_factory=dict)
+    #: the index's file name where it is not model.safetensors.index.json (AutoGPTQ's
+    #: ``gptq_model-4bit-128g.safetensors.index.json``): the output's rewritten index replaces it
+    index_name: str | None = None
 
     def plain_linear_modules(self) -> list[str]:
         """The modules stored unquantized as linears: the prefix of every 2-D ``.weight`` tensor, in file order."""
@@ -461,6 +464,8 @@ def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: d
     header, each tensor found in exactly one shard. Raises :class:`InputError`."""
     index_path = in_dir / INDEX_FILE
     index_json = None
+    if not os.path.lexists(index_path) and not os.path.lexists(in_dir / SINGLE_FILE):
+        index_path = _named_index(in_dir) or index_path
     if os.path.lexists(index_path):
         index_json = read_json(index_path)
         weight_map = _check_index(index_path, index_json)
@@ -477,7 +482,8 @@ def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: d
 
     where = index_path if index_json is not None else in_dir
     shards = [read_header(shard_path(in_dir, name, where)) for name in shard_names]
-    checkpoint = Checkpoint(in_dir, config, config_json, quantize_json, shards, index_json)
+    checkpoint = Checkpoint(in_dir, config, config_json, quantize_json, shards, index_json,
+                            index_name=index_path.name if index_json is not None else None)
     for shard in shards:
         for name in shard.tensors:
             if name in checkpoint.location:
@@ -492,6 +498,26 @@ def open_shards(in_dir: Path, config, config_json: dict | None, quantize_json: d
             if name not in weight_map:
                 raise InputError(f"{index_path}: does not list tensor '{name}' found in {shard.path.name}")
     return checkpoint
+
+
+#: an index named after its shards' base name, as AutoGPTQ (and GPTQModel before 1.0) write a sharded checkpoint:
+#: ``<model_file_base_name>.safetensors.index.json`` beside ``<base>-00001-of-00002.safetensors``, the base name
+#: ``gptq_model-4bit-128g`` unless one was given
+_NAMED_INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def _named_index(in_dir: Path) -> Path | None:
+    """The one ``<base>.safetensors.index.json`` in ``in_dir`` (not hidden), for a directory with neither
+    ``model.safetensors.index.json`` nor ``model.safetensors``; None where there is none. Raises
+    :class:`InputError` where there are several (which one the checkpoint is cannot be told)."""
+    found = sorted(name for name in os.listdir(in_dir)
+                   if name.endswith(_NAMED_INDEX_SUFFIX) and not name.startswith(".")
+                   and len(name) > len(_NAMED_INDEX_SUFFIX))
+    if len(found) > 1:
+        raise InputError(f"{in_dir}: no {INDEX_FILE} but {len(found)} other safetensors indexes "
+                         f"({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}): which one is the checkpoint?",
+                         hint="move the indexes (and shards) that are not part of this checkpoint out of IN_DIR")
+    return in_dir / found[0] if found else None
 
 
 #: a shard of a numbered series, as transformers names them: <prefix>-00002-of-00004.safetensors

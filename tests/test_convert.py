@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from marlin_convert import layout
 from marlin_convert.convert import build_plan, convert
-from marlin_convert.errors import UnsupportedLayerError
+from marlin_convert.errors import InputError, UnsupportedLayerError
 from marlin_convert.manifest import MANIFEST_FILE, load_manifest
 from marlin_convert.safetensors_io import read_header, read_tensor
 from marlin_convert.verify import verify
@@ -73,6 +73,45 @@ def test_shards_keep_their_grouping_and_the_index_is_rewritten(tmp_path):
         assert in_index[source_name] == shard
     data_bytes = sum(read_header(p).data_bytes for p in out.glob("*.safetensors"))
     assert out_index["metadata"]["total_size"] == data_bytes
+
+
+def _autogptq_sharded(directory, base="gptq_model-4bit-128g"):
+    """Rename a sharded checkpoint as AutoGPTQ's ``save_quantized(max_shard_size=...)`` writes it (and GPTQModel
+    before 1.0): shards ``<base>-0000N-of-0000M.safetensors`` and the index ``<base>.safetensors.index.json``, the
+    base name quantize_config.json's ``model_file_base_name`` (``gptq_model-4bit-128g`` where none was given)."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    renamed = {shard: shard.replace("model", base, 1) for shard in set(index["weight_map"].values())}
+    for shard, name in renamed.items():
+        (directory / shard).rename(directory / name)
+    index["weight_map"] = {tensor: renamed[shard] for tensor, shard in index["weight_map"].items()}
+    (directory / "model.safetensors.index.json").unlink()
+    (directory / f"{base}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    quantize = json.loads((directory / "quantize_config.json").read_text())
+    (directory / "quantize_config.json").write_text(json.dumps({**quantize, "model_file_base_name": base}))
+    return index
+
+
+def test_autogptq_sharded_checkpoint_with_its_named_index_converts(tmp_path):
+    """AutoGPTQ names a sharded checkpoint's index after its base name, not model.safetensors.index.json; it was
+    refused ("2 .safetensors files and no model.safetensors.index.json"). The output's index is the usual one, the
+    source's named index is replaced by it (not copied, no note), and verify --source holds."""
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=2, shards=2, config_location="quantize_config"))
+    in_index = _autogptq_sharded(src)["weight_map"]
+    out = tmp_path / "out"
+    report = convert(src, out)
+    assert not (out / "gptq_model-4bit-128g.safetensors.index.json").exists()
+    assert not any("index.json" in note for note in report.notes)
+    out_index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted({*out_index.values()}) == sorted({*in_index.values()})
+    assert verify(out, gpus=None, workers=1, source_dir=src).ok
+
+
+def test_two_named_indexes_and_no_model_index_are_refused(tmp_path):
+    src = write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1, shards=2, config_location="quantize_config"))
+    _autogptq_sharded(src)
+    (src / "other.safetensors.index.json").write_text("{}")
+    with pytest.raises(InputError, match="2 other safetensors indexes"):
+        convert(src, tmp_path / "out")
 
 
 def test_configs_say_marlin_and_keep_the_quantization_settings(tmp_path):
