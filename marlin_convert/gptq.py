@@ -353,6 +353,14 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         merged.update(quantize_json)
         origin.update(dict.fromkeys(quantize_json, str(quantize_path)))
         sources.append(QUANTIZE_CONFIG_FILE)
+    if not sources and config_json is not None and isinstance(config_json.get("compression_config"), dict):
+        # early compressed-tensors releases (2024) saved the config under this key; vLLM and SGLang still read it
+        method = config_json["compression_config"].get("quant_method")
+        raise InputError(
+            f"{config_path}: the quantization config is under 'compression_config' (quant_method "
+            f"{json.dumps(method)}), the key early compressed-tensors releases wrote, not 'quantization_config'",
+            hint="rename the key 'compression_config' to 'quantization_config' in config.json (its content is the "
+                 "same) and convert again")
     if not sources:
         raise InputError(
             f"{in_dir}: no quantization config: neither {CONFIG_FILE} with 'quantization_config' "

@@ -491,3 +491,20 @@ def test_stacked_experts_whose_settings_are_not_the_most_common_get_rules_by_the
     assert written["bits"] == 8 and written["dynamic"] == {
         rf"+:^model\.layers\.0\.mlp\.experts\.{e}\.down_proj$": {"bits": 4, "group_size": 128} for e in range(2)}
     assert verify(tmp_path / "out", gpus=None, workers=1, source_dir=src).ok
+
+
+def test_an_early_compression_config_key_is_named_with_the_fix(tmp_path):
+    """Early compressed-tensors releases (2024) saved the config as config.json's 'compression_config' (vLLM and SGLang
+    still fall back to that key). It was refused as 'no quantization config: neither config.json with
+    quantization_config nor quantize_config.json found', which says nothing of the key that is there. The error
+    now names it and the rename that makes the checkpoint read."""
+    src = _single(tmp_path, [Linear("model.layers.0.mlp.down_proj", 256, 128)], scheme())
+    config = json.loads((src / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="under 'compression_config'") as caught:
+        convert(src, tmp_path / "out", workers=1)
+    assert "rename the key 'compression_config' to 'quantization_config'" in caught.value.hint
+    config["quantization_config"] = config.pop("compression_config")
+    (src / "config.json").write_text(json.dumps(config))
+    _assert_same_as_twin_and_verified(src, tmp_path)
