@@ -12,11 +12,14 @@
 // "Race reported between Write access ... and Write access" in every run of the cp_async form and in no run of the
 // plain one: this program, 20-24 reports in each of 5 runs; its first form (three launches per run, 128 and 1024
 // blocks), 12 runs of each form, 23-68 reports in every cp_async run. A report of this pair is the tool's.
+// Each run also checks what every block read back (exactly its peer's pushes; a wrong sum prints 'wrong sums' and
+// exits 1, which the triage takes for a control that did not run): added after those runs, not yet run on a GPU.
 // Build: nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o control racecheck_cluster_control.cu
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -28,6 +31,21 @@ constexpr int kGroups = 3;                   // cp.async groups, as a pipeline's
 constexpr int kGroupChunks = kChunks / kGroups;
 static_assert(kChunks % kGroups == 0, "whole groups");
 constexpr int kPushes = kBufferBytes / (kThreads * 8);  // float2 stores per thread into the peer: the whole buffer
+static_assert(kBufferBytes % (kThreads * 8) == 0, "the pushes cover the buffer exactly");
+constexpr int kBlocks = 128;  // 32 clusters: one wave on an H100 / H200
+static_assert(kBlocks % kCluster == 0, "whole clusters");
+
+// What thread `tid` of every block reads back: float i of the buffer (i = tid, tid + kThreads, ...) is component i % 2
+// of the pair i / 2 = j * kThreads + t that the peer's thread t pushed as (j, t), all of it, nothing of the first fill.
+// (Whole numbers below 2^24: exact in fp32 whatever the order.)
+float expected_sum(int tid) {
+  float sum = 0.0f;
+  for (int i = tid; i < kBufferBytes / 4; i += kThreads) {
+    const int pair = i / 2;
+    sum += static_cast<float>(i % 2 == 0 ? pair / kThreads : pair % kThreads);
+  }
+  return sum;
+}
 
 __device__ __forceinline__ unsigned shared_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -81,20 +99,33 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int by_cp_async = std::strcmp(argv[1], "cp_async") == 0;
-  const int blocks = 128;  // 32 clusters: one wave on an H100 / H200
   int4* src = nullptr;
   float* out = nullptr;
-  cudaError_t err = cudaMalloc(&src, static_cast<size_t>(blocks) * kBufferBytes);
-  if (err == cudaSuccess) err = cudaMemset(src, 1, static_cast<size_t>(blocks) * kBufferBytes);
-  if (err == cudaSuccess) err = cudaMalloc(&out, static_cast<size_t>(blocks) * kThreads * sizeof(float));
+  std::vector<float> sums(static_cast<size_t>(kBlocks) * kThreads);
+  cudaError_t err = cudaMalloc(&src, static_cast<size_t>(kBlocks) * kBufferBytes);
+  if (err == cudaSuccess) err = cudaMemset(src, 1, static_cast<size_t>(kBlocks) * kBufferBytes);
+  if (err == cudaSuccess) err = cudaMalloc(&out, sums.size() * sizeof(float));
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(fill_then_push, cudaFuncAttributeMaxDynamicSharedMemorySize, kBufferBytes);
   if (err == cudaSuccess) {
-    fill_then_push<<<blocks, kThreads, kBufferBytes>>>(src, out, by_cp_async);
+    fill_then_push<<<kBlocks, kThreads, kBufferBytes>>>(src, out, by_cp_async);
     err = cudaDeviceSynchronize();
   }
-  float first = 0.0f;
-  if (err == cudaSuccess) err = cudaMemcpy(&first, out, sizeof first, cudaMemcpyDeviceToHost);
-  std::printf("racecheck_cluster_control %s: %s (out[0] = %g)\n", argv[1], cudaGetErrorString(err), first);
-  return err == cudaSuccess ? 0 : 1;
+  if (err == cudaSuccess) err = cudaMemcpy(sums.data(), out, sums.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) {
+    std::printf("racecheck_cluster_control %s: %s\n", argv[1], cudaGetErrorString(err));
+    return 1;
+  }
+  // every block must have read exactly its peer's pushes (the ordering the barriers give, checked on the values)
+  for (size_t o = 0; o < sums.size(); ++o) {
+    const float expected = expected_sum(static_cast<int>(o % kThreads));
+    if (sums[o] != expected) {
+      std::printf("racecheck_cluster_control %s: wrong sums: block %zu thread %zu read %g, expected %g\n", argv[1],
+                  o / kThreads, o % kThreads, sums[o], expected);
+      return 1;
+    }
+  }
+  std::printf("racecheck_cluster_control %s: no error (every block read its peer's pushes; out[0] = %g)\n", argv[1],
+              sums[0]);
+  return 0;
 }
