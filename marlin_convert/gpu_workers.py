@@ -19,9 +19,10 @@ its forked workers and each GPU process. Messages, pickled, over one socket pair
   ``("slice", layer index, layer, expert, slot, placed, zero format)`` per staged slice; ``("end",)`` when no
   more come.
 
-A GPU process ignores SIGINT (Ctrl-C reaches the whole process group; the parent decides), dies with its parent
-(:mod:`marlin_convert.workers`), and leaves with ``os._exit`` once its outcome is sent: torch's teardown is not
-waited for. Times are ``time.perf_counter()`` values (CLOCK_MONOTONIC on Linux: one clock for all processes).
+A GPU process ignores SIGINT and SIGHUP (a Ctrl-C or a hang-up reaches the whole process group; the parent decides),
+dies with its parent (:mod:`marlin_convert.workers`), and leaves with ``os._exit`` once its outcome is sent: torch's
+teardown is not waited for. Times are ``time.perf_counter()`` values (CLOCK_MONOTONIC on Linux: one clock for all
+processes).
 """
 
 from __future__ import annotations

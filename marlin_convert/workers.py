@@ -2,8 +2,8 @@
 
 The converter forks its workers (:func:`worker_pool`). Each one, as it starts (:func:`worker_started`):
 
-- ignores SIGINT: a Ctrl-C at the terminal reaches the whole process group, and the parent alone decides
-  what to do (it stops the workers and removes the partial output);
+- ignores SIGINT and SIGHUP: a Ctrl-C at the terminal, or the terminal's hang-up, reaches the whole process group,
+  and the parent alone decides what to do (it stops the workers and removes the partial output);
 - takes SIGTERM's default action again (the CLI's handler, inherited through fork, would raise inside the
   worker instead of ending it);
 - asks the kernel to SIGKILL it when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere a thread
@@ -123,6 +123,7 @@ def _die_with_parent(parent: int) -> None:
 
 def worker_started(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent(parent)
 

@@ -56,7 +56,8 @@ def src(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("interrupts") / "in", tiny_llama(num_layers=2, shards=2))
 
 
-def _start(command: str, args: list[str], markers: Path, ignore_sigint: bool = False) -> subprocess.Popen:
+def _start(command: str, args: list[str], markers: Path, ignore_sigint: bool = False,
+           ignore_sighup: bool = False) -> subprocess.Popen:
     markers.mkdir()
     module, function = SLOW_STEP[command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
@@ -64,7 +65,9 @@ def _start(command: str, args: list[str], markers: Path, ignore_sigint: bool = F
     # inherits SIGINT ignored): default, as a terminal's foreground job has it; or, ignore_sigint, ignored, as a shell
     # starts a background job
     disposition = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
-    preexec = lambda: signal.signal(signal.SIGINT, disposition)  # noqa: E731
+    # SIGHUP likewise: default (a suite run under nohup would pass it on ignored), or ignored, as nohup starts a command
+    hangup = signal.SIG_IGN if ignore_sighup else signal.SIG_DFL
+    preexec = lambda: (signal.signal(signal.SIGINT, disposition), signal.signal(signal.SIGHUP, hangup))  # noqa: E731
     return subprocess.Popen([sys.executable, "-c", RUNNER, module, function, str(markers), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=preexec)
@@ -130,7 +133,8 @@ def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path, src, command):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, word", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
+@pytest.mark.parametrize("signum, word", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated"),
+                                          (signal.SIGHUP, "hung up")])
 def test_a_signal_while_the_finished_output_is_moved_in_says_so(tmp_path, src, signum, word):
     """Once the output is complete, an interrupt no longer stops the move into place: the report is printed, and
     the exit code (128 + the signal) and the one Error line say the run was interrupted once the output was
@@ -155,14 +159,16 @@ def test_a_signal_while_the_finished_output_is_moved_in_says_so(tmp_path, src, s
 
 
 @pytest.mark.slow
-def test_an_inherited_sigint_ignore_stays_for_the_whole_run(tmp_path, src):
-    """Started with SIGINT ignored (a shell's background job), a SIGINT mid-run is ignored like one before the command
-    line's handlers: the run completes, exit 0. (It used to be taken over once the command began: ignored early,
-    an interruption later.)"""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"])
+def test_a_signal_ignored_at_start_stays_ignored_for_the_whole_run(tmp_path, src, signame):
+    """Started with SIGINT ignored (a shell's background job), or SIGHUP (nohup), that signal mid-run, to the whole
+    process group, is ignored like one before the command line's handlers: the run completes, exit 0. (SIGINT's used
+    to be taken over once the command began: ignored early, an interruption later.)"""
     out, markers = tmp_path / "out", tmp_path / "markers"
-    process = _start("convert", [str(src), str(out), "--workers", "2"], markers, ignore_sigint=True)
+    process = _start("convert", [str(src), str(out), "--workers", "2"], markers, ignore_sigint=signame == "SIGINT",
+                     ignore_sighup=signame == "SIGHUP")
     _wait_for(lambda: any(markers.iterdir()), "the workers to start")
-    process.send_signal(signal.SIGINT)
+    os.killpg(process.pid, getattr(signal, signame))
     time.sleep(0.5)  # (time for a handler to act, were there one)
     _open_gate(markers)
     rc, err = _finish(process)
@@ -171,13 +177,30 @@ def test_an_inherited_sigint_ignore_stays_for_the_whole_run(tmp_path, src):
 
 
 @pytest.mark.slow
-def test_sigterm_cleans_up_like_ctrl_c(tmp_path, src):
+def test_a_hangup_of_the_whole_process_group_stops_the_workers_and_leaves_nothing(tmp_path, src):
+    """A closed terminal: SIGHUP reaches the command and its workers at once. The workers ignore it (their parent
+    decides, as for Ctrl-C); the command cleans up and exits 129."""
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    process = _start("convert", [str(src), str(out), "--workers", "2"], markers)
+    _wait_for(lambda: len(_workers(process, markers)) >= 1, "the workers to start")
+    os.killpg(process.pid, signal.SIGHUP)
+    rc, err = _finish(process)
+    assert rc == 129 and _error_line(err) == "Error: hung up", err
+    assert not out.exists() and _leftovers(tmp_path) == []
+    _wait_for(lambda: not any(_alive(pid) for pid in _workers(process, markers)), "the workers to end")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")])
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path, src, signum, code, word):
+    """SIGTERM, and SIGHUP (the terminal closed: it used to end the run by the default action, leaving the hidden
+    partial directory of gigabytes until a next run into the same OUT_DIR)."""
     out, markers = tmp_path / "out", tmp_path / "markers"
     process = _start("convert", [str(src), str(out), "--workers", "2"], markers)
     _wait_for(lambda: any(markers.iterdir()), "the workers to start")
-    process.send_signal(signal.SIGTERM)  # the main process only, as `kill PID` does
+    process.send_signal(signum)  # the main process only, as `kill PID` does
     rc, err = _finish(process)
-    assert rc == 143 and _error_line(err) == "Error: terminated", err
+    assert rc == code and _error_line(err) == f"Error: {word}", err
     assert not out.exists() and _leftovers(tmp_path) == []
     _wait_for(lambda: not any(_alive(pid) for pid in _workers(process, markers)), "the workers to end")
 
@@ -533,12 +556,13 @@ launch.run()
 
 
 def _run_script(script: str, *args, **env) -> subprocess.CompletedProcess:
-    """``python -c script`` with marlin-convert's ``args`` and ``env`` added to the environment, SIGINT and SIGTERM
-    at their default actions (as a terminal starts it), output captured."""
+    """``python -c script`` with marlin-convert's ``args`` and ``env`` added to the environment, SIGINT, SIGTERM and
+    SIGHUP at their default actions (as a terminal starts it), output captured."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1", **env}
     return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=WAIT_SECONDS, preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
-                                                                    signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+                                                                    signal.signal(signal.SIGTERM, signal.SIG_DFL),
+                                                                    signal.signal(signal.SIGHUP, signal.SIG_DFL)))
 
 
 @pytest.mark.parametrize("output_imported", [False, True])
@@ -571,7 +595,8 @@ def test_a_sigterm_before_the_command_line_is_ready_replaces_an_earlier_report(t
 
 
 @pytest.mark.parametrize("after", ["app.main", "app.finish_at_exit", "convert.deferred_signal"])
-@pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+@pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated"),
+                                               ("SIGHUP", 129, "hung up")])
 def test_a_signal_as_the_process_ends_never_leaves_exit_code_0(tmp_path, src, signame, code, word, after):
     """A Ctrl-C after the command completed, while the process was ending (about 55 ms of interpreter shutdown), ended
     it with exit code 0; one just before that ended it with 130 but left its report file saying 0. And (a new-user
@@ -618,7 +643,8 @@ launch.run()
 
 
 @pytest.mark.parametrize("when", ["imports", "after main"])
-@pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+@pytest.mark.parametrize("signame,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated"),
+                                               ("SIGHUP", 129, "hung up")])
 def test_a_signal_dropped_as_unraisable_prints_no_traceback_and_still_interrupts(tmp_path, src, when, signame, code,
                                                                                   word):
     """A SIGINT whose KeyboardInterrupt Python dropped printed a traceback and the run went on to exit 0 (nothing had
@@ -650,7 +676,7 @@ launch.run()
 """
 
 
-@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
 def test_a_signal_before_the_command_checked_its_json_path_replaces_an_earlier_report(tmp_path, src, signame, code):
     """An attack helper: a signal once the command had started but before it checked --json left the earlier run's
     '"ok": true' report in place (only the console script's first step replaced it)."""

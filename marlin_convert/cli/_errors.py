@@ -16,7 +16,7 @@ DEBUG_VARIABLE = "MARLIN_CONVERT_DEBUG"
 
 
 class Interrupted(BaseException):
-    """SIGINT (Ctrl-C) or SIGTERM arrived; raised in the main thread by the CLI's signal handler.
+    """SIGINT (Ctrl-C), SIGTERM or SIGHUP arrived; raised in the main thread by the CLI's signal handler.
 
     A ``BaseException`` (like KeyboardInterrupt) so that no ``except Exception`` swallows it, but not a
     KeyboardInterrupt, which typer would turn into a plain return value.
@@ -76,19 +76,25 @@ def shortened(line: str) -> str:
     return f"{line[:head]} [... {len(line) - head - tail} characters left out ...] {line[-tail:]}"
 
 
+def signal_word(signum: int) -> str:
+    """How an error line names a run stopped by ``signum``: ``terminated`` (SIGTERM), ``hung up`` (SIGHUP: the
+    terminal closed), else ``interrupted`` (SIGINT, Ctrl-C)."""
+    return {signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}.get(signum, "interrupted")
+
+
 def error_message(exc: BaseException) -> str:
     """What :func:`report_error` says of ``exc`` after ``Error:`` (also the JSON report of a failed command)."""
     if isinstance(exc, MarlinConvertError):
         return exc.message
     if isinstance(exc, InterruptedAfterPublish):
-        what = "terminated" if exc.signum == signal.SIGTERM else "interrupted"
-        return f"{what} once the conversion was complete: {exc.out_dir} is finished and in place (its report is above)"
+        return (f"{signal_word(exc.signum)} once the conversion was complete: {exc.out_dir} is finished and in place "
+                "(its report is above)")
     if isinstance(exc, InterruptedAtExit):
-        what = "terminated" if exc.signum == signal.SIGTERM else "interrupted"
-        return f"{what} as the process was ending: the command had completed (its output and report are above)"
-    if isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM:
-        return "terminated"
-    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+        return (f"{signal_word(exc.signum)} as the process was ending: the command had completed (its output and "
+                "report are above)")
+    if isinstance(exc, Interrupted):
+        return signal_word(exc.signum)
+    if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         return f"{exc.filename if exc.filename is not None else 'standard output or a file'}: {exc.strerror or exc}"
@@ -134,11 +140,12 @@ def error_hint(exc: BaseException) -> str | None:
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` for a person on stderr and return the exit code. Tracebacks only with MARLIN_CONVERT_DEBUG=1.
 
-    Interrupts exit 128 + the signal number: 130 for SIGINT (``Error: interrupted``), 143 for SIGTERM
-    (``Error: terminated``), as shells report them. An OSError the library did not turn into one of its errors (a
-    permission or a full disk met outside the paths it checks, such as stdout; :data:`_ENVIRONMENT_ERRNOS`) exits 2
-    naming the file; any other OSError is an internal error (exit 3), as a bug would be. Messages are
-    printed on one line each (:func:`one_line`), of at most :data:`MAX_LINE` characters (:func:`shortened`).
+    Interrupts exit 128 + the signal number: 130 for SIGINT (``Error: interrupted``), 143 for SIGTERM (``Error:
+    terminated``), 129 for SIGHUP (``Error: hung up``), as shells report them. An OSError the library did not turn into
+    one of its errors (a permission or a full disk met outside the paths it checks, such as stdout;
+    :data:`_ENVIRONMENT_ERRNOS`) exits 2 naming the file; any other OSError is an internal error (exit 3), as a bug
+    would be. Messages are printed on one line each (:func:`one_line`), of at most :data:`MAX_LINE` characters
+    (:func:`shortened`).
     """
     if os.environ.get(DEBUG_VARIABLE):
         traceback.print_exception(exc, file=sys.stderr)

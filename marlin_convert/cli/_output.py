@@ -221,7 +221,7 @@ def report_written() -> bool:
 
 def amend_written_outcome(exit_code: int) -> None:
     """Where this command wrote its report file and then ends with another exit code (a closed stdout while the table
-    was printed: 141; a signal once the output was in place: 130 / 143), rewrite the report's ``"ok"`` and
+    was printed: 141; a signal once the output was in place: 130 / 143 / 129), rewrite the report's ``"ok"`` and
     ``"exit_code"`` to that, the rest as written: a report's exit code is always the process's. Best effort, as
     :func:`report_failure`."""
     if not _written_report:

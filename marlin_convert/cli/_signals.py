@@ -1,19 +1,19 @@
-"""SIGINT and SIGTERM while a command runs: the first one of a kind raises (the caller's clean-up runs), the same one
-again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends the process at once. Once a
-command's output is complete they are only noted (:func:`defer_signals`), and once it has ended they are noted and
-turn an exit code of 0 into 130 / 143 (:func:`finish_at_exit`, :func:`exit_now`); there too the same signal again,
-:data:`REPEAT_SECONDS` or more after the first one noted, ends the process (a report that cannot be written,
-``--json`` naming a FIFO nobody reads, or stdout a pipe nobody drains, would otherwise leave a process that only
-SIGKILL ends): at once where the output is in place or the command is over, and while the complete output is still
-being flushed and moved into place only once it is there (:func:`output_in_place`), so that it never leaves a
-partial directory and no OUT_DIR.
+"""SIGINT, SIGTERM and SIGHUP (:data:`HANDLED`) while a command runs: the first one of a kind raises (the caller's
+clean-up runs), the same one again within :data:`REPEAT_SECONDS` is the same request and is ignored, a later one ends
+the process at once. Once a command's output is complete they are only noted (:func:`defer_signals`), and once it has
+ended they are noted and turn an exit code of 0 into 130 / 143 / 129 (:func:`finish_at_exit`, :func:`exit_now`); there
+too the same signal again, :data:`REPEAT_SECONDS` or more after the first one noted, ends the process (a report that
+cannot be written, ``--json`` naming a FIFO nobody reads, or stdout a pipe nobody drains, would otherwise leave a
+process that only SIGKILL ends): at once where the output is in place or the command is over, and while the complete
+output is still being flushed and moved into place only once it is there (:func:`output_in_place`), so that it never
+leaves a partial directory and no OUT_DIR.
 
 The first one's exception goes through :func:`marlin_convert.interrupts.interrupt`: held back while the library is
 inside a worker pool's calls, raised at their end. Python drops an exception raised in a handler that runs inside an
 at-fork hook or an import lock's callback ("Exception ignored in ..."); the signal stays noted (:func:`first_signal`),
 so the command still ends as interrupted (the CLI checks before it publishes an output, and at the end). A forked
-worker process that gets a signal before it has set its own handlers does not raise: SIGINT is ignored (its parent
-decides), SIGTERM ends it quietly (:func:`in_forked_child`).
+worker process that gets a signal before it has set its own handlers does not raise: SIGINT and SIGHUP are ignored
+(its parent decides), SIGTERM ends it quietly (:func:`in_forked_child`).
 
 GNU ``timeout`` sends its signal to the command and then to the command's process group, so the command gets it twice
 at once; by the default action, the copy ended the process in the middle of its clean-up. Shared by the console
@@ -30,6 +30,11 @@ import threading
 import time
 
 from ..interrupts import interrupt, reset
+
+#: the signals a command takes as a request to stop (128 + the number: 130, 143, 129): Ctrl-C, ``kill``, and the
+#: terminal's hang-up (a closed terminal or a dropped ssh session; ``nohup`` starts the process with it ignored, and
+#: then it stays ignored)
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 #: seconds after a signal in which the same signal again is taken as the same request
 REPEAT_SECONDS = 1.0
@@ -55,7 +60,7 @@ def forget_signals() -> None:
 
 
 def first_signal() -> int | None:
-    """The first SIGINT or SIGTERM this command took (its exception raised, held back or dropped by Python), or
+    """The first of :data:`HANDLED` this command took (its exception raised, held back or dropped by Python), or
     None."""
     return min(_first_signal_at, key=_first_signal_at.__getitem__) if _first_signal_at else None
 
@@ -74,8 +79,8 @@ def in_forked_child() -> bool:
 
 
 def child_signal(signum: int) -> None:
-    """A forked worker's signal before its own handlers are set: SIGINT ignored (the parent got it too and stops the
-    workers), SIGTERM ends the worker at once, quietly (no traceback from its start-up)."""
+    """A forked worker's signal before its own handlers are set: SIGINT and SIGHUP ignored (the parent got it too and
+    stops the workers), SIGTERM ends the worker at once, quietly (no traceback from its start-up)."""
     if signum == signal.SIGTERM:
         os._exit(128 + signum)
 
@@ -112,14 +117,14 @@ def output_in_place() -> None:
 
 
 def defer_signals() -> None:
-    """From now on SIGINT and SIGTERM do not raise: the command's output is complete and is being moved into place
-    (an interrupt there would report a failure beside a finished OUT_DIR). They are noted for
+    """From now on the signals of :data:`HANDLED` do not raise: the command's output is complete and is being moved into
+    place (an interrupt there would report a failure beside a finished OUT_DIR). They are noted for
     :func:`deferred_signal`; a repeat that ends the process waits for :func:`output_in_place`. Only in the main thread,
     and only for a signal the process does not ignore."""
     if threading.current_thread() is not threading.main_thread():
         return
     _publishing[:] = [None]
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in HANDLED:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _note)
 
@@ -134,15 +139,15 @@ _finished: list = []
 
 
 def finish_at_exit(code: int, on_signal) -> None:
-    """The command is over and would exit with ``code``: from now on SIGINT and SIGTERM are only noted (in the main
-    thread, and not one the process ignores), and :func:`exit_now`, the console script's last exit handler, ends the
-    process with ``code``, or with ``on_signal(signum)`` where a signal came meanwhile and ``code`` is 0 (it reports
-    the interruption and returns the exit code): an interrupted run never exits 0. A signal noted since
-    :func:`defer_signals` stays noted: one that came after the command's own last check (:func:`deferred_signal`)
-    counts as one that came now."""
+    """The command is over and would exit with ``code``: from now on the signals of :data:`HANDLED` are only noted (in
+    the main thread, and not one the process ignores), and :func:`exit_now`, the console script's last exit handler,
+    ends the process with ``code``, or with ``on_signal(signum)`` where a signal came meanwhile and ``code`` is 0 (it
+    reports the interruption and returns the exit code): an interrupted run never exits 0. A signal noted since
+    :func:`defer_signals` stays noted: one that came after the command's own last check (:func:`deferred_signal`) counts
+    as one that came now."""
     _publishing.clear()  # (the command is over: a repeat ends the process at once)
     if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in HANDLED:
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, _note)
     _finished[:] = [code, on_signal, os.getpid()]
@@ -181,12 +186,12 @@ def register_exit_now() -> None:
 
 
 def exit_now() -> None:
-    """An exit handler, registered by the console script before anything else (so it runs after every other one:
-    worker processes stopped, temporary files removed): end the process with :func:`final_exit_code`, its output
-    flushed, at once. The interpreter's own shutdown after the handlers took about 55 ms, in which a Ctrl-C could no
-    longer change the exit code; now there is none. Does nothing before :func:`finish_at_exit`; where handlers were
-    registered before this one (which would run after it), it ends the process only to change a 0 into 130 / 143, and
-    otherwise leaves the interpreter to end it (the 55 ms then remain)."""
+    """An exit handler, registered by the console script before anything else (so it runs after every other one: worker
+    processes stopped, temporary files removed): end the process with :func:`final_exit_code`, its output flushed, at
+    once. The interpreter's own shutdown after the handlers took about 55 ms, in which a Ctrl-C could no longer change
+    the exit code; now there is none. Does nothing before :func:`finish_at_exit`; where handlers were registered before
+    this one (which would run after it), it ends the process only to change a 0 into 130 / 143 / 129, and otherwise
+    leaves the interpreter to end it (the 55 ms then remain)."""
     code = final_exit_code()
     if code is None or (_handlers_before[0] and code == _finished[0]):
         return

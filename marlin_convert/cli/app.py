@@ -30,8 +30,8 @@ from ..workers import thread_refused
 from ._errors import Interrupted, InterruptedAfterPublish, InterruptedAtExit, error_hint, error_message, report_error
 from ._output import (OutputClosed, amend_written_outcome, forget_report_target, forget_written_report, report_written,
                       print_stdout, report_failure, report_target_checked)
-from ._signals import (child_signal, finish_at_exit, first_signal, forget_signals, in_forked_child, is_repeat,
-                       take_first)
+from ._signals import (HANDLED, child_signal, finish_at_exit, first_signal, forget_signals, in_forked_child,
+                       is_repeat, take_first)
 from ._stale_report import replace_stale_report
 from .convert import convert
 from .inspect import inspect
@@ -166,7 +166,7 @@ def _raise_interrupted(signum: int, _frame) -> None:
 
 @contextmanager
 def _interrupts_raise() -> Iterator[None]:
-    """While the command runs, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so that the
+    """While the command runs, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread, so that the
     library's clean-up runs (partial output removed, worker processes stopped) and the exit code says so. A signal
     that whoever started the process ignores (a script's background command, ``cmd &``, gets SIGINT ignored;
     ``nohup``) stays ignored for the whole run, as Python itself leaves it: taking it over here made the same signal
@@ -175,7 +175,7 @@ def _interrupts_raise() -> Iterator[None]:
         yield
         return
     forget_signals()  # a signal an earlier command of this process took is no repeat of this one's
-    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in HANDLED
                 if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield
@@ -284,7 +284,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _interrupted_at_exit(signum: int) -> int:
     """A signal after the command had ended with exit code 0 (:func:`._signals.finish_at_exit`): say so, amend the
-    report file it wrote, and return the exit code (130 / 143)."""
+    report file it wrote, and return the exit code (130 / 143 / 129)."""
     code = report_error(InterruptedAtExit(signum))
     amend_written_outcome(code)
     return code
@@ -292,8 +292,8 @@ def _interrupted_at_exit(signum: int) -> int:
 
 def run() -> None:
     """The console script's command (after :func:`marlin_convert.cli.launch.run`): :func:`main`, then exit; a signal
-    from then on is noted, and turns an exit code of 0 into 130 / 143 (:func:`._signals.finish_at_exit`; the process
-    ends in the console script's last exit handler, :func:`._signals.exit_now`)."""
+    from then on is noted, and turns an exit code of 0 into 130 / 143 / 129 (:func:`._signals.finish_at_exit`; the
+    process ends in the console script's last exit handler, :func:`._signals.exit_now`)."""
     code = main()
     finish_at_exit(code, _interrupted_at_exit)
     sys.exit(code)

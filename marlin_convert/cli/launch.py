@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from ._signals import child_signal, first_signal, in_forked_child, is_repeat, register_exit_now, take_first
+from ._signals import HANDLED, child_signal, first_signal, in_forked_child, is_repeat, register_exit_now, take_first
 from ._stale_report import replace_stale_report
 
 # first of all exit handlers, so it runs last: the process ends there with the command's exit code (:func:`exit_now`)
@@ -23,17 +23,21 @@ _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
 
 
 class _Terminated(BaseException):
-    """SIGTERM before (or after) the command line's own handler is in place."""
+    """SIGTERM or SIGHUP (``signum``) before (or after) the command line's own handler is in place."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _take_signal(signum: int, _frame) -> None:
-    """SIGTERM or SIGINT before (or after) the command line's own handler is in place: :class:`_Terminated`, or
-    KeyboardInterrupt as Python's own SIGINT handler raises, but noted (:func:`first_signal`), so that one whose
+    """A signal of :data:`HANDLED` before (or after) the command line's own handler is in place: :class:`_Terminated`,
+    or KeyboardInterrupt as Python's own SIGINT handler raises, but noted (:func:`first_signal`), so that one whose
     exception Python drops (raised in a callback) still ends the run as interrupted."""
     if in_forked_child():  # (a process forked from this one: :mod:`._signals`)
         child_signal(signum)
     elif not is_repeat(signum):  # (the same signal twice: GNU timeout; :mod:`._signals`)
-        take_first(signum, KeyboardInterrupt() if signum == signal.SIGINT else _Terminated())
+        take_first(signum, KeyboardInterrupt() if signum == signal.SIGINT else _Terminated(signum))
 
 
 def _amend_report(code: int, message: str) -> None:
@@ -48,9 +52,9 @@ def _amend_report(code: int, message: str) -> None:
 
 
 def _unraisable(previous):
-    """sys.unraisablehook that prints nothing for the exception of a SIGINT or SIGTERM this process took, where Python
-    dropped it (raised in an import lock's callback or an at-fork hook: "Exception ignored in ..."); the signal stays
-    noted (:func:`first_signal`) and the command ends as interrupted. Anything else goes to ``previous``."""
+    """sys.unraisablehook that prints nothing for the exception of a signal of :data:`HANDLED` this process took, where
+    Python dropped it (raised in an import lock's callback or an at-fork hook: "Exception ignored in ..."); the signal
+    stays noted (:func:`first_signal`) and the command ends as interrupted. Anything else goes to ``previous``."""
     def hook(args) -> None:
         if first_signal() is not None:
             errors = sys.modules.get("marlin_convert.cli._errors")  # (the command's Interrupted, once it is imported)
@@ -65,10 +69,9 @@ def run() -> None:
     args = sys.argv[1:]
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     early = args[:1] == ["verify"] and not _NO_KERNEL & set(args)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (one the process was started ignoring stays ignored)
-        signal.signal(signal.SIGTERM, _take_signal)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (likewise: `cmd &` starts it ignored)
-        signal.signal(signal.SIGINT, _take_signal)
+    for signum in HANDLED:  # (one the process was started ignoring stays ignored: `cmd &` for SIGINT, `nohup`)
+        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(signum, _take_signal)
     try:
         if early:
             from ..gpu_workers import prestart
@@ -78,16 +81,17 @@ def run() -> None:
 
         taken = first_signal()
         if taken is not None:  # taken during the imports, its exception dropped by Python (:mod:`._signals`)
-            raise KeyboardInterrupt() if taken == signal.SIGINT else _Terminated()
+            raise KeyboardInterrupt() if taken == signal.SIGINT else _Terminated(taken)
         run_app()
     except KeyboardInterrupt:  # Ctrl-C during the imports, or right after main() (main() turns one during the command
         print("Error: interrupted", file=sys.stderr)  # into the same line and exit code)
         _amend_report(130, "interrupted")
         sys.exit(130)
-    except _Terminated:  # SIGTERM likewise (once app.run has the exit code, signals are only noted)
-        print("Error: terminated", file=sys.stderr)
-        _amend_report(143, "terminated")
-        sys.exit(143)
+    except _Terminated as exc:  # SIGTERM / SIGHUP likewise (once app.run has the exit code, signals are only noted)
+        word = "hung up" if exc.signum == signal.SIGHUP else "terminated"
+        print(f"Error: {word}", file=sys.stderr)
+        _amend_report(128 + exc.signum, word)
+        sys.exit(128 + exc.signum)
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
         if early:
             from ..gpu_workers import discard_prestarted
