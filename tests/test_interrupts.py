@@ -818,3 +818,31 @@ def test_a_second_signal_while_the_finished_output_is_flushed_waits_until_it_is_
         _open_gate(markers)
 
     _assert_ended_by(process, signum, signals, out)
+
+
+@pytest.mark.slow
+def test_a_hangup_of_the_terminal_still_writes_the_report_and_exits_129(tmp_path, src):
+    """A real hang-up: the terminal that stdout and stderr are goes away (its pty's master closed, as sshd does when the
+    connection drops), so every write there fails with EIO, and the process group gets SIGHUP. The clean-up ran, but
+    printing 'Error: hung up' raised OSError: exit 1, and the --json report was never written (an earlier run's
+    '"ok": true' report was left to read as this one's)."""
+    out, markers, report = tmp_path / "out", tmp_path / "markers", tmp_path / "report.json"
+    report.write_text('{"ok": true, "exit_code": 0}\n')
+    markers.mkdir()
+    module, function = SLOW_STEP["convert"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MARLIN_CONVERT_NO_PROGRESS": "1"}
+    master, slave = os.openpty()
+    preexec = lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGHUP, signal.SIG_DFL))  # noqa: E731
+    process = subprocess.Popen([sys.executable, "-c", RUNNER, module, function, str(markers), str(src), str(out),
+                                "--workers", "2", "--json", str(report)], env=env, stdout=slave, stderr=slave,
+                               start_new_session=True, preexec_fn=preexec)
+    os.close(slave)
+    try:
+        _wait_for(lambda: len(_workers(process, markers)) >= 1, "the workers to start")
+    finally:
+        os.close(master)  # the terminal is gone: writes to it fail (EIO)
+    os.killpg(process.pid, signal.SIGHUP)
+    assert process.wait(timeout=WAIT_SECONDS) == 129
+    assert json.loads(report.read_text())["exit_code"] == 129
+    assert not out.exists() and _leftovers(tmp_path) == []
+    _wait_for(lambda: not any(_alive(pid) for pid in _workers(process, markers)), "the workers to end")

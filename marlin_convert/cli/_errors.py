@@ -137,6 +137,20 @@ def error_hint(exc: BaseException) -> str | None:
     return None
 
 
+def say(line: str) -> None:
+    """Print ``line`` on stderr, best effort: after a hang-up (SIGHUP: the terminal closed, the ssh session dropped)
+    stderr is usually that terminal, and every write to it fails (EIO); the command must still write its report file
+    and exit with its own code. After a failed write stderr is replaced by the null device, so that no later flush
+    (the interpreter's own at exit, which would turn the exit code into 120) fails again."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        try:
+            sys.stderr = open(os.devnull, "w")
+        except OSError:
+            pass
+
+
 def report_error(exc: BaseException) -> int:
     """Print ``exc`` for a person on stderr and return the exit code. Tracebacks only with MARLIN_CONVERT_DEBUG=1.
 
@@ -148,9 +162,9 @@ def report_error(exc: BaseException) -> int:
     (:func:`shortened`).
     """
     if os.environ.get(DEBUG_VARIABLE):
-        traceback.print_exception(exc, file=sys.stderr)
-    print(shortened(one_line(f"Error: {error_message(exc)}")), file=sys.stderr)
+        say("".join(traceback.format_exception(exc)).rstrip("\n"))
+    say(shortened(one_line(f"Error: {error_message(exc)}")))
     hint = error_hint(exc)
     if hint:
-        print(shortened(f"Hint: {one_line(hint)}"), file=sys.stderr)
+        say(shortened(f"Hint: {one_line(hint)}"))
     return exit_code(exc)

@@ -9,6 +9,7 @@ else is :func:`marlin_convert.cli.app.run`.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -51,6 +52,17 @@ def _amend_report(code: int, message: str) -> None:
         replace_stale_report(code, message)
 
 
+def _say(line: str) -> None:
+    """The command line's :func:`._errors.say` (stderr may be a terminal that hung up), without importing it early."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        try:
+            sys.stderr = open(os.devnull, "w")
+        except OSError:
+            pass
+
+
 def _unraisable(previous):
     """sys.unraisablehook that prints nothing for the exception of a signal of :data:`HANDLED` this process took, where
     Python dropped it (raised in an import lock's callback or an at-fork hook: "Exception ignored in ..."); the signal
@@ -84,12 +96,12 @@ def run() -> None:
             raise KeyboardInterrupt() if taken == signal.SIGINT else _Terminated(taken)
         run_app()
     except KeyboardInterrupt:  # Ctrl-C during the imports, or right after main() (main() turns one during the command
-        print("Error: interrupted", file=sys.stderr)  # into the same line and exit code)
+        _say("Error: interrupted")  # into the same line and exit code)
         _amend_report(130, "interrupted")
         sys.exit(130)
     except _Terminated as exc:  # SIGTERM / SIGHUP likewise (once app.run has the exit code, signals are only noted)
         word = "hung up" if exc.signum == signal.SIGHUP else "terminated"
-        print(f"Error: {word}", file=sys.stderr)
+        _say(f"Error: {word}")
         _amend_report(128 + exc.signum, word)
         sys.exit(128 + exc.signum)
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
