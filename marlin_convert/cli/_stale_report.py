@@ -47,8 +47,8 @@ _REPORT_START = re.compile(rb'\s*\{\s*"ok"\s*:\s*(true|false)\s*,\s*"exit_code"\
 
 
 def replace_stale_report(code: int, message: str, argv: list[str] | None = None) -> None:
-    """Ctrl-C or SIGTERM before the command had checked its --json path: where --json (among ``argv``, default the
-    process's arguments) names a file that is a report of an earlier run (a JSON object that starts with "ok" and
+    """Ctrl-C, SIGTERM or SIGHUP before the command had checked its --json path: where --json (among ``argv``, default
+    the process's arguments) names a file that is a report of an earlier run (a JSON object that starts with "ok" and
     "exit_code"), replace it with this run's failure report, so that it is not read as this run's; anything else there
     is left alone, and so is a path the command would refuse (:func:`_refused`: inside, or linked from, a directory
     among the arguments, which may be a checkpoint). Best effort."""
