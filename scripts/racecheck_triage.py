@@ -90,50 +90,57 @@ def _bare(line: str) -> str:
     return re.sub(_PREFIX, "", line).strip()
 
 
-def unread_lines(text: str) -> list[str]:
-    """The sanitizer's lines (its '=' margin) the parser does not read: of no form it knows, or a race report's further
-    site ('and ... access at') where no race report is open (a line of the program's output came between: the site
-    would otherwise be dropped, and the report's other sites alone could pass as the tool's)."""
-    unread: list[str] = []
-    in_race = False
-    for line in text.splitlines():
-        if _REPORT.match(line):
-            in_race = True
-        elif _AND_ANY.match(line):
-            if not in_race:
-                unread.append(_bare(line))
-        elif _OTHER.match(line) or not re.match(_PREFIX + r"(#|Host Frame|Saved host|\s*$)", line):
-            in_race = False
-            if re.match(_PREFIX, line) and not _KNOWN.match(line) and not _FAILED_RUN.match(line):
-                unread.append(_bare(line))
-    return unread
+#: lines that continue a report (its host backtrace, blank margin lines): they neither open nor close one
+_CONTINUATION = re.compile(_PREFIX + r"(#|Host Frame|Saved host|\s*$)")
 
 
-def parse(text: str) -> tuple[list[Report], tuple[int, int, int] | None]:
-    """The log's reports in order, and its RACECHECK SUMMARY lines' (displayed, errors, warnings) added up, None if
-    it has none."""
+@dataclass
+class ParsedLog:
+    """What :func:`parse` reads of a racecheck log: its reports in order; its RACECHECK SUMMARY lines' (displayed,
+    errors, warnings) added up (None if it has none); the sanitizer's lines (its '=' margin) it cannot read; and the
+    first line saying the sanitizer or the program failed (None if none)."""
+
+    reports: list[Report]
+    summary: tuple[int, int, int] | None
+    unread: list[str]
+    failed_run: str | None
+
+
+def parse(text: str) -> ParsedLog:
+    """Read a racecheck log in one pass. A line the parser cannot read is one of no form it knows, or a race report's
+    further site ('and ... access at') where no race report is open (a line of the program's output came between:
+    the site would otherwise be dropped, and the report's other sites alone could pass as the tool's)."""
     reports: list[Report] = []
+    unread: list[str] = []
+    failed: list[str] = []
     in_race = False
     for line in text.splitlines():
         if m := _REPORT.match(line):
             reports.append(Report(_bare(line), [(m.group(2), m.group(3))]))
             in_race = True
-        elif in_race and (m := _AND.match(line)):
-            reports[-1].sites.append((m.group(1), m.group(2)))
-        elif in_race and _AND_ANY.match(line):
-            # a site _AND cannot read (no line info, an unknown function, another access kind): kept as a site that
-            # is never the tool's, not dropped (dropped, the report's other sites alone could pass as the tool's)
-            reports[-1].sites.append(("?", _bare(line)))
-        elif m := _OTHER.match(line):
+        elif _AND_ANY.match(line):
+            if not in_race:
+                unread.append(_bare(line))
+            elif m := _AND.match(line):
+                reports[-1].sites.append((m.group(1), m.group(2)))
+            else:
+                # a site _AND cannot read (no line info, an unknown function, another access kind): kept as a site
+                # that is never the tool's, not dropped (dropped, the report's other sites alone could pass)
+                reports[-1].sites.append(("?", _bare(line)))
+        elif _OTHER.match(line):
             reports.append(Report(_bare(line)))
             in_race = False
-        elif not re.match(_PREFIX + r"(#|Host Frame|Saved host|\s*$)", line):
+        elif not _CONTINUATION.match(line):
             in_race = False
+            if m := _FAILED_RUN.match(line):
+                failed.append(m.group(1).strip())
+            elif re.match(_PREFIX, line) and not _KNOWN.match(line):
+                unread.append(_bare(line))
     # the sanitizer's own summary lines only (not a program's output quoting one), added up: a log of several
     # processes (or runs) has one per process, and its reports are those of all of them
     summaries = [tuple(int(x) for x in found) for found in _SUMMARY.findall(text)]
     summary = tuple(sum(column) for column in zip(*summaries)) if summaries else None
-    return reports, summary
+    return ParsedLog(reports, summary, unread, failed[0] if failed else None)
 
 
 def run_control(directory: Path) -> dict:
@@ -165,7 +172,8 @@ def _run_control(directory: Path, binary: Path) -> dict:
         log.write_text(done.stdout + done.stderr)
         if f"racecheck_cluster_control {form}: no error" not in done.stdout:
             return {"error": f"the control's {form} form did not run ({log})"}
-        reports, summary = parse(done.stdout + done.stderr)
+        read = parse(done.stdout + done.stderr)
+        reports, summary = read.reports, read.summary
         if summary is None:
             return {"error": f"the control's {form} form left no RACECHECK SUMMARY ({log})"}
         # the cp_async form's count is its race reports (the behaviour shown); the plain form's is every report and
@@ -181,13 +189,12 @@ def triage(text: str, control=None, expect_reports: bool = False) -> dict:
     log has reports of the tool's kind. ``expect_reports``: the sanitizer's exit status said it found errors, so a log
     that shows none fails (what made that exit is not in a form read here). Keys: ok, reason, displayed, tools, other
     (their first lines), control."""
-    reports, summary = parse(text)
+    read = parse(text)
+    reports, summary, failed_run, unread = read.reports, read.summary, read.failed_run, read.unread
     tools = [r for r in reports if r.is_tools()]
     other = [r.line for r in reports if not r.is_tools()]
     result = {"ok": False, "reason": "", "displayed": summary[0] if summary else None, "tools": len(tools),
               "other": other, "control": None}
-    failed_run = next((m.group(1).strip() for line in text.splitlines() if (m := _FAILED_RUN.match(line))), None)
-    unread = unread_lines(text)
     if summary is None:
         result["reason"] = "no RACECHECK SUMMARY in the log (the run did not finish?)"
     elif failed_run:
