@@ -680,6 +680,7 @@ class ConversionReport:
     out_dir: str
     layers: list[dict]  # one per manifest entry: a layer, or a stack of experts
     converted_layers: int  # layers converted, each expert counted as one (verify's unit)
+    marlin_entries: int  # the manifest's entries: one per layer, or per stack of experts (as the plan's JSON names it)
     skipped: list[dict]
     passthrough_tensors: int  # copied unchanged, part of no quantized layer: the manifest's passthrough
     kept_tensors: int  # tensors of the skipped layers, copied unchanged: the manifest's kept
@@ -696,14 +697,7 @@ class ConversionReport:
     peak_rss_bytes: int  # sum over this process and its workers of each one's peak RSS (an upper bound)
 
     def to_dict(self) -> dict:
-        """The report's fields, with ``marlin_entries`` (the manifest's entries, as the plan's JSON names them: one per
-        layer, or per stack of experts) after ``converted_layers``."""
-        data = {}
-        for key, value in self.__dict__.items():
-            data[key] = value
-            if key == "converted_layers":
-                data["marlin_entries"] = len(self.layers)
-        return data
+        return dict(self.__dict__)
 
 
 #: the layout settings each output config states when either source config did (a loader may read only one file)
@@ -787,9 +781,10 @@ def _write_configs(plan: ConversionPlan, tmp: Path) -> None:
 
 def produced_names(plan: ConversionPlan) -> set[str]:
     """File names the converter writes itself into OUT_DIR (never copied from IN_DIR)."""
-    source_index = {plan.checkpoint.index_name} if plan.checkpoint.index_name else set()
-    return ({shard.file_name for shard in plan.shards} | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
-            | source_index)
+    names = {shard.file_name for shard in plan.shards} | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
+    if plan.checkpoint.index_name:  # (AutoGPTQ's own index name: the output's index above replaces it)
+        names.add(plan.checkpoint.index_name)
+    return names
 
 
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
@@ -1016,6 +1011,7 @@ def convert(
         layers=[{key: entry[key] for key in ("name", "bits", "in_features", "out_features", "group_size", "sym",
                                              "act_order", "num_experts")} for entry in layers],
         converted_layers=plan.converted_layers,
+        marlin_entries=len(layers),
         skipped=[{"name": k["name"], "reason": k["reason"]} for k in kept],
         passthrough_tensors=plan.passthrough_tensors,
         kept_tensors=plan.kept_tensors,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sys
 import traceback
 from concurrent.futures.process import BrokenProcessPool
 
 from ..errors import MarlinConvertError
 from ..workers import LIMIT_HINT, thread_refused
+from ._signals import say, signal_word
 
 DEBUG_VARIABLE = "MARLIN_CONVERT_DEBUG"
 
@@ -76,12 +76,6 @@ def shortened(line: str) -> str:
     return f"{line[:head]} [... {len(line) - head - tail} characters left out ...] {line[-tail:]}"
 
 
-def signal_word(signum: int) -> str:
-    """How an error line names a run stopped by ``signum``: ``terminated`` (SIGTERM), ``hung up`` (SIGHUP: the
-    terminal closed), else ``interrupted`` (SIGINT, Ctrl-C)."""
-    return {signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}.get(signum, "interrupted")
-
-
 def error_message(exc: BaseException) -> str:
     """What :func:`report_error` says of ``exc`` after ``Error:`` (also the JSON report of a failed command)."""
     if isinstance(exc, MarlinConvertError):
@@ -135,20 +129,6 @@ def error_hint(exc: BaseException) -> str | None:
     if thread_refused(exc):
         return LIMIT_HINT
     return None
-
-
-def say(line: str) -> None:
-    """Print ``line`` on stderr, best effort: after a hang-up (SIGHUP: the terminal closed, the ssh session dropped)
-    stderr is usually that terminal, and every write to it fails (EIO); the command must still write its report file
-    and exit with its own code. After a failed write stderr is replaced by the null device, so that no later flush
-    (the interpreter's own at exit, which would turn the exit code into 120) fails again."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        try:
-            sys.stderr = open(os.devnull, "w")
-        except OSError:
-            pass
 
 
 def report_error(exc: BaseException) -> int:

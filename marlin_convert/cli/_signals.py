@@ -47,6 +47,26 @@ _publishing: list[int | None] = []
 _owner_pid = os.getpid()  # the process whose handlers these are (forked workers inherit them)
 
 
+def signal_word(signum: int) -> str:
+    """How an error line names a run stopped by ``signum``: ``terminated`` (SIGTERM), ``hung up`` (SIGHUP: the
+    terminal closed), else ``interrupted`` (SIGINT, Ctrl-C)."""
+    return {signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}.get(signum, "interrupted")
+
+
+def say(line: str) -> None:
+    """Print ``line`` on stderr, best effort: after a hang-up (SIGHUP: the terminal closed, the ssh session dropped)
+    stderr is usually that terminal, and every write to it fails (EIO); the command must still write its report file
+    and exit with its own code. After a failed write stderr is replaced by the null device, so that no later flush
+    (the interpreter's own at exit, which would turn the exit code into 120) fails again."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        try:
+            sys.stderr = open(os.devnull, "w")
+        except OSError:
+            pass
+
+
 def forget_signals() -> None:
     """Start afresh (a new command in this process): no signal so far is the first of its kind, none deferred; the
     handlers belong to this process."""

@@ -9,11 +9,11 @@ else is :func:`marlin_convert.cli.app.run`.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
-from ._signals import HANDLED, child_signal, first_signal, in_forked_child, is_repeat, register_exit_now, take_first
+from ._signals import (HANDLED, child_signal, first_signal, in_forked_child, is_repeat, register_exit_now, say,
+                       signal_word, take_first)
 from ._stale_report import replace_stale_report
 
 # first of all exit handlers, so it runs last: the process ends there with the command's exit code (:func:`exit_now`)
@@ -52,17 +52,6 @@ def _amend_report(code: int, message: str) -> None:
         replace_stale_report(code, message)
 
 
-def _say(line: str) -> None:
-    """The command line's :func:`._errors.say` (stderr may be a terminal that hung up), without importing it early."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        try:
-            sys.stderr = open(os.devnull, "w")
-        except OSError:
-            pass
-
-
 def _unraisable(previous):
     """sys.unraisablehook that prints nothing for the exception of a signal of :data:`HANDLED` this process took, where
     Python dropped it (raised in an import lock's callback or an at-fork hook: "Exception ignored in ..."); the signal
@@ -96,12 +85,12 @@ def run() -> None:
             raise KeyboardInterrupt() if taken == signal.SIGINT else _Terminated(taken)
         run_app()
     except KeyboardInterrupt:  # Ctrl-C during the imports, or right after main() (main() turns one during the command
-        _say("Error: interrupted")  # into the same line and exit code)
+        say("Error: interrupted")  # into the same line and exit code)
         _amend_report(130, "interrupted")
         sys.exit(130)
     except _Terminated as exc:  # SIGTERM / SIGHUP likewise (once app.run has the exit code, signals are only noted)
-        word = "hung up" if exc.signum == signal.SIGHUP else "terminated"
-        _say(f"Error: {word}")
+        word = signal_word(exc.signum)
+        say(f"Error: {word}")
         _amend_report(128 + exc.signum, word)
         sys.exit(128 + exc.signum)
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
