@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -24,7 +25,7 @@ from . import layout, strict_json
 from .config_regex import compile_config_regex, config_regex_match
 from .errors import InputError
 from .fileio import dead_link, outside_link, read_inside
-from .safetensors_io import DTYPE_NAMES, SafetensorsFile, TensorInfo, read_header, read_tensor
+from .safetensors_io import DTYPE_NAMES, HeldShards, SafetensorsFile, TensorInfo, read_header, read_tensor
 from .spec import QuantSpec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -430,6 +431,22 @@ class Checkpoint:
     #: the index's file name where it is not model.safetensors.index.json (AutoGPTQ's
     #: ``gptq_model-4bit-128g.safetensors.index.json``): the output's rewritten index replaces it
     index_name: str | None = None
+    #: the shards :meth:`read` reads through while :meth:`shards_held_open` holds them; None: one open per read
+    held: HeldShards | None = field(default=None, repr=False, compare=False)
+
+    @contextmanager
+    def shards_held_open(self):
+        """Within: :meth:`read` opens each shard once (:class:`~marlin_convert.safetensors_io.HeldShards`, with the
+        same checks), not once per tensor; every descriptor is closed on leaving (before any worker is forked)."""
+        if self.held is not None:  # (held already by an enclosing block)
+            yield
+            return
+        with HeldShards() as held:
+            self.held = held
+            try:
+                yield
+            finally:
+                self.held = None
 
     def plain_linear_modules(self) -> list[str]:
         """The modules stored unquantized as linears: the prefix of every 2-D ``.weight`` tensor, in file order."""
@@ -441,7 +458,7 @@ class Checkpoint:
 
     def read(self, name: str, index: int | None = None) -> np.ndarray:
         """Read one tensor (or, with ``index``, one leading-dimension slice of it)."""
-        return read_tensor(self.location[name], name, index)
+        return read_tensor(self.location[name], name, index, self.held)
 
     @property
     def source_format(self) -> str:

@@ -1,7 +1,8 @@
 """Safetensors I/O, one tensor at a time.
 
 Reading: :func:`read_header` parses and checks a file's header without touching the data; :func:`read_tensor`
-reads one tensor's bytes with a single positioned read into a fresh numpy array.
+reads one tensor's bytes with a single positioned read into a fresh numpy array, through a fresh checked open of its
+file or, for many small reads (planning's), through :class:`HeldShards`, which opens each file once.
 
 Writing: :class:`ShardWriter` is told every tensor's name, dtype and shape up front, writes the header first,
 and then takes the tensors in any order at their known offsets (positioned writes), so several threads can
@@ -175,17 +176,72 @@ def changed_since_read(file: SafetensorsFile) -> str | None:
     return None if file.identity is None else _what_changed(file.identity, now)
 
 
+def _check_opened(fd: int, path: Path, identity: tuple | None) -> None:
+    """Raise :class:`InputError` when the file open on ``fd`` is not, or is no longer, the one whose header was read
+    (``identity``; None: no check)."""
+    changed = None if identity is None else _what_changed(identity, _identity(os.fstat(fd)))
+    if changed is not None:
+        raise InputError(f"{path}: changed since its header was read: {changed}",
+                         hint="convert again once nothing writes to IN_DIR")
+
+
 def open_as_read(path: Path, identity: tuple | None) -> int:
     """Open ``path`` (:func:`~marlin_convert.fileio.open_inside`) and check that the file opened is the one whose
     header was read (``identity``, :attr:`SafetensorsFile.identity`; None: no check). Raises OSError from the open,
     :class:`InputError` when the file is another or has changed."""
     fd = open_inside(path)
-    changed = None if identity is None else _what_changed(identity, _identity(os.fstat(fd)))
-    if changed is not None:
+    try:
+        _check_opened(fd, path, identity)
+    except BaseException:
         os.close(fd)
-        raise InputError(f"{path}: changed since its header was read: {changed}",
-                         hint="convert again once nothing writes to IN_DIR")
+        raise
     return fd
+
+
+class HeldShards:
+    """Shards kept open across many small reads, each opened once rather than once per tensor: planning reads every
+    layer's g_idx and qzeros, 24,704 tensors of 4 shards for 16 layers of 256 experts, and one checked open costs
+    more than such a read. At most ``limit`` descriptors at a time (the one read least recently is closed first,
+    and opened again if it is needed again); a context manager that closes them all.
+
+    The checks stay those of a fresh open: each shard is opened by :func:`open_as_read` (a regular file inside its
+    directory, the one whose header was read), and before every read the open file is held to that header's
+    identity again (``fstat``: size, modification and status-change times), so a shard written to while held is
+    refused at its next read. What is read is the file opened, whatever is put at its path later; the check before
+    publishing (:func:`changed_since_read`) and the conversion's own opens see such a swap."""
+
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
+        self._fds: dict[tuple, int] = {}  # (path, identity) -> descriptor, least recently read first
+
+    def descriptor(self, file: SafetensorsFile) -> int:
+        """A descriptor of ``file``'s shard, checked as :func:`open_as_read` checks a fresh one. Raises OSError from
+        the open, :class:`InputError` when the file is another or has changed."""
+        key = (file.path, file.identity)
+        fd = self._fds.pop(key, None)
+        if fd is None:
+            if len(self._fds) >= self.limit:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = open_as_read(file.path, file.identity)
+        else:
+            try:
+                _check_opened(fd, file.path, file.identity)
+            except BaseException:
+                os.close(fd)
+                raise
+        self._fds[key] = fd  # (re-inserted: now the most recently read)
+        return fd
+
+    def close(self) -> None:
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> HeldShards:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _is_count(value: object) -> bool:
@@ -243,11 +299,13 @@ def _check_data_layout(path: Path, tensors: list[TensorInfo], data_start: int, s
                          "to no tensor")
 
 
-def read_tensor(file: SafetensorsFile, name: str, index: int | None = None) -> np.ndarray:
+def read_tensor(file: SafetensorsFile, name: str, index: int | None = None,
+                held: HeldShards | None = None) -> np.ndarray:
     """Read tensor ``name`` of ``file`` into a new numpy array (bfloat16 as uint16 bits).
 
     With ``index``, read only the slice ``tensor[index]`` along the leading dimension (one expert of a
-    stacked tensor), so memory holds one slice rather than the whole tensor.
+    stacked tensor), so memory holds one slice rather than the whole tensor. With ``held``, through its descriptor of
+    the shard (opened once for many reads), else through a fresh :func:`open_as_read`.
     """
     info = file.tensors[name]
     if info.dtype not in NUMPY_DTYPES:  # (callers check a tensor's dtype before they read it)
@@ -262,16 +320,25 @@ def read_tensor(file: SafetensorsFile, name: str, index: int | None = None) -> n
     out = np.empty(shape, dtype=NUMPY_DTYPES[info.dtype])
     buffer = memoryview(out.reshape(-1).view(np.uint8))
     try:
-        with open(open_as_read(file.path, file.identity), "rb", buffering=0) as f:
-            done = 0
-            while done < nbytes:
-                got = os.preadv(f.fileno(), [buffer[done:]], begin + done)
-                if got == 0:
-                    raise InputError(f"{file.path}: truncated while reading tensor '{name}'")
-                done += got
+        if held is not None:
+            _read_exactly(held.descriptor(file), buffer, begin, file.path, name)
+        else:
+            with open(open_as_read(file.path, file.identity), "rb", buffering=0) as f:
+                _read_exactly(f.fileno(), buffer, begin, file.path, name)
     except OSError as exc:
         raise InputError(f"{file.path}: cannot read tensor '{name}': {exc.strerror or exc}") from exc
     return out
+
+
+def _read_exactly(fd: int, buffer: memoryview, begin: int, path: Path, name: str) -> None:
+    """Fill ``buffer`` from ``fd`` at offset ``begin`` (positioned reads). Raises OSError, :class:`InputError` where
+    the file ends first."""
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], begin + done)
+        if got == 0:
+            raise InputError(f"{path}: truncated while reading tensor '{name}'")
+        done += got
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,10 @@ def open_checkpoint(in_dir: Path) -> Checkpoint:
 
 
 def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
-    """A checked plan for every quantized linear of ``checkpoint``, by the reader of its format."""
-    return _reader(checkpoint).plan_layers(checkpoint)
+    """A checked plan for every quantized linear of ``checkpoint``, by the reader of its format; the small tensors
+    planning reads (g_idx, qzeros, weight_shape: one or more per layer) through each shard opened once."""
+    with checkpoint.shards_held_open():
+        return _reader(checkpoint).plan_layers(checkpoint)
 
 
 def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:

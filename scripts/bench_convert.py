@@ -3,14 +3,17 @@
 
     python scripts/bench_convert.py                      # Llama-7B-shaped, ~3.9 GB, 4 shards
     python scripts/bench_convert.py --preset qwen3-moe   # Qwen3-30B-A3B-shaped MoE slice (128 experts)
+    python scripts/bench_convert.py --preset many-experts  # 16 layers x 256 experts of small matrices, 72 MB
     python scripts/bench_convert.py --preset tiny        # seconds, for a smoke run
 
 The checkpoint is generated once into --dir (kept between runs). Both the copy and the conversion run with
 the source in the page cache (the copy runs first and warms it) and after an fsync of everything before it,
-each as a child process whose peak resident
-set size is read from the OS (wait4's ru_maxrss, through scripts/peak_rss.py's small launcher). Targets (issue #2): at least 0.5 GB/s on a 2-core machine,
-and peak RSS at most twice the largest tensor plus 400 MB. They apply to the full presets: the tiny preset is a smoke
-run, printed without PASS / MISS.
+each as a child process whose peak resident set size is read from the OS (wait4's ru_maxrss, through
+scripts/peak_rss.py's small launcher). The plan alone is timed too, as ``--dry-run`` (configs and headers read, every
+layer checked with its g_idx and qzeros read, every output tensor declared): with many-experts' 12,352 small layers it
+is a large part of the run, which is bound by work per layer, not per byte (it misses the throughput target). Targets
+(issue #2): at least 0.5 GB/s on a 2-core machine, and peak RSS at most twice the largest tensor plus 400 MB. They
+apply to the full presets: the tiny preset is a smoke run, printed without PASS / MISS.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ def _preset(name: str, shards: int):
     if name == "qwen3-moe-stacked":
         return gen.qwen3_moe(num_layers=4, num_experts=128, hidden=2048, expert_intermediate=768, stacked=True,
                              shards=shards)
+    if name == "many-experts":  # tens of thousands of small layers: what planning costs per layer
+        return gen.qwen3_moe(num_layers=16, num_experts=256, hidden=128, expert_intermediate=64, group_size=64,
+                             shards=shards)
     return gen.tiny_llama(num_layers=2, shards=shards)
 
 
@@ -102,7 +108,8 @@ def _dir_bytes(path: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="llama-7b", choices=["llama-7b", "qwen3-moe", "qwen3-moe-stacked", "tiny"])
+    parser.add_argument("--preset", default="llama-7b",
+                        choices=["llama-7b", "qwen3-moe", "qwen3-moe-stacked", "many-experts", "tiny"])
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "marlin-convert-bench")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
@@ -137,6 +144,10 @@ def main() -> None:
     out_bytes = _dir_bytes(out_dir)
     if not args.keep:
         shutil.rmtree(out_dir, ignore_errors=True)
+    plan_seconds, plan_dir = [], args.dir / "plan"  # (a dry run writes nothing: an OUT_DIR that does not exist)
+    for _ in range(max(1, args.repeat)):
+        plan_seconds.append(measure([sys.executable, "-m", "marlin_convert.cli.app", str(source), str(plan_dir), "-q",
+                                     "--dry-run", *stack])[0])
 
     convert_seconds = min(r[0] for r in runs)
     peak_rss = max(r[1] for r in runs)
@@ -153,6 +164,8 @@ def main() -> None:
                               + ", ".join(f"{r[0]:.2f}" for r in runs) + ")"),
         ("throughput", f"{rate_label(total, convert_seconds)} (target >= {TARGET_GBPS} GB/s) "
                        f"{verdict(gbps >= TARGET_GBPS, args.preset)}"),
+        ("plan (--dry-run)", f"{min(plan_seconds):.2f} s (best of {len(plan_seconds)}: "
+                             + ", ".join(f"{t:.2f}" for t in plan_seconds) + ")"),
         ("cp -r wall time", f"{cp_best:.2f} s (warm cache; cold first copy {cp_seconds[0]:.2f} s)"),
         ("convert / cp -r", f"{ratio_label(convert_seconds, cp_best)} the time of a plain copy"),
         ("largest tensor", f"{largest / 2**20:.1f} MiB"),

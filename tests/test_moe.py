@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -293,3 +296,84 @@ def test_a_2d_scales_beside_a_stacked_qweight_says_which_is_3d(tmp_path):
     with pytest.raises(InputError, match=rf"'{p}.scales' has shape \[2, 128\]: 2-D, but {p}.qweight is 3-D "
                                          r"\(stacked, 2 experts\), so scales must be 3-D"):
         build_plan(src)
+
+
+def _descriptors_on(directory) -> list[str]:
+    """The files under ``directory`` this process holds open (Linux: /proc/self/fd)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the listing's own descriptor, closed since)
+            continue
+        if target.startswith(f"{directory}{os.sep}"):
+            found.append(target)
+    return found
+
+
+def test_planning_opens_each_shard_once_however_many_tensors_it_reads(tmp_path, monkeypatch):
+    """Planning reads every layer's g_idx and qzeros, 3 x (4 + 3 x 16) layers over 3 shards here: each read is still
+    a checked open's (inside IN_DIR, the file whose header was read), but one open per shard serves them all, beside
+    the header's (it was one open per tensor: 24,704 for 16 layers of 256 experts), and none is left open."""
+    import marlin_convert.gptq as gptq
+    import marlin_convert.safetensors_io as safetensors_io
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_layers=3, num_experts=16, vocab=128, shards=3,
+                                                        act_order=True))
+    opens, reads = Counter(), Counter()
+    open_inside, read_tensor_ = safetensors_io.open_inside, gptq.read_tensor
+
+    def counted_open(path, root=None):
+        opens[Path(path).name] += 1
+        return open_inside(path, root)
+
+    def counted_read(file, name, *args):
+        reads[file.path.name] += 1
+        return read_tensor_(file, name, *args)
+
+    monkeypatch.setattr(safetensors_io, "open_inside", counted_open)
+    monkeypatch.setattr(gptq, "read_tensor", counted_read)
+    plan = build_plan(src)
+    shards = sorted(path.name for path in src.glob("*.safetensors"))
+    assert len(shards) == 3 and sum(reads.values()) == 2 * len(plan.layers) == 2 * 3 * (4 + 3 * 16)
+    assert sorted(reads) == shards and all(count > 10 for count in reads.values())  # many reads of every shard
+    assert opens == {name: 2 for name in shards}  # its header, then every read
+    assert _descriptors_on(src) == [] and plan.checkpoint.held is None
+
+
+def test_a_shard_written_to_while_planning_holds_it_open_is_refused_at_its_next_read(tmp_path, monkeypatch):
+    """The descriptor planning keeps open is held to the shard's header before every read: a write after the first
+    layer's reads (its modification time put back) stops the plan at the next one, naming the file, and the
+    descriptors are closed on the way out."""
+    import marlin_convert.gptq as gptq
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=2, num_layers=1, act_order=True))
+    shard = src / "model.safetensors"
+    checked = gptq.check_g_idx
+
+    def check_then_write(checkpoint, name, *args):
+        result = checked(checkpoint, name, *args)
+        before = os.stat(shard)
+        with open(shard, "r+b") as f:
+            f.seek(-8, os.SEEK_END)
+            f.write(b"\x00" * 8)
+        os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+        return result
+
+    monkeypatch.setattr(gptq, "check_g_idx", check_then_write)
+    with pytest.raises(InputError, match=r"model\.safetensors: changed since its header was read: it was written to"):
+        build_plan(src)
+    assert _descriptors_on(src) == []
+
+
+def test_held_shards_keep_at_most_their_limit_open_and_read_the_same_bytes(tmp_path):
+    from marlin_convert.safetensors_io import HeldShards
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=4, num_layers=1, shards=3))
+    headers = [read_header(path) for path in sorted(src.glob("*.safetensors"))]
+    with HeldShards(limit=2) as held:
+        for header in headers * 2:  # round robin over 3 shards: each read evicts the one read least recently
+            for name in list(header.tensors)[:3]:
+                assert read_tensor(header, name, held=held).tobytes() == read_tensor(header, name).tobytes()
+            assert len(_descriptors_on(src)) <= 2
+    assert _descriptors_on(src) == []
