@@ -29,7 +29,7 @@ from .experts import (SetGap, expert_group_summary, group_experts, plain_experts
                       stacked_count_problems, stated_expert_count)
 from .fileio import outside_link, read_inside
 from .gptq import (CONFIG_FILE, GPTQ_BITS, INDEX_FILE, LAYER_KINDS, QUANTIZE_CONFIG_FILE, Checkpoint, QuantConfig,
-                   is_lm_head, lm_head_contradiction, parse_dynamic, plan_layer)
+                   is_lm_head, lm_head_contradiction, parse_dynamic, parse_extra_config, plan_layer)
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SHARD_METADATA, SafetensorsFile, read_header
@@ -414,14 +414,13 @@ def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, Safetenso
                 (kept or None):
             problems.append(f"{name}: {kept_key} is {json.dumps(listed)[:80]}, the manifest keeps "
                             f"{len(kept)} layer(s) in their source form")
-        try:
+        try:  # (resolving a module can fail too: dynamic and extra_config that disagree, an ambiguous entry)
             config = _section_config(name, section)
-        except InputError as exc:
-            problems.append(f"{name}: {exc.message}")
-        else:
             problems += _settings_problems(name, config, manifest, beside)
             problems += _plain_expert_problems(name, config, beside)
             _kept_settings_problems(name, config, manifest, out_dir, headers, kept_problems, planned)
+        except InputError as exc:
+            problems.append(f"{name}: {exc.message}")
         problems += _lm_head_problems(name, section, manifest)
         problems += _defaults_problems(name, section, manifest)
     return problems
@@ -446,7 +445,7 @@ def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
         if key not in written:  # not stated there (an output of a release before 768ff4f kept config.json's own keys)
             continue
         said, stated = defaults[key], written.get(key)
-        if key == "dynamic" and manifest["source"]["format"] != compressed_tensors.QUANT_METHOD:
+        if key in ("dynamic", "extra_config") and manifest["source"]["format"] != compressed_tensors.QUANT_METHOD:
             said, stated = (json.dumps(value or {}, sort_keys=True) for value in (said, stated))
         if json.dumps(said) != json.dumps(stated):  # (as JSON: 4.0 is not 4)
             problems.append(f"{name}: {where}{key} is {json.dumps(written.get(key))[:80]}, the manifest's "
@@ -482,12 +481,14 @@ def _lm_head_problems(name: str, section: dict, manifest: dict) -> list[str]:
 
 def _section_config(name: str, section: dict) -> QuantConfig:
     """The settings a loader takes from output config ``name`` (its quantization config ``section``): the defaults,
-    then the first matching ``dynamic`` rule, GPTQModel's rule. Values are taken as written (their types are held to
-    the manifest's ``quantization_defaults``: :func:`_defaults_problems`). Raises :class:`InputError` for a
-    malformed ``dynamic``."""
+    then the first matching ``dynamic`` rule, GPTQModel's rule, or AutoRound's ``extra_config`` entry (the two must
+    agree where both are stated). Values are taken as written (their types are held to the manifest's
+    ``quantization_defaults``: :func:`_defaults_problems`). Raises :class:`InputError` for a malformed ``dynamic``
+    or ``extra_config``."""
     return QuantConfig(bits=section.get("bits"), group_size=section.get("group_size", -1),
                        desc_act=section.get("desc_act", False), sym=section.get("sym"), checkpoint_format="gptq",
-                       dynamic=parse_dynamic(section.get("dynamic"), name), sources=[name], as_read=section)
+                       dynamic=parse_dynamic(section.get("dynamic"), name), sources=[name], as_read=section,
+                       extra_config=parse_extra_config(section.get("extra_config"), name, section.get("bits")))
 
 
 def _settings_problems(name: str, config: QuantConfig, manifest: dict,
@@ -608,9 +609,10 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
                         if not is_lm_head(module)
                         and compressed_tensors.not_quantized(source_config, module, modules, blocks)}
         else:
+            defaults = manifest["quantization_defaults"]
             source = QuantConfig(bits=4, group_size=-1, desc_act=False, sym=None, checkpoint_format="gptq",
-                                 dynamic=parse_dynamic(manifest["quantization_defaults"].get("dynamic"), where),
-                                 sources=[where], as_read={})
+                                 dynamic=parse_dynamic(defaults.get("dynamic"), where), sources=[where], as_read={},
+                                 extra_config=parse_extra_config(defaults.get("extra_config"), where, 4))
             excluded = {module: settings.origin for module in plain
                         if not (settings := source.settings_for(module)).quantized}
     except InputError:

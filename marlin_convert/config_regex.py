@@ -170,8 +170,20 @@ def compile_config_regex(text: str, where: str) -> re.Pattern:
 def config_regex_match(pattern: re.Pattern | str, module: str) -> bool:
     """Whether ``pattern`` (checked by :func:`compile_config_regex`) matches the start of ``module``. Raises
     :class:`InputError` for a module name longer than :data:`MAX_MATCHED_NAME`, which is not matched (see there)."""
+    return re.match(pattern, _matchable(module)) is not None
+
+
+def config_regex_search(pattern: re.Pattern | str, module: str) -> bool:
+    """Whether ``pattern`` (checked by :func:`compile_config_regex`) matches anywhere in ``module`` (``re.search``, as
+    AutoRound's and vLLM's readers match ``extra_config`` keys). Raises :class:`InputError` as
+    :func:`config_regex_match` does."""
+    return re.search(pattern, _matchable(module)) is not None
+
+
+def _matchable(module: str) -> str:
+    """``module``, or :class:`InputError` where its name is longer than :data:`MAX_MATCHED_NAME` (see there)."""
     if len(module) > MAX_MATCHED_NAME:
         raise InputError(f"module '{module[:64]}...' has a name of {len(module)} characters, longer than "
                          f"{MAX_MATCHED_NAME}: not matched against the config's regular expressions (the time grows "
                          "with the name's length)")
-    return re.match(pattern, module) is not None
+    return module

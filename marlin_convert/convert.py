@@ -701,7 +701,7 @@ class ConversionReport:
 
 
 #: the layout settings each output config states when either source config did (a loader may read only one file)
-FILLED_KEYS = ("bits", "group_size", "sym", "desc_act", "dynamic", "lm_head")
+FILLED_KEYS = ("bits", "group_size", "sym", "desc_act", "dynamic", "lm_head", "extra_config")
 
 
 def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:

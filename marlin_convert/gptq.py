@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import layout, strict_json
-from .config_regex import compile_config_regex, config_regex_match
+from .config_regex import compile_config_regex, config_regex_match, config_regex_search
 from .errors import InputError
 from .fileio import dead_link, outside_link, read_inside
 from .safetensors_io import DTYPE_NAMES, HeldShards, SafetensorsFile, TensorInfo, read_header, read_tensor
@@ -47,6 +47,11 @@ ZERO_FORMAT_OF_LABEL = {"gptq": "v1", "gptq_v2": "v2"}
 MARLIN_LABELS = ("marlin", "marlin-partial")
 #: the per-module settings a ``dynamic`` rule may override, and their JSON types
 RULE_KEYS = {"bits": int, "group_size": int, "sym": bool, "desc_act": bool}
+#: AutoRound's ``extra_config``: the bits that mean "not quantized" (the module keeps its plain weight)
+UNQUANTIZED_BITS = 16
+#: the characters that make an ``extra_config`` key a regular expression for vLLM's AutoRound reader (a key without
+#: any is a module name to it; AutoRound's own reader takes every key that names no module as a regex)
+EXTRA_REGEX_CHARS = frozenset("*+?^$()[]{}|\\")
 
 
 def symmetric_stored_zero(bits: int, zero_format: str) -> int:
@@ -80,9 +85,9 @@ def typed(value, kind: type, key: str, where: str):
     return value
 
 
-def _check_bits(bits: int, key: str, where: str) -> int:
+def _check_bits(bits: int, key: str, where: str, also: str = "") -> int:
     if bits not in GPTQ_BITS:
-        raise InputError(f"{where}: '{key}' is {bits}; GPTQ has {', '.join(map(str, GPTQ_BITS))} bits")
+        raise InputError(f"{where}: '{key}' is {bits}; GPTQ has {', '.join(map(str, GPTQ_BITS))} bits{also}")
     return bits
 
 
@@ -103,17 +108,29 @@ class DynamicRule:
     excluded: bool
     overrides: dict  # a subset of RULE_KEYS, type-checked
     where: str  # the config file it came from
+    kind: ClassVar[str] = "dynamic rule"
+
+    def matches(self, module: str) -> bool:
+        return config_regex_match(self.pattern, module)
+
+
+def _config_entries(value, key: str, kind: str, where: str) -> list[tuple[str, dict, str]]:
+    """The entries of a config's per-module object ``key`` (``dynamic``, ``extra_config``; null: none), each as (its
+    key, its settings object, where it is for messages). Raises :class:`InputError` for a value that is no object."""
+    if value is None:
+        return []
+    typed(value, dict, key, where)
+    entries = []
+    for name, body in value.items():
+        entry_where = f"{where}: {kind} {json.dumps(name)}"
+        entries.append((name, typed(body, dict, "value", entry_where), entry_where))
+    return entries
 
 
 def parse_dynamic(value, where: str) -> tuple[DynamicRule, ...]:
     """A ``dynamic`` object's rules, in order, each regex compiled and checked. Raises :class:`InputError`."""
-    if value is None:
-        return ()
-    typed(value, dict, "dynamic", where)
     rules = []
-    for key, body in value.items():
-        rule_where = f"{where}: dynamic rule {json.dumps(key)}"
-        typed(body, dict, "value", rule_where)
+    for key, body, rule_where in _config_entries(value, "dynamic", DynamicRule.kind, where):
         excluded = key.startswith("-:")
         regex = key[2:] if key.startswith(("-:", "+:")) else key
         pattern = compile_config_regex(regex, rule_where)
@@ -128,6 +145,81 @@ def parse_dynamic(value, where: str) -> tuple[DynamicRule, ...]:
 
 
 @dataclass(frozen=True)
+class ExtraEntry:
+    """One entry of AutoRound's ``extra_config`` (``quantization_config.extra_config``: key -> settings). A key is
+    a module's full name (``model.layers.0.self_attn.k_proj``), or a regular expression (AutoRound writes its
+    ``regex_config`` keys so: ``.*mlp\\.gate.*``) matched with ``re.search``, as AutoRound's and vLLM's readers match
+    it; a module's own name wins over any regex. ``overrides``: the ``bits`` (16: not quantized), ``group_size`` and
+    ``sym`` it states, type-checked; every other key is checked for what Marlin cannot serve by
+    :func:`parse_extra_config` and otherwise left as written."""
+
+    key: str
+    pattern: re.Pattern
+    is_regex: bool  # the key holds one of EXTRA_REGEX_CHARS (else it is a module name, compiled to find misreadings)
+    overrides: dict
+    where: str
+    kind: ClassVar[str] = "extra_config entry"
+
+    @property
+    def excluded(self) -> bool:
+        return self.overrides.get("bits") == UNQUANTIZED_BITS
+
+    def matches(self, module: str) -> bool:
+        return self.key == module or config_regex_search(self.pattern, module)
+
+
+def parse_extra_config(value, where: str, default_bits) -> tuple[ExtraEntry, ...]:
+    """An ``extra_config`` object's entries, in order, each checked (``default_bits``: the config's ``bits``, which an
+    entry without its own inherits). Raises :class:`InputError` naming ``where``, the key ``extra_config``, the entry
+    and the value for what marlin-convert cannot serve: bits other than GPTQ's or 16 (not quantized), quantized
+    activations (``act_bits`` below 16), weights of a ``data_type`` other than ``int``, GGUF-style double-quantized
+    scales (``super_bits``, ``super_group_size``), rotated weights (``rotation_config``)."""
+    entries = []
+    for key, body, entry_where in _config_entries(value, "extra_config", ExtraEntry.kind, where):
+        overrides = {name: typed(body[name], kind, name, entry_where) for name, kind in RULE_KEYS.items()
+                     if name in body and name != "desc_act"}
+        bits = overrides.get("bits", default_bits)
+        if "bits" in overrides and bits != UNQUANTIZED_BITS:
+            _check_bits(bits, "bits", entry_where, also=f", or {UNQUANTIZED_BITS} for a module left unquantized")
+        if "group_size" in overrides:
+            _check_group_size(overrides["group_size"], "group_size", entry_where)
+        quantized = bits != UNQUANTIZED_BITS
+        for _, problem in _unservable(body, quantized):
+            raise InputError(f"{entry_where}: {problem}", hint=EXTRA_CONFIG_HINT)
+        is_regex = any(char in EXTRA_REGEX_CHARS for char in key)
+        entries.append(ExtraEntry(key, compile_config_regex(key, entry_where), is_regex, overrides, where))
+    return tuple(entries)
+
+
+#: the hint of every refusal of an AutoRound setting Marlin cannot serve
+EXTRA_CONFIG_HINT = ("marlin-convert converts weight-only integer GPTQ layers (data_type int, act_bits 16, bits 4 or "
+                     "8); quantize the module so, or leave it unquantized (bits 16)")
+
+
+def _unservable(settings: dict, quantized: bool) -> list[tuple[str, str]]:
+    """What AutoRound ``settings`` (an ``extra_config`` entry, or the config's own keys) state that a Marlin layer
+    cannot hold, as (key, one line) each: quantized activations, a ``data_type`` other than ``int`` for quantized
+    weights, GGUF-style double quantization, rotated weights. Absent or null keys state nothing."""
+    problems = []
+    act_bits = settings.get("act_bits")
+    if act_bits is not None and (not isinstance(act_bits, int) or isinstance(act_bits, bool) or act_bits < 16):
+        problems.append(("act_bits", f"act_bits is {json.dumps(act_bits)}: quantized activations have no Marlin form "
+                                     "(weight-only layers have act_bits 16)"))
+    data_type = settings.get("data_type")
+    if quantized and data_type is not None and data_type != "int":
+        problems.append(("data_type", f"data_type is {json.dumps(data_type)}: only integer weights (data_type "
+                                      "\"int\") are the GPTQ codes Marlin takes"))
+    for key in ("super_bits", "super_group_size"):
+        if settings.get(key) is not None:
+            problems.append((key, f"{key} is {json.dumps(settings[key])}: double-quantized scales (GGUF k-quants) "
+                                  "have no Marlin form"))
+    if settings.get("rotation_config"):
+        problems.append(("rotation_config", "rotation_config is set: rotated weights need the rotation at run time, "
+                                            "which a Marlin layer does not hold"))
+    return problems
+
+
+@dataclass(frozen=True)
 class ModuleSettings:
     """What the config says about one module: the defaults, overridden by ``rule`` (the first matching
     ``dynamic`` key, or None). ``quantized`` is False when that rule is a ``-:`` exclusion. ``sym`` is None when
@@ -137,13 +229,18 @@ class ModuleSettings:
     group_size: int
     sym: bool | None
     desc_act: bool
-    rule: DynamicRule | None = None
+    rule: DynamicRule | ExtraEntry | None = None
     quantized: bool = True
 
     @property
     def origin(self) -> str:
         """Where these settings come from, for messages."""
-        return f"dynamic rule {json.dumps(self.rule.key)} in {self.rule.where}" if self.rule else "the config"
+        return f"{self.rule.kind} {json.dumps(self.rule.key)} in {self.rule.where}" if self.rule else "the config"
+
+
+def _layout(settings: ModuleSettings) -> tuple:
+    """What a module's settings decide about its stored tensors: not quantized, or its bits, group size and sym."""
+    return (settings.bits, settings.group_size, settings.sym) if settings.quantized else ("not quantized",)
 
 
 def _resolved(settings: ModuleSettings) -> tuple:
@@ -175,6 +272,8 @@ class QuantConfig:
     #: and the file that states it
     lm_head: bool | None = None
     lm_head_origin: str = ""
+    #: AutoRound's ``extra_config`` entries (per-module overrides by full name or regex), in order
+    extra_config: tuple[ExtraEntry, ...] = ()
     source_format: ClassVar[str] = "gptq"
 
     @property
@@ -207,7 +306,57 @@ class QuantConfig:
                     f"rules in another order, and the first match differs: {other.origin} against {settings.origin}",
                     hint="a loader that reads config.json alone would take other settings: write the rules in one "
                          "order")
+        if not self.extra_config:
+            return settings
+        extra = self._resolve_extra(module)
+        if not self.dynamic:
+            return settings if extra is None else extra
+        said = extra or ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act)
+        if _layout(settings) != _layout(said):
+            dynamic = settings.origin if settings.rule else "no dynamic rule (the config's defaults)"
+            entry = extra.origin if extra else "no extra_config entry (the config's defaults)"
+            raise InputError(f"module '{module}': the config's dynamic rules and its extra_config disagree: "
+                             f"{_describe_layout(settings)} by {dynamic}, {_describe_layout(said)} by {entry}",
+                             hint="GPTQ loaders read dynamic, AutoRound's and vLLM's auto-round loaders extra_config: "
+                                  "make both give every module the same settings (or remove one)")
         return settings
+
+    def _resolve_extra(self, module: str) -> ModuleSettings | None:
+        """The settings ``extra_config`` gives ``module``, or None where no entry speaks of it: the entry named by the
+        module's own name, else the regex entries that match it (``re.search``), which must all give it the same
+        settings (AutoRound's and vLLM's readers take the first in the file, AutoRound's pass over missing tensors the
+        longest). A key with no regex character that is not the module's name but matches it as a regex (AutoRound's
+        reader applies it, vLLM's does not) is refused: the readers would not agree. Raises :class:`InputError`."""
+        own = next((entry for entry in self.extra_config if entry.key == module), None)
+        if own is not None:
+            return self._from_entry(own)
+        matched = [entry for entry in self.extra_config if entry.matches(module)]
+        plain = next((entry for entry in matched if not entry.is_regex), None)
+        if plain is not None:
+            raise InputError(f"module '{module}': {plain.where}: extra_config entry {json.dumps(plain.key)} is not "
+                             "this module's name but matches it as a regular expression: AutoRound's loader applies "
+                             "it to the module, vLLM's (which takes a key with no regex character for a module name) "
+                             "does not",
+                             hint=f"name the module exactly ('{module}'), or write a regular expression that says "
+                                  "what it matches (such as '.*' or '$')")
+        if not matched:
+            return None
+        first = self._from_entry(matched[0])
+        for entry in matched[1:]:
+            other = self._from_entry(entry)
+            if _layout(other) != _layout(first):
+                raise InputError(f"module '{module}': {first.origin} gives it {_describe_layout(first)}, "
+                                 f"{other.origin} {_describe_layout(other)}: readers that take the first matching "
+                                 "entry and those that take the longest would disagree",
+                                 hint="give the module an entry of its own name, or make the regular expressions "
+                                      "match apart")
+        return first
+
+    def _from_entry(self, entry: ExtraEntry) -> ModuleSettings:
+        o = entry.overrides
+        bits = o.get("bits", self.bits)
+        return ModuleSettings(bits, o.get("group_size", self.group_size), o.get("sym", self.sym), self.desc_act,
+                              entry, quantized=bits != UNQUANTIZED_BITS)
 
     def _resolve(self, module: str, rules: tuple[DynamicRule, ...]) -> ModuleSettings:
         for rule in rules:
@@ -226,20 +375,35 @@ class QuantConfig:
         defaults = {key: self.as_read.get(key) for key in keys}
         if defaults["checkpoint_format"] is None:
             defaults["checkpoint_format"] = self.as_read.get("format")
+        if "extra_config" in self.as_read:  # (AutoRound's: recorded where stated, so other outputs stay as they were)
+            defaults["extra_config"] = self.as_read["extra_config"]
         return defaults
 
     def resolved_defaults(self) -> dict:
         """The global settings as this reader takes them, absent ones filled in (group size -1, desc_act false,
         checkpoint_format "gptq"; ``sym`` stays null), and the ``dynamic`` rules as written, in order ({} for none;
         the manifest's ``quantization_defaults`` has the same object): ``inspect``'s plan."""
-        return {"bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act, "sym": self.sym,
-                "checkpoint_format": self.checkpoint_format, "dynamic": self.as_read.get("dynamic") or {}}
+        resolved = {"bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act, "sym": self.sym,
+                    "checkpoint_format": self.checkpoint_format, "dynamic": self.as_read.get("dynamic") or {}}
+        if "extra_config" in self.as_read:
+            resolved["extra_config"] = self.as_read["extra_config"] or {}
+        return resolved
 
     def describe(self) -> str:
         """One line for people: the global settings this reader takes."""
         return (f"config defaults: {self.bits}-bit, group size {self.group_size}, desc_act {self.desc_act}, "
                 f"sym {'not stated' if self.sym is None else self.sym}"
-                + (f", {len(self.dynamic)} dynamic rule(s)" if self.dynamic else ""))
+                + (f", {len(self.dynamic)} dynamic rule(s)" if self.dynamic else "")
+                + (f", {len(self.extra_config)} extra_config entr{'y' if len(self.extra_config) == 1 else 'ies'}"
+                   if self.extra_config else ""))
+
+
+def _describe_layout(settings: ModuleSettings) -> str:
+    """A module's layout settings in words, for messages."""
+    if not settings.quantized:
+        return "not quantized"
+    sym = "" if settings.sym is None else f", sym {json.dumps(settings.sym)}"
+    return f"{settings.bits}-bit, group size {settings.group_size}{sym}"
 
 
 def read_json(path: Path) -> dict:
@@ -290,7 +454,7 @@ AUTOROUND_METHODS = ("auto-round", "intel/auto-round")
 #: settings that decide a layer's layout: config.json's quantization_config and quantize_config.json must not
 #: state different values for them (the output's configs keep both files' values)
 LAYOUT_KEYS = ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpoint_format", "format",
-               "is_marlin_format", "dynamic", "lm_head")
+               "is_marlin_format", "dynamic", "lm_head", "extra_config")
 
 
 def _stated(key: str, value) -> str:
@@ -298,8 +462,10 @@ def _stated(key: str, value) -> str:
     first match wins); no rules (null or {}) are one thing; labels compare without case, as they are read."""
     if key in ("quant_method", "checkpoint_format", "format") and isinstance(value, str):
         value = value.lower()
-    if key == "dynamic" and value is None:
+    if key in ("dynamic", "extra_config") and value is None:
         value = {}
+    if key == "extra_config":  # (its order decides nothing: entries that could disagree by order are refused)
+        return json.dumps(value, sort_keys=True)
     return json.dumps(value)
 
 
@@ -313,14 +479,15 @@ def _same_rules(first, second) -> bool:
 def _difference(key: str, first, second) -> str:
     """What differs between two statements of a layout setting, for the error (``dynamic``: the first rule that one
     file has and the other lacks or states otherwise)."""
-    if key == "dynamic" and isinstance(first, dict) and isinstance(second, dict):
+    if key in ("dynamic", "extra_config") and isinstance(first, dict) and isinstance(second, dict):
+        what = "rule" if key == "dynamic" else "entry"
         for rule in list(first) + [rule for rule in second if rule not in first]:
             if rule not in second:
-                return f"rule {json.dumps(rule)} is only in config.json"
+                return f"{what} {json.dumps(rule)} is only in config.json"
             if rule not in first:
-                return f"rule {json.dumps(rule)} is only in quantize_config.json"
+                return f"{what} {json.dumps(rule)} is only in quantize_config.json"
             if json.dumps(first[rule], sort_keys=True) != json.dumps(second[rule], sort_keys=True):
-                return f"rule {json.dumps(rule)} is {json.dumps(first[rule])} against {json.dumps(second[rule])}"
+                return f"{what} {json.dumps(rule)} is {json.dumps(first[rule])} against {json.dumps(second[rule])}"
     return f"{json.dumps(first)[:60]} against {json.dumps(second)[:60]}"
 
 
@@ -385,8 +552,11 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
     def value(key: str, kind: type, default):
         return typed(merged[key], kind, key, origin[key]) if key in merged else default
 
+    bits = _check_bits(value("bits", int, None), "bits", origin["bits"])
+    for key, problem in _unservable(merged, quantized=True):  # (AutoRound states its scheme's keys at the top too)
+        raise InputError(f"{origin[key]}: {problem}", hint=EXTRA_CONFIG_HINT)
     config = QuantConfig(
-        bits=_check_bits(value("bits", int, None), "bits", origin["bits"]),
+        bits=bits,
         group_size=_check_group_size(value("group_size", int, -1), "group_size", origin.get("group_size", "")),
         desc_act=value("desc_act", bool, False),
         sym=value("sym", bool, None),
@@ -397,6 +567,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         dynamic_other_order=other_order,
         lm_head=value("lm_head", bool, None),
         lm_head_origin=origin.get("lm_head", ""),
+        extra_config=parse_extra_config(merged.get("extra_config"), origin.get("extra_config", ""), bits),
     )
     check_model_dtype(config_json, config_path)
     return config, config_json, quantize_json
@@ -778,13 +949,13 @@ def _check_rules_for_stacked_experts(checkpoint: Checkpoint, prefix: str, num_ex
     the stacked layer's own settings (a rule written for the stacked name, ``+:.*experts\\.down_proj``, matches no
     per-expert name), and so does one whose rule matches the stacked name too (``+:.*``, after the stacked name's own
     rule): only a rule that singles out experts speaks of them."""
-    if not checkpoint.config.dynamic:
+    if not (checkpoint.config.dynamic or checkpoint.config.extra_config):
         return
     parent, _, projection = prefix.rpartition(".")
     for expert in range(num_experts):
         module = f"{parent}.{expert}.{projection}"
         own = checkpoint.config.settings_for(module)
-        if own.rule is None or config_regex_match(own.rule.pattern, prefix):
+        if own.rule is None or own.rule.matches(prefix):
             continue
         differs = [(key, text) for key, text in STACKED_RULE_KEYS if getattr(own, key) != getattr(settings, key)]
         if own.quantized and not differs:
@@ -952,9 +1123,11 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
         raise InputError(f"{checkpoint.path}: not a GPTQ checkpoint: no tensor named '*.qweight'")
     _refuse_layers_without_qweight(checkpoint, set(prefixes))
     _check_lm_head_flag(checkpoint, prefixes)
-    if checkpoint.config.dynamic_other_order:
-        # the rules in config.json's order must resolve the modules stored unquantized alike too (an excluded module
-        # that config.json's order quantizes would be loaded as quantized by a loader reading config.json alone)
+    config = checkpoint.config
+    if config.dynamic_other_order or (config.dynamic and config.extra_config):
+        # the rules in config.json's order (or extra_config beside dynamic) must resolve the modules stored unquantized
+        # alike too (an excluded module that config.json's order quantizes would be loaded as quantized by a loader
+        # reading config.json alone)
         for module in checkpoint.plain_linear_modules():
             checkpoint.config.settings_for(module)
     return [plan_layer(checkpoint, p) for p in prefixes]

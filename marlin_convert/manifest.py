@@ -19,7 +19,7 @@ from . import strict_json
 from .compressed_tensors import MIXED, PACKED, QUANT_METHOD, STORED_KIND
 from .errors import InputError, ManifestError, VerificationFailed
 from .fileio import dead_link, digest_text, outside_link, read_inside
-from .gptq import GPTQ_BITS, ZERO_FORMAT_OF_LABEL, parse_dynamic
+from .gptq import GPTQ_BITS, ZERO_FORMAT_OF_LABEL, parse_dynamic, parse_extra_config
 
 MANIFEST_FILE = "marlin_manifest.json"
 MANIFEST_VERSION = 2
@@ -333,6 +333,9 @@ def _check_defaults(defaults: dict, source_format: str) -> None:
     dynamic = _get(defaults, "dynamic", where, dict, null=True)
     try:
         parse_dynamic(dynamic, f"'{where}.dynamic'")  # (the rules' types, values and regexes, as a config's)
+        if "extra_config" in defaults:  # (AutoRound's; recorded only where the source's config states it)
+            parse_extra_config(_get(defaults, "extra_config", where, dict, null=True), f"'{where}.extra_config'",
+                               defaults["bits"])
     except InputError as exc:
         raise _FieldError(exc.message) from None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..convert import ConversionPlan
 from ..experts import group_experts, plain_experts
-from ..gptq import LayerPlan
+from ..gptq import DynamicRule, LayerPlan
 from ..sources import FORM_NAMES
 from ._output import Output
 
@@ -132,7 +132,7 @@ def layer_dict(layer: LayerPlan) -> dict:
         "zero_stored": layer.zero_stored,
         "act_order": spec.act_order,
         "scale_dtype": layer.stored_scale_dtype or spec.scale_dtype,
-        "dynamic_rule": layer.settings.rule.key if layer.settings.rule else None,
+        "dynamic_rule": layer.settings.rule.key if isinstance(layer.settings.rule, DynamicRule) else None,
         "settings_from": layer.settings.origin,
         "source_format": spec.source_format,
         "convert": layer.convertible,
