@@ -28,8 +28,9 @@ from .errors import InputError
 from .experts import (SetGap, expert_group_summary, group_experts, plain_experts, set_problems, split_expert_key,
                       stacked_count_problems, stated_expert_count)
 from .fileio import outside_link, read_inside
-from .gptq import (CONFIG_FILE, GPTQ_BITS, INDEX_FILE, LAYER_KINDS, QUANTIZE_CONFIG_FILE, Checkpoint, QuantConfig,
-                   is_lm_head, lm_head_contradiction, parse_dynamic, parse_extra_config, plan_layer)
+from .gptq import (AUTOROUND_PACKING_KEYS, AUTOROUND_SOURCE_KEYS, CONFIG_FILE, GPTQ_BITS, INDEX_FILE, LAYER_KINDS,
+                   QUANTIZE_CONFIG_FILE, Checkpoint, QuantConfig, is_lm_head, lm_head_contradiction, parse_dynamic,
+                   parse_extra_config, plan_layer)
 from .manifest import MANIFEST_FILE, layer_outputs_names
 from .rebuild import MarlinLayer
 from .safetensors_io import SHARD_METADATA, SafetensorsFile, read_header
@@ -406,6 +407,9 @@ def _config_problems(out_dir: Path, manifest: dict, headers: dict[str, Safetenso
                                 f"(manifest: {label})")
         if "format" in section and section["format"] != label:
             problems.append(f"{name}: format is {json.dumps(section['format'])}, expected {json.dumps(label)}")
+        for key in AUTOROUND_PACKING_KEYS:  # (an AutoRound source's packing key says the Marlin label as well)
+            if key in manifest["quantization_defaults"] and section.get(key) != label:
+                problems.append(f"{name}: {key} is {json.dumps(section.get(key))}, expected {json.dumps(label)}")
         if section.get(SOURCE_FORMAT_KEY, "gptq") != source_format:
             problems.append(f"{name}: {SOURCE_FORMAT_KEY} is {json.dumps(section.get(SOURCE_FORMAT_KEY))}, the "
                             f"manifest's source is {json.dumps(source_format)}")
@@ -442,6 +446,12 @@ def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
         keys = [key for key in defaults if key != "checkpoint_format"]
     problems = []
     for key in keys:
+        if "quant_method" in defaults and key in AUTOROUND_SOURCE_KEYS:  # (AutoRound's own: kept as source_<key>)
+            said, stated = defaults[key], written.get(AUTOROUND_SOURCE_KEYS[key])
+            if json.dumps(said) != json.dumps(stated):
+                problems.append(f"{name}: {AUTOROUND_SOURCE_KEYS[key]} is {json.dumps(stated)[:80]}, the manifest's "
+                                f"quantization_defaults.{key} is {json.dumps(said)[:80]}")
+            continue
         if key not in written:  # not stated there (an output of a release before 768ff4f kept config.json's own keys)
             continue
         said, stated = defaults[key], written.get(key)

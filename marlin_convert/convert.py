@@ -34,7 +34,8 @@ from . import __version__, layout
 from .compressed_tensors import QUANT_METHOD, block_of, module_names, not_quantized
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
-from .gptq import CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan, count_layers, is_lm_head
+from .gptq import (AUTOROUND_SOURCE_KEYS, CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan,
+                   count_layers, is_lm_head)
 from .experts import (ExpertGroup, expert_group_summary, group_experts, plain_experts, set_problems,
                       stacked_count_problems, stated_expert_count)
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
@@ -718,6 +719,13 @@ def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:
     updated.update(quant_method="gptq", checkpoint_format=label, is_marlin_format=label == "marlin")
     if "format" in original:
         updated["format"] = label
+    config = plan.checkpoint.config
+    if getattr(config, "autoround", False):  # AutoRound's native format: its own keys say Marlin too, the source's
+        for key in ("quant_method", config.packing_key):  # values live on under source_<key>
+            if key and key in config.as_read:
+                updated[AUTOROUND_SOURCE_KEYS[key]] = config.as_read[key]
+        if config.packing_key:
+            updated[config.packing_key] = label
     if plan.refused:
         updated[KEPT_MODULES_KEYS[plan.checkpoint.source_format]] = [layer.prefix for layer in plan.refused]
     return updated
@@ -784,7 +792,20 @@ def produced_names(plan: ConversionPlan) -> set[str]:
     names = {shard.file_name for shard in plan.shards} | {INDEX_FILE, CONFIG_FILE, QUANTIZE_CONFIG_FILE, MANIFEST_FILE}
     if plan.checkpoint.index_name:  # (AutoGPTQ's own index name: the output's index above replaces it)
         names.add(plan.checkpoint.index_name)
+    if autoround_config_copy(plan):  # (not copied: it would describe the source's GPTQ tensors)
+        names.add(AUTOROUND_CONFIG_FILE)
     return names
+
+
+#: the copy of its quantization config AutoRound writes beside config.json (vLLM's AutoRound reader looks for it)
+AUTOROUND_CONFIG_FILE = "quantization_config.json"
+
+
+def autoround_config_copy(plan: ConversionPlan) -> bool:
+    """Whether IN_DIR holds AutoRound's ``quantization_config.json`` for an AutoRound source: it is not copied (it
+    says quant_method "auto-round" and a GPTQ packing), and a note says so."""
+    return getattr(plan.checkpoint.config, "autoround", False) and \
+        os.path.lexists(plan.checkpoint.path / AUTOROUND_CONFIG_FILE)
 
 
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
@@ -916,6 +937,10 @@ def convert(
     bytes_in = plan.bytes_in  # (read once, now: nothing after the output is moved into place may fail)
     extra = select_extra_files(in_dir, produced_names(plan))
     notes = list(plan.notes) + [f"not copied from IN_DIR: {line}" for line in extra.skipped]
+    if autoround_config_copy(plan):
+        notes.append(f"not copied from IN_DIR: {AUTOROUND_CONFIG_FILE}: AutoRound's copy of the source's quantization "
+                     "config (quant_method auto-round, GPTQ packing); config.json and quantize_config.json say what "
+                     "the output is")
     if out_dir.parent.is_dir():
         notes += clear_stale_partials(out_dir)
 

@@ -229,7 +229,7 @@ class ModuleSettings:
     group_size: int
     sym: bool | None
     desc_act: bool
-    rule: DynamicRule | ExtraEntry | None = None
+    rule: DynamicRule | ExtraEntry | BlockScope | None = None
     quantized: bool = True
 
     @property
@@ -274,6 +274,11 @@ class QuantConfig:
     lm_head_origin: str = ""
     #: AutoRound's ``extra_config`` entries (per-module overrides by full name or regex), in order
     extra_config: tuple[ExtraEntry, ...] = ()
+    #: AutoRound's native format: the key that states its packing (None where assumed, or not AutoRound's), whether
+    #: quant_method is AutoRound's, and its ``block_name_to_quantize`` (None where not stated)
+    packing_key: str | None = None
+    autoround: bool = False
+    blocks: BlockScope | None = None
     source_format: ClassVar[str] = "gptq"
 
     @property
@@ -284,14 +289,21 @@ class QuantConfig:
     def format_stated(self) -> bool:
         """Whether a config states the format (``checkpoint_format``, or GPTQModel's ``format``); where none does,
         ``checkpoint_format`` is GPTQ's default ``gptq`` (v1 zeros)."""
-        return self.defaults()["checkpoint_format"] is not None
+        return self.defaults().get("checkpoint_format") is not None or self.packing_key is not None
 
     @property
     def format_key(self) -> str:
         """The key that states the format, for messages: ``checkpoint_format``, or ``format`` where only GPTQModel's
-        own key is written (both must agree where both are)."""
+        own key is written (both must agree where both are), or AutoRound's packing key where neither is."""
+        if self.packing_key and self.as_read.get("checkpoint_format") is None and "format" not in self.as_read:
+            return self.packing_key
         return "format" if self.as_read.get("checkpoint_format") is None and "format" in self.as_read else \
             "checkpoint_format"
+
+    @property
+    def format_value(self) -> str:
+        """The format as the config states it under :attr:`format_key` (``gptq``, ``auto_round:auto_gptq``, ...)."""
+        return str(self.as_read.get(self.format_key, self.checkpoint_format))
 
     def settings_for(self, module: str) -> ModuleSettings:
         """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``). Raises
@@ -306,15 +318,19 @@ class QuantConfig:
                     f"rules in another order, and the first match differs: {other.origin} against {settings.origin}",
                     hint="a loader that reads config.json alone would take other settings: write the rules in one "
                          "order")
-        if not self.extra_config:
+        extra = self._resolve_extra(module) if self.extra_config else None
+        if extra is None and self.blocks is not None and not self.blocks.holds(module):
+            extra = ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act, self.blocks, quantized=False)
+        if extra is None and not self.extra_config:
             return settings
-        extra = self._resolve_extra(module)
         if not self.dynamic:
             return settings if extra is None else extra
         said = extra or ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act)
         if _layout(settings) != _layout(said):
             dynamic = settings.origin if settings.rule else "no dynamic rule (the config's defaults)"
             entry = extra.origin if extra else "no extra_config entry (the config's defaults)"
+            if self.blocks is not None and extra is not None and extra.rule is self.blocks:
+                entry = f"{extra.origin} (outside every block, no extra_config entry)"
             raise InputError(f"module '{module}': the config's dynamic rules and its extra_config disagree: "
                              f"{_describe_layout(settings)} by {dynamic}, {_describe_layout(said)} by {entry}",
                              hint="GPTQ loaders read dynamic, AutoRound's and vLLM's auto-round loaders extra_config: "
@@ -377,6 +393,11 @@ class QuantConfig:
             defaults["checkpoint_format"] = self.as_read.get("format")
         if "extra_config" in self.as_read:  # (AutoRound's: recorded where stated, so other outputs stay as they were)
             defaults["extra_config"] = self.as_read["extra_config"]
+        if self.autoround:  # (its native format: the quant_method, packing and blocks, as written)
+            defaults["quant_method"] = self.as_read["quant_method"]
+            if self.packing_key:
+                defaults[self.packing_key] = self.as_read[self.packing_key]
+            defaults["block_name_to_quantize"] = self.as_read.get("block_name_to_quantize")
         return defaults
 
     def resolved_defaults(self) -> dict:
@@ -387,6 +408,11 @@ class QuantConfig:
                     "checkpoint_format": self.checkpoint_format, "dynamic": self.as_read.get("dynamic") or {}}
         if "extra_config" in self.as_read:
             resolved["extra_config"] = self.as_read["extra_config"] or {}
+        if self.autoround:
+            resolved["quant_method"] = self.as_read["quant_method"]
+            resolved["packing_format"] = (self.as_read[self.packing_key] if self.packing_key
+                                          else AUTOROUND_DEFAULT_PACKING)
+            resolved["block_name_to_quantize"] = list(self.blocks.blocks) if self.blocks else None
         return resolved
 
     def describe(self) -> str:
@@ -395,7 +421,10 @@ class QuantConfig:
                 f"sym {'not stated' if self.sym is None else self.sym}"
                 + (f", {len(self.dynamic)} dynamic rule(s)" if self.dynamic else "")
                 + (f", {len(self.extra_config)} extra_config entr{'y' if len(self.extra_config) == 1 else 'ies'}"
-                   if self.extra_config else ""))
+                   if self.extra_config else "")
+                + (f", AutoRound packing {self.format_value if self.packing_key else AUTOROUND_DEFAULT_PACKING} "
+                   f"({self.zero_format_label} zeros)" if self.autoround else "")
+                + (f", quantized blocks {self.blocks.key}" if self.blocks else ""))
 
 
 def _describe_layout(settings: ModuleSettings) -> str:
@@ -448,19 +477,93 @@ def _format_label(merged: dict, origin: dict[str, str]) -> str:
     return label
 
 
-#: AutoRound's own quant_method labels (its native export; its ``auto_gptq`` export is GPTQ)
+#: AutoRound's own quant_method labels (its native export; its ``auto_gptq`` export is GPTQ): read where the packing
+#: format it states is a GPTQ tensor layout (:func:`autoround_zero_label`)
 AUTOROUND_METHODS = ("auto-round", "intel/auto-round")
+#: the keys that state an AutoRound checkpoint's packing: ``packing_format``; releases before it (quant_method
+#: ``intel/auto-round``) wrote the same value under ``backend``
+AUTOROUND_PACKING_KEYS = ("packing_format", "backend")
+#: the packing vLLM's AutoRound reader assumes where a config states none
+AUTOROUND_DEFAULT_PACKING = "auto_round:auto_gptq"
+#: the output configs keep an AutoRound source's quant_method and packing key under these names (the keys themselves
+#: say what the output is: quant_method "gptq", the packing key the Marlin label)
+AUTOROUND_SOURCE_KEYS = {"quant_method": "source_quant_method", "packing_format": "source_packing_format",
+                         "backend": "source_backend"}
+AUTOROUND_HINT = ("export it with AutoRound's format \"auto_round\" for symmetric int layers (packing "
+                  "auto_round:auto_gptq) or format \"auto_gptq\"; marlin-convert reads GPTQ tensor layouts only")
+
+
+def autoround_zero_label(packing: str) -> str | None:
+    """The GPTQ format label (zero format) of an AutoRound ``packing_format``, None where it is no GPTQ tensor layout.
+
+    - any label naming GPTQ (``auto_round:auto_gptq``, ``auto_round:gptq``, older ``auto_round:gptq:exllamav2``,
+      ``auto_gptq``): AutoGPTQ's layout, zero points stored minus 1 (v1), as AutoRound's GPTQ packers write them;
+    - ``auto_round`` alone (AutoRound's own packing, which it writes for asymmetric layers): the same tensors, zero
+      points stored as they are (v2);
+    - AWQ (``auto_round:auto_awq``), GPTQModel's variant, float and every other packing: None.
+    """
+    label = packing.lower()
+    if "awq" in label or "gptqmodel" in label:
+        return None
+    if "gptq" in label:
+        return "gptq"
+    return "gptq_v2" if label == "auto_round" else None
+
+
+def _autoround_packing(merged: dict, origin: dict[str, str]) -> tuple[str | None, str]:
+    """(the key that states an AutoRound config's packing, or None where none does; the zero-format label it means).
+    Raises :class:`InputError` naming the file, key and value for a packing that is no GPTQ tensor layout."""
+    key = next((key for key in AUTOROUND_PACKING_KEYS if merged.get(key) is not None), None)
+    if key == "backend" and "packing_format" in merged:  # (a null packing_format states none; backend: a kernel name)
+        key = None
+    value = typed(merged[key], str, key, origin[key]) if key else AUTOROUND_DEFAULT_PACKING
+    if key == "backend" and not any(word in value.lower() for word in ("auto_round", "gptq", "awq")):
+        key, value = None, AUTOROUND_DEFAULT_PACKING  # (vLLM's kernel choice, "auto" / "marlin": no packing stated)
+    label = autoround_zero_label(value)
+    if label is None:
+        what = ("AWQ's tensor layout (qweight packed along N in AutoAWQ's order), not GPTQ's" if "awq" in value.lower()
+                else "not a GPTQ tensor layout")
+        raise InputError(f"{origin[key]}: {key} is {json.dumps(value)}: {what}", hint=AUTOROUND_HINT)
+    return key, label
+
+
+@dataclass(frozen=True)
+class BlockScope:
+    """AutoRound's ``block_name_to_quantize`` as a module's reason for not being quantized: a module outside every
+    block (``key``, the prefixes as written) that no ``extra_config`` entry names is left unquantized, as AutoRound's
+    and vLLM's readers take it (``startswith`` on the module name)."""
+
+    key: str
+    blocks: tuple[str, ...]
+    where: str
+    kind: ClassVar[str] = "block_name_to_quantize"
+
+    def holds(self, module: str) -> bool:
+        return any(module.startswith(block) for block in self.blocks)
+
+
+def parse_blocks(value, where: str) -> BlockScope | None:
+    """``block_name_to_quantize`` (a comma-separated string or a list of strings; null: none) as a :class:`BlockScope`.
+    Raises :class:`InputError` for another type."""
+    if value is None:
+        return None
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        names = value
+    else:
+        names = typed(value, str, "block_name_to_quantize", where).split(",")
+    blocks = tuple(name.strip() for name in names if name.strip())
+    return BlockScope(",".join(blocks), blocks, where) if blocks else None
 
 #: settings that decide a layer's layout: config.json's quantization_config and quantize_config.json must not
 #: state different values for them (the output's configs keep both files' values)
 LAYOUT_KEYS = ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpoint_format", "format",
-               "is_marlin_format", "dynamic", "lm_head", "extra_config")
+               "is_marlin_format", "dynamic", "lm_head", "extra_config", "packing_format", "block_name_to_quantize")
 
 
 def _stated(key: str, value) -> str:
     """A layout setting as the two configs are compared: JSON text, so the order of ``dynamic``'s rules counts (the
     first match wins); no rules (null or {}) are one thing; labels compare without case, as they are read."""
-    if key in ("quant_method", "checkpoint_format", "format") and isinstance(value, str):
+    if key in ("quant_method", "checkpoint_format", "format", "packing_format") and isinstance(value, str):
         value = value.lower()
     if key in ("dynamic", "extra_config") and value is None:
         value = {}
@@ -536,12 +639,12 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
             hint="give a GPTQ or compressed-tensors checkpoint directory (with its config.json or quantize_config.json)",
         )
     method = merged.get("quant_method", "gptq")
-    if not isinstance(method, str) or method.lower() != "gptq":
-        autoround = isinstance(method, str) and method.lower() in AUTOROUND_METHODS
-        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}"
-                         + (" (AutoRound's own format: export it with format=\"auto_gptq\" for GPTQ)" if autoround
-                            else ""),
-                         hint="marlin-convert reads GPTQ and compressed-tensors pack-quantized checkpoints")
+    autoround = isinstance(method, str) and method.lower() in AUTOROUND_METHODS
+    if not autoround and (not isinstance(method, str) or method.lower() != "gptq"):
+        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}",
+                         hint="marlin-convert reads GPTQ (also AutoRound's GPTQ packing) and compressed-tensors "
+                              "pack-quantized checkpoints")
+    packing_key, packing_label = _autoround_packing(merged, origin) if autoround else (None, None)
     if merged.get("pack_dtype") is not None and str(merged["pack_dtype"]).removeprefix("torch.") != "int32":
         raise InputError(f"{origin['pack_dtype']}: pack_dtype {json.dumps(merged['pack_dtype'])}: GPTQ tensors packed "
                          "into int32 words are read, not other word sizes",
@@ -555,12 +658,21 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
     bits = _check_bits(value("bits", int, None), "bits", origin["bits"])
     for key, problem in _unservable(merged, quantized=True):  # (AutoRound states its scheme's keys at the top too)
         raise InputError(f"{origin[key]}: {problem}", hint=EXTRA_CONFIG_HINT)
+    label = _format_label(merged, origin)
+    if autoround:
+        stated = [key for key in ("checkpoint_format", "format") if key in merged]
+        if stated and label != packing_label:
+            shown = f"{packing_key} {json.dumps(merged[packing_key])}" if packing_key else \
+                f"no packing_format (AutoRound's default {AUTOROUND_DEFAULT_PACKING})"
+            raise InputError(f"{origin[stated[0]]}: {stated[0]} {json.dumps(merged[stated[0]])} and {shown} say "
+                             "different zero formats", hint="make the config state one format")
+        label = packing_label
     config = QuantConfig(
         bits=bits,
         group_size=_check_group_size(value("group_size", int, -1), "group_size", origin.get("group_size", "")),
         desc_act=value("desc_act", bool, False),
         sym=value("sym", bool, None),
-        checkpoint_format=_format_label(merged, origin),
+        checkpoint_format=label,
         dynamic=parse_dynamic(merged.get("dynamic"), origin.get("dynamic", "")),
         sources=sources,
         as_read=merged,
@@ -568,6 +680,10 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         lm_head=value("lm_head", bool, None),
         lm_head_origin=origin.get("lm_head", ""),
         extra_config=parse_extra_config(merged.get("extra_config"), origin.get("extra_config", ""), bits),
+        packing_key=packing_key,
+        autoround=autoround,
+        blocks=parse_blocks(merged.get("block_name_to_quantize"), origin.get("block_name_to_quantize", ""))
+        if autoround else None,
     )
     check_model_dtype(config_json, config_path)
     return config, config_json, quantize_json
@@ -1200,7 +1316,7 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
         chosen = [layer for layer in symmetric if layer.spec.zero_format == fmt]
         stored = sorted({layer.zero_stored for layer in chosen})
         if fmt != label:
-            said = (f"{config.format_key} says {config.checkpoint_format} ({label} zeros)" if config.format_stated
+            said = (f"{config.format_key} says {config.format_value} ({label} zeros)" if config.format_stated
                     else f"{unlabelled} zeros,")
             notes.append(f"{said} but qzeros of {count_layers(chosen)} symmetric layer(s) hold "
                          f"{'/'.join(map(str, stored))}, the {fmt} value: treated as {fmt}")
@@ -1209,7 +1325,7 @@ def plan_notes(checkpoint: Checkpoint, layers: list[LayerPlan]) -> list[str]:
                          f"{'/'.join(map(str, stored))}), {'as labelled' if config.format_stated else unlabelled}")
     asymmetric = [layer for layer in layers if layer.convertible and not layer.spec.sym]
     if asymmetric:
-        said = f"from {config.format_key} {config.checkpoint_format}" if config.format_stated else unlabelled
+        said = f"from {config.format_key} {config.format_value}" if config.format_stated else unlabelled
         notes.append(f"{count_layers(asymmetric)} asymmetric layer(s): zero points read as {label} ({said}"
                      f"{', v1 stores zero - 1' if label == 'v1' else ''}); written to zp")
     unstated = [layer for layer in layers if layer.settings.sym is None and layer.convertible]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -14,3 +15,13 @@ def set_quant_config(directory: Path, **changes) -> None:
     quantize = json.loads((directory / "quantize_config.json").read_text())
     quantize.update(changes)
     (directory / "quantize_config.json").write_text(json.dumps(quantize))
+
+
+def resign(out: Path, name: str) -> None:
+    """Record file ``name`` of the converted ``out`` again in its manifest (size and SHA-256), as a careful forger
+    would after editing it."""
+    path = out / "marlin_manifest.json"
+    manifest = json.loads(path.read_text())
+    data = (out / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "sha256": "sha256:" + hashlib.sha256(data).hexdigest()}
+    path.write_text(json.dumps(manifest, indent=2))

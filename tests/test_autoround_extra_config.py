@@ -4,19 +4,18 @@ and value; ``dynamic`` beside it held to the same settings; the output keeping i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
 
 import pytest
-from edit_checkpoint import set_quant_config
+from edit_checkpoint import resign, set_quant_config
 from make_gptq_checkpoint import TensorSpec, tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
 from marlin_convert.convert import build_plan, convert
 from marlin_convert.errors import InputError
-from marlin_convert.manifest import MANIFEST_FILE, load_manifest
+from marlin_convert.manifest import load_manifest
 from marlin_convert.verify import verify
 
 K_PROJ = "model.layers.0.self_attn.k_proj"
@@ -59,15 +58,6 @@ def _only_in_config_json(src: Path) -> None:
 
 def _layers(plan) -> dict:
     return {layer.prefix: layer for layer in plan.layers}
-
-
-def _resign(out: Path, name: str) -> None:
-    """Record file ``name`` of ``out`` again in the manifest (size and SHA-256), as a careful forger would."""
-    path = out / MANIFEST_FILE
-    manifest = json.loads(path.read_text())
-    data = (out / name).read_bytes()
-    manifest["files"][name] = {"bytes": len(data), "sha256": "sha256:" + hashlib.sha256(data).hexdigest()}
-    path.write_text(json.dumps(manifest, indent=2))
 
 
 # ------------------------------------------------------------------------------------------------- converting
@@ -230,7 +220,7 @@ def test_verify_fails_an_output_whose_extra_config_was_edited(tmp_path):
     config = json.loads((out / "config.json").read_text())
     del config["quantization_config"]["extra_config"][K_PROJ]  # a loader would build k_proj 4-bit
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _resign(out, "config.json")
+    resign(out, "config.json")
     for source in (None, src):
         report = verify(out, gpus=None, workers=1, source_dir=source)
         assert not report.ok

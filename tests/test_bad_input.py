@@ -905,9 +905,9 @@ def test_gptqmodel_pack_dtype_other_than_int32_is_refused_by_name(capsys, tmp_pa
         _convert_fails(capsys, tmp_path, src, f'pack_dtype "{pack_dtype}"', "int32")
 
 
-def test_autoround_native_format_is_refused_with_the_export_that_works(capsys, tmp_path, src):
-    set_quant_config(src, quant_method="auto-round", packing_format="auto_round:auto_gptq")
-    _convert_fails(capsys, tmp_path, src, 'quant_method is "auto-round"', 'format="auto_gptq"')
+def test_autoround_awq_packing_is_refused_naming_the_key_and_value(capsys, tmp_path, src):
+    set_quant_config(src, quant_method="auto-round", packing_format="auto_round:auto_awq")
+    _convert_fails(capsys, tmp_path, src, 'packing_format is "auto_round:auto_awq": AWQ', "not GPTQ's")
 
 
 def test_a_tensor_of_an_unexpected_dtype_is_named_by_its_dtype_name(capsys, tmp_path, src):
