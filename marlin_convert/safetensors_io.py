@@ -16,6 +16,7 @@ optional ``"__metadata__"`` string map; then the data.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -202,7 +203,8 @@ class HeldShards:
     """Shards kept open across many small reads, each opened once rather than once per tensor: planning reads every
     layer's g_idx and qzeros, 24,704 tensors of 4 shards for 16 layers of 256 experts, and one checked open costs
     more than such a read. At most ``limit`` descriptors at a time (the one read least recently is closed first,
-    and opened again if it is needed again); a context manager that closes them all.
+    and opened again if it is needed again; fewer where the process runs out of descriptors); a context manager that
+    closes them all.
 
     The checks stay those of a fresh open: each shard is opened by :func:`open_as_read` (a regular file inside its
     directory, the one whose header was read), and before every read the open file is held to that header's
@@ -220,9 +222,7 @@ class HeldShards:
         key = (file.path, file.identity)
         fd = self._fds.pop(key, None)
         if fd is None:
-            if len(self._fds) >= self.limit:
-                os.close(self._fds.pop(next(iter(self._fds))))
-            fd = open_as_read(file.path, file.identity)
+            fd = self._open(file)
         else:
             try:
                 _check_opened(fd, file.path, file.identity)
@@ -231,6 +231,21 @@ class HeldShards:
                 raise
         self._fds[key] = fd  # (re-inserted: now the most recently read)
         return fd
+
+    def _open(self, file: SafetensorsFile) -> int:
+        """A fresh :func:`open_as_read` of ``file``'s shard, room made first. Where the process's descriptors run
+        out (EMFILE, ENFILE: a low ``ulimit -n``), the held ones give way, least recently read first, and the limit
+        comes down to what fits: planning then needs no more descriptors than one open per read did."""
+        while True:
+            while len(self._fds) >= self.limit:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            try:
+                return open_as_read(file.path, file.identity)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._fds:
+                    raise
+                # one fewer than were held when the open failed, with the new one: a descriptor to spare
+                self.limit = max(1, len(self._fds) - 1)
 
     def close(self) -> None:
         fds, self._fds = list(self._fds.values()), {}

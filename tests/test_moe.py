@@ -377,3 +377,56 @@ def test_held_shards_keep_at_most_their_limit_open_and_read_the_same_bytes(tmp_p
                 assert read_tensor(header, name, held=held).tobytes() == read_tensor(header, name).tobytes()
             assert len(_descriptors_on(src)) <= 2
     assert _descriptors_on(src) == []
+
+
+def test_planning_under_a_low_descriptor_limit_holds_fewer_shards_open_instead_of_failing(tmp_path):
+    """`ulimit -n 10` leaves a few descriptors beside the standard ones: one open per read fitted, and so must
+    planning that holds shards open: where an open runs out of descriptors (EMFILE) the held shards give way
+    (`inspect` of 20 shards failed with "cannot read tensor ...: Too many open files", exit 2, blaming a shard)."""
+    import resource
+    import subprocess
+    import sys
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_layers=24, num_experts=2, shards=20, act_order=True))
+    assert len(list(src.glob("*.safetensors"))) == 20
+    code = "import sys; from marlin_convert.cli.app import main; sys.exit(main(sys.argv[1:]))"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (10, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    for args in (["inspect", str(src)], [str(src), str(tmp_path / "out"), "--dry-run"]):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                              preexec_fn=limit)
+        assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_held_shards_give_way_where_the_process_runs_out_of_descriptors(tmp_path, monkeypatch):
+    """An open that fails with EMFILE closes held shards (least recently read first) and is tried again, the limit
+    brought down with a descriptor to spare; with none held, the error is the open's, as before."""
+    import errno
+
+    import marlin_convert.safetensors_io as safetensors_io
+    from marlin_convert.safetensors_io import HeldShards
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=4, num_layers=4, shards=6))
+    headers = [read_header(path) for path in sorted(src.glob("*.safetensors"))]
+    expected = [read_tensor(header, next(iter(header.tensors))).tobytes() for header in headers]
+    open_as_read = safetensors_io.open_as_read
+    room = [4]  # descriptors this "process" may still open for shards
+
+    def limited_open(path, identity):
+        if len(_descriptors_on(src)) >= room[0]:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return open_as_read(path, identity)
+
+    monkeypatch.setattr(safetensors_io, "open_as_read", limited_open)
+    with HeldShards() as held:
+        for header, data in zip(headers * 2, expected * 2):
+            assert read_tensor(header, next(iter(header.tensors)), held=held).tobytes() == data
+        assert held.limit == 3 and len(_descriptors_on(src)) == 3  # (4 held when the open failed)
+        room[0] = 0
+        with pytest.raises(InputError, match="Too many open files"):
+            for header in headers:
+                read_tensor(header, next(iter(header.tensors)), held=held)
+    assert _descriptors_on(src) == []
