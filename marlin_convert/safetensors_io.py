@@ -177,10 +177,20 @@ def changed_since_read(file: SafetensorsFile) -> str | None:
     return None if file.identity is None else _what_changed(file.identity, now)
 
 
-def _check_opened(fd: int, path: Path, identity: tuple | None) -> None:
+def _check_opened(fd: int, path: Path, identity: tuple | None, held: bool = False) -> None:
     """Raise :class:`InputError` when the file open on ``fd`` is not, or is no longer, the one whose header was read
-    (``identity``; None: no check)."""
+    (``identity``; None: no check). ``held``: ``fd`` was opened earlier (:class:`HeldShards`), so the file may have
+    been replaced at ``path`` since (its status-change time moves when it is renamed or unlinked): where another file
+    is at ``path`` now, or none, the error says so rather than that the file was written to."""
     changed = None if identity is None else _what_changed(identity, _identity(os.fstat(fd)))
+    if changed is not None and held:
+        try:
+            now = _identity(os.stat(path))
+        except OSError as exc:
+            changed = f"it can no longer be read at its path: {exc.strerror or exc}"
+        else:
+            if now[:2] != identity[:2]:
+                changed = _what_changed(identity, now)  # (another file is now at its path)
     if changed is not None:
         raise InputError(f"{path}: changed since its header was read: {changed}",
                          hint="convert again once nothing writes to IN_DIR")
@@ -225,7 +235,7 @@ class HeldShards:
             fd = self._open(file)
         else:
             try:
-                _check_opened(fd, file.path, file.identity)
+                _check_opened(fd, file.path, file.identity, held=True)
             except BaseException:
                 os.close(fd)
                 raise

@@ -430,3 +430,41 @@ def test_held_shards_give_way_where_the_process_runs_out_of_descriptors(tmp_path
             for header in headers:
                 read_tensor(header, next(iter(header.tensors)), held=held)
     assert _descriptors_on(src) == []
+
+
+@pytest.mark.parametrize("how, said", [("renamed over", "another file is now at its path"),
+                                       ("linked out", "another file is now at its path"),
+                                       ("moved away", "it can no longer be read at its path: No such file")])
+def test_a_shard_replaced_while_planning_holds_it_open_is_refused_as_replaced(tmp_path, monkeypatch, how, said):
+    """A shard replaced at its path after the first layer's reads (a copy renamed over it, a link to a copy outside
+    IN_DIR, or moved away) is refused at the next read of the descriptor planning holds, saying what happened at the
+    path, as a fresh open said: the held file's status-change time moved with the rename, which alone read "it was
+    written to, or its times were reset"."""
+    import shutil
+
+    import marlin_convert.gptq as gptq
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=2, num_layers=1, act_order=True))
+    shard = src / "model.safetensors"
+    (tmp_path / "outside").mkdir()
+    checked, done = gptq.check_g_idx, []
+
+    def check_then_replace(checkpoint, name, *args):
+        result = checked(checkpoint, name, *args)
+        if not done:
+            done.append(name)
+            copy = tmp_path / "outside" / shard.name
+            shutil.copy2(shard, copy)
+            if how == "renamed over":
+                os.replace(copy, shard)
+            elif how == "linked out":
+                shard.unlink()
+                shard.symlink_to(copy)
+            else:
+                os.replace(shard, tmp_path / "moved.safetensors")
+        return result
+
+    monkeypatch.setattr(gptq, "check_g_idx", check_then_replace)
+    with pytest.raises(InputError, match=rf"model\.safetensors: changed since its header was read: {said}"):
+        build_plan(src)
+    assert done and _descriptors_on(src) == [] and _descriptors_on(tmp_path) == []
