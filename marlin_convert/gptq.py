@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import layout, strict_json
-from .config_regex import compile_config_regex, config_regex_match, config_regex_search
+from .config_regex import compile_config_regex, compile_config_search, config_regex_match
 from .errors import InputError
 from .fileio import dead_link, outside_link, read_inside
 from .safetensors_io import DTYPE_NAMES, HeldShards, SafetensorsFile, TensorInfo, read_header, read_tensor
@@ -165,7 +165,7 @@ class ExtraEntry:
         return self.overrides.get("bits") == UNQUANTIZED_BITS
 
     def matches(self, module: str) -> bool:
-        return self.key == module or config_regex_search(self.pattern, module)
+        return self.key == module or config_regex_match(self.pattern, module)
 
 
 def parse_extra_config(value, where: str, default_bits) -> tuple[ExtraEntry, ...]:
@@ -187,7 +187,7 @@ def parse_extra_config(value, where: str, default_bits) -> tuple[ExtraEntry, ...
         for _, problem in _unservable(body, quantized):
             raise InputError(f"{entry_where}: {problem}", hint=EXTRA_CONFIG_HINT)
         is_regex = any(char in EXTRA_REGEX_CHARS for char in key)
-        entries.append(ExtraEntry(key, compile_config_regex(key, entry_where), is_regex, overrides, where))
+        entries.append(ExtraEntry(key, compile_config_search(key, entry_where), is_regex, overrides, where))
     return tuple(entries)
 
 

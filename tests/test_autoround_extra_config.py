@@ -226,3 +226,23 @@ def test_verify_fails_an_output_whose_extra_config_was_edited(tmp_path):
         assert not report.ok
         assert any(f"config.json: gives module '{K_PROJ}' bits 4 (the config); it was converted with 8" in problem
                    for problem in report.problems), report.problems
+
+
+def test_a_key_whose_search_over_a_long_name_could_run_for_hours_is_refused_and_one_that_cannot_converts(tmp_path,
+                                                                                                        capsys):
+    """Keys are matched anywhere in a name (re.search), which tries every start: a factor of the name's length that
+    a match's bound on repeats does not count (a three-repeat key took 1.4 s on one 256-character name searched,
+    0.02 s matched; a few thousand names and entries, hours). A key is checked with that start counted as one more
+    repeat; one that starts with '.*' (which reaches every start itself) or '^' costs what it is."""
+    src = _checkpoint(tmp_path / "in", {**MIXED, "a.*a.*a.*!": {"bits": 8}}, stored={K_PROJ: {"bits": 8},
+                                                                                     UP_PROJ: {"group_size": 32}},
+                      plain=(O_PROJ,))
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert 'extra_config entry "a.*a.*a.*!" (matched anywhere in a module name' in err
+    assert "has 4 repeats of a chosen count" in err and not (tmp_path / "out").exists()
+    src = _mixed(tmp_path / "ok", {**MIXED, ".*a.*a.*a!": {"bits": 8}, "^lm_head$": {"bits": 16},
+                                   r"(?i)LAYERS\.0\.SELF_ATTN\.Q_PROJ$": {"group_size": 64}})
+    plan = build_plan(src)
+    assert _layers(plan)["model.layers.0.self_attn.q_proj"].settings.rule.key.startswith("(?i)")
+    assert _layers(plan)[UP_PROJ].settings.group_size == 32
