@@ -563,7 +563,7 @@ LAYOUT_KEYS = ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpo
 def _stated(key: str, value) -> str:
     """A layout setting as the two configs are compared: JSON text, so the order of ``dynamic``'s rules counts (the
     first match wins); no rules (null or {}) are one thing; labels compare without case, as they are read."""
-    if key in ("quant_method", "checkpoint_format", "format", "packing_format") and isinstance(value, str):
+    if key in ("quant_method", "checkpoint_format", "format", "packing_format", "backend") and isinstance(value, str):
         value = value.lower()
     if key in ("dynamic", "extra_config") and value is None:
         value = {}
@@ -611,7 +611,10 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         sources.append(f"{CONFIG_FILE}:quantization_config")
     other_order: tuple[DynamicRule, ...] = ()
     if quantize_json is not None:
-        for key in LAYOUT_KEYS:  # both files state the same settings (GPTQModel writes them identically)
+        said_autoround = any(isinstance(section.get("quant_method"), str) and section["quant_method"].lower()
+                             in AUTOROUND_METHODS for section in (merged, quantize_json))
+        # (AutoRound's older releases state the packing under backend: a layout key there, a kernel name elsewhere)
+        for key in LAYOUT_KEYS + (("backend",) if said_autoround else ()):  # both files state the same settings
             if key in merged and key in quantize_json and _stated(key, merged[key]) != _stated(key, quantize_json[key]):
                 if key == "dynamic" and _same_rules(merged[key], quantize_json[key]):
                     # transformers writes config.json with sorted keys, so its copy of the rules may come in another

@@ -192,3 +192,19 @@ def test_verify_fails_an_output_whose_autoround_keys_were_edited(tmp_path, key, 
         report = verify(out, gpus=None, workers=1, source_dir=source)
         assert not report.ok
         assert any(said in problem for problem in report.problems), report.problems
+
+
+def test_config_json_and_quantize_config_json_stating_different_backends_are_refused(tmp_path, capsys):
+    """Releases before packing_format state the packing under backend: config.json's auto_round (zero points as
+    they are) against quantize_config.json's auto_round:auto_gptq (stored minus 1) took quantize_config.json's, so
+    every zero point was read one off what config.json's readers take, where the stored values allowed both."""
+    src = _autoround(tmp_path / "in", None, sym=False, zero_format="v1", quant_method="intel/auto-round",
+                     backend="auto_round")
+    quantize = json.loads((src / "config.json").read_text())["quantization_config"]
+    (src / "quantize_config.json").write_text(json.dumps({**quantize, "backend": "auto_round:auto_gptq"}))
+    with pytest.raises(InputError, match=r"'backend' disagrees: \"auto_round\" against \"auto_round:auto_gptq\""):
+        build_plan(src)
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
+    assert "'backend' disagrees" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    (src / "quantize_config.json").write_text(json.dumps({**quantize, "backend": "AUTO_ROUND"}))
+    assert {layer.spec.zero_format for layer in build_plan(src).layers if layer.convertible} == {"v2"}
