@@ -11,6 +11,7 @@ why. All of that happens before a single byte is written.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -480,6 +481,8 @@ def _format_label(merged: dict, origin: dict[str, str]) -> str:
 #: AutoRound's own quant_method labels (its native export; its ``auto_gptq`` export is GPTQ): read where the packing
 #: format it states is a GPTQ tensor layout (:func:`autoround_zero_label`)
 AUTOROUND_METHODS = ("auto-round", "intel/auto-round")
+#: the quant_method values some reader of this package takes, for a did-you-mean on a mistyped one
+KNOWN_METHODS = ("gptq", *AUTOROUND_METHODS, "compressed-tensors")
 #: the keys that state an AutoRound checkpoint's packing: ``packing_format``; releases before it (quant_method
 #: ``intel/auto-round``) wrote the same value under ``backend``
 AUTOROUND_PACKING_KEYS = ("packing_format", "backend")
@@ -644,9 +647,12 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
     method = merged.get("quant_method", "gptq")
     autoround = isinstance(method, str) and method.lower() in AUTOROUND_METHODS
     if not autoround and (not isinstance(method, str) or method.lower() != "gptq"):
-        raise InputError(f"{in_dir}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}",
-                         hint="marlin-convert reads GPTQ (also AutoRound's GPTQ packing) and compressed-tensors "
-                              "pack-quantized checkpoints")
+        close = difflib.get_close_matches(method.lower(), KNOWN_METHODS, n=1, cutoff=0.6) \
+            if isinstance(method, str) else []
+        raise InputError(f"{origin['quant_method']}: not a GPTQ checkpoint: quant_method is {json.dumps(method)}",
+                         hint=(f"did you mean {json.dumps(close[0])}? " if close else "")
+                         + "marlin-convert reads quant_method \"gptq\", AutoRound's \"auto-round\" (with a GPTQ "
+                           "packing_format) and \"compressed-tensors\" (pack-quantized)")
     packing_key, packing_label = _autoround_packing(merged, origin) if autoround else (None, None)
     if merged.get("pack_dtype") is not None and str(merged["pack_dtype"]).removeprefix("torch.") != "int32":
         raise InputError(f"{origin['pack_dtype']}: pack_dtype {json.dumps(merged['pack_dtype'])}: GPTQ tensors packed "

@@ -127,6 +127,19 @@ def test_autoround_quantization_config_json_is_not_copied(tmp_path):
 # ------------------------------------------------------------------------------------------------- refused
 
 
+@pytest.mark.parametrize("method, suggested", [("auto_round", "auto-round"), ("autoround", "auto-round"),
+                                               ("gptqq", "gptq"), ("compressed_tensors", "compressed-tensors"),
+                                               ("awq", None)])
+def test_a_mistyped_quant_method_names_the_file_and_the_likely_value(tmp_path, capsys, method, suggested):
+    src = _autoround(tmp_path / "in", quant_method=method)
+    assert main(["inspect", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert f'config.json (quantization_config): not a GPTQ checkpoint: quant_method is "{method}"' in err
+    assert ("did you mean" in err) == (suggested is not None)
+    if suggested:
+        assert f'did you mean "{suggested}"?' in err
+
+
 @pytest.mark.parametrize("packing, said", [
     ("auto_round:auto_awq", "AWQ's tensor layout"),
     ("auto_round:fp8_static", "not a GPTQ tensor layout"),
