@@ -338,6 +338,14 @@ class QuantConfig:
                                   "make both give every module the same settings (or remove one)")
         return settings
 
+    def left_unquantized_by_default(self, module: str) -> bool:
+        """Whether nothing but the defaults speaks of ``module`` in ``dynamic`` and AutoRound's
+        ``block_name_to_quantize`` leaves it out (outside every block, no ``extra_config`` entry): an embedding or an
+        ``lm_head`` stored as a plain ``.weight``, which a GPTQ loader reading ``dynamic`` leaves alone as well."""
+        return (self.blocks is not None and not self.blocks.holds(module)
+                and self._resolve(module, self.dynamic).rule is None
+                and (not self.extra_config or self._resolve_extra(module) is None))
+
     def _resolve_extra(self, module: str) -> ModuleSettings | None:
         """The settings ``extra_config`` gives ``module``, or None where no entry speaks of it: the entry named by the
         module's own name, else the regex entries that match it (``re.search``), which must all give it the same
@@ -1254,7 +1262,8 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
         # alike too (an excluded module that config.json's order quantizes would be loaded as quantized by a loader
         # reading config.json alone)
         for module in checkpoint.plain_linear_modules():
-            checkpoint.config.settings_for(module)
+            if not config.left_unquantized_by_default(module):
+                config.settings_for(module)
     return [plan_layer(checkpoint, p) for p in prefixes]
 
 

@@ -113,6 +113,25 @@ def test_a_stored_qweight_outside_the_blocks_without_an_entry_is_refused(tmp_pat
     assert "block_name_to_quantize" in capsys.readouterr().err
 
 
+#: dynamic rules that say what EXTRA says (k_proj 8-bit, o_proj not quantized), as a tool that leaves both writes them
+AGREEING_DYNAMIC = {"+:" + K_PROJ.replace(".", r"\.") + "$": {"bits": 8}, "-:" + O_PROJ.replace(".", r"\.") + "$": {}}
+
+
+def test_dynamic_beside_extra_config_agreeing_converts_with_the_embeddings_outside_the_blocks(tmp_path):
+    """embed_tokens and lm_head, stored as plain ``.weight`` outside every block, with no rule and no entry: a GPTQ
+    loader reading dynamic leaves them alone as block_name_to_quantize does, so they are no disagreement."""
+    src = _autoround(tmp_path / "in", dynamic=AGREEING_DYNAMIC)
+    out = tmp_path / "out"
+    convert(src, out)
+    assert verify(out, gpus=None, workers=1, source_dir=src).ok
+
+
+def test_dynamic_beside_extra_config_still_refuses_a_stored_qweight_outside_the_blocks(tmp_path):
+    src = _autoround(tmp_path / "in", lm_head=True, dynamic=AGREEING_DYNAMIC)
+    with pytest.raises(InputError, match=r"module 'lm_head': the config's dynamic rules and its extra_config disagree"):
+        build_plan(src)
+
+
 def test_autoround_quantization_config_json_is_not_copied(tmp_path):
     src = _autoround(tmp_path / "in")
     (src / "quantization_config.json").write_text(json.dumps(
