@@ -171,6 +171,18 @@ def mixed_dynamic():
             lin.group_size = 32
     return gen.with_quantized_lm_head(spec)
 
+
+def autoround(packing, sym, zero_format):
+    """AutoRound's own format (config.json alone, quant_method "auto-round", `packing`): k_proj 8-bit by an
+    extra_config entry, the rest 4-bit group 128, block_name_to_quantize "model.layers"."""
+    spec = gen.tiny_llama(num_layers=1, hidden=1024, intermediate=2816, vocab=512, group_size=128, sym=sym,
+                          zero_format=zero_format, config_location="config")
+    k_proj = next(lin for lin in spec.linears if lin.name.endswith("k_proj"))
+    k_proj.bits = 8
+    spec.quantization_extra = {"quant_method": "auto-round", "packing_format": packing, "data_type": "int",
+                               "block_name_to_quantize": "model.layers", "extra_config": {k_proj.name: {"bits": 8}}}
+    return spec
+
 cases = {
     "dense-g128-actorder": gen.tiny_llama(num_layers=2, hidden=1024, intermediate=2816, vocab=512, group_size=128,
                                           act_order=True, shards=2),
@@ -202,6 +214,9 @@ cases = {
     "dense-bf16-model": gen.tiny_llama(num_layers=1, hidden=1024, intermediate=2816, vocab=512,
                                        scale_dtype="bfloat16", extra_dtype="bfloat16"),
     "dense-mixed-dynamic": mixed_dynamic(),
+    # AutoRound's own format: its GPTQ packing (zero points minus 1) and its asymmetric packing (as they are)
+    "autoround-gptq-sym": autoround("auto_round:auto_gptq", True, "v1"),
+    "autoround-asym-v2": autoround("auto_round", False, "v2"),
 }
 for name, spec in cases.items():
     gen.write_checkpoint(root / f"{name}-gptq", spec)

@@ -160,3 +160,26 @@ def test_sanitize_kernel_isolate_runs_each_selected_call_once_with_the_selection
     assert call.startswith("--tool synccheck ") and call.endswith("--few --wgmma any --index 3")
     with pytest.raises(SystemExit):  # (an abbreviation is refused, not passed on)
         sanitize_kernel.main(["--few", "--iso", "racecheck"])
+
+
+@pytest.mark.slow
+def test_gpu_check_end_to_end_checkpoints_convert_and_verify_on_the_cpu(tmp_path):
+    """gpu_check.sh's end-to-end step generates its checkpoints with the Python between ``<<'PYEOF'`` and ``PYEOF``
+    and converts and verifies each on the GPU. The same Python, run here, writes checkpoints that convert and pass
+    ``verify --skip-kernel --source`` on the CPU, so a GPU run does not find a broken case only there (the AutoRound
+    cases came in without a GPU run)."""
+    script = (REPO / "scripts" / "gpu_check.sh").read_text()
+    generator = script.split("<<'PYEOF'\n", 1)[1].split("\nPYEOF\n", 1)[0]
+    done = subprocess.run([sys.executable, "-c", generator, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    sources = sorted(tmp_path.glob("*-gptq"))
+    assert len(sources) >= 15 and any(src.name.startswith("autoround-") for src in sources), sources
+    for src in sources:
+        out = tmp_path / src.name.replace("-gptq", "-marlin")
+        extra = ["--stack-experts"] if src.name == "moe-per-expert-gptq" else []
+        for command in ([str(src), str(out), "-q", *extra], ["verify", str(out), "--skip-kernel", "--source", str(src),
+                                                              "-q"]):
+            run = subprocess.run([sys.executable, "-m", "marlin_convert.cli.app", *command], capture_output=True,
+                                 text=True, timeout=300)
+            assert run.returncode == 0, (src.name, command[0], run.stderr[-2000:])
