@@ -435,7 +435,8 @@ def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
     config, which keeps them as read: a GPTQ source's ``bits``, ``group_size``, ``desc_act``, ``sym`` and ``dynamic``
     (the same rules, in any order, none as null or {}: what the order decides, :func:`_settings_problems` holds;
     ``checkpoint_format`` is rewritten there, so not compared), a compressed-tensors source's every default under
-    ``source_quantization_config``. A key the output config does not state is not compared."""
+    ``source_quantization_config``. A key the output config does not state is not compared, except from an AutoRound
+    source (``quant_method`` among the defaults), whose outputs state every key its config stated."""
     defaults = manifest["quantization_defaults"]
     if manifest["source"]["format"] == compressed_tensors.QUANT_METHOD:
         written = section.get(SOURCE_CONFIG_KEY)
@@ -453,6 +454,9 @@ def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
                                 f"quantization_defaults.{key} is {json.dumps(said)[:80]}")
             continue
         if key not in written:  # not stated there (an output of a release before 768ff4f kept config.json's own keys)
+            if "quant_method" in defaults and defaults[key] is not None:  # (AutoRound's own: none is that old)
+                problems.append(f"{name}: {where}{key} is missing, the manifest's quantization_defaults.{key} is "
+                                f"{json.dumps(defaults[key])[:80]}")
             continue
         said, stated = defaults[key], written.get(key)
         if key in ("dynamic", "extra_config") and manifest["source"]["format"] != compressed_tensors.QUANT_METHOD:

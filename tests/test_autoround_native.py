@@ -206,6 +206,7 @@ def test_a_checkpoint_format_that_contradicts_the_packing_is_refused(tmp_path):
     ("source_quant_method", None, "source_quant_method is null, the manifest's quantization_defaults.quant_method"),
     ("quant_method", "auto-round", 'quant_method is "auto-round", expected "gptq"'),
     ("block_name_to_quantize", "model", "block_name_to_quantize is \"model\", the manifest's"),
+    ("block_name_to_quantize", None, "block_name_to_quantize is missing, the manifest's quantization_defaults"),
 ])
 def test_verify_fails_an_output_whose_autoround_keys_were_edited(tmp_path, key, value, said):
     src = _autoround(tmp_path / "in")
