@@ -552,6 +552,11 @@ class BlockScope:
     def holds(self, module: str) -> bool:
         return any(module.startswith(block) for block in self.blocks)
 
+    def matches(self, module: str) -> bool:
+        """Whether it speaks of ``module`` (as a dynamic rule or an extra_config entry that matches it): leaves it
+        outside every block."""
+        return not self.holds(module)
+
 
 def parse_blocks(value, where: str) -> BlockScope | None:
     """``block_name_to_quantize`` (a comma-separated string or a list of strings; null: none) as a :class:`BlockScope`.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from edit_checkpoint import resign
-from make_gptq_checkpoint import TensorSpec, tiny_llama, with_quantized_lm_head, write_checkpoint
+from make_gptq_checkpoint import TensorSpec, qwen3_moe, tiny_llama, with_quantized_lm_head, write_checkpoint
 
 from marlin_convert.cli.app import main
 from marlin_convert.convert import build_plan, convert
@@ -111,6 +111,22 @@ def test_a_stored_qweight_outside_the_blocks_without_an_entry_is_refused(tmp_pat
         build_plan(src)
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
     assert "block_name_to_quantize" in capsys.readouterr().err
+
+
+def test_stacked_experts_outside_the_blocks_quantized_by_their_entries_convert(tmp_path):
+    """Stacked 3-D experts outside every block, each named by an extra_config entry: every per-expert name is left
+    out by block_name_to_quantize as the stacked name is, so no rule singles the experts out (the check of
+    per-expert rules ended in an AttributeError on the BlockScope)."""
+    spec = qwen3_moe(num_layers=1, num_experts=4, hidden=128, expert_intermediate=64, group_size=32, stacked=True)
+    stacked = [lin.name for lin in spec.linears if ".experts." in lin.name]
+    spec.quantization_extra = {"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
+                               "block_name_to_quantize": "model.layers.0.self_attn",
+                               "extra_config": {name: {"bits": 4} for name in stacked}}
+    src = write_checkpoint(tmp_path / "in", spec)
+    out = tmp_path / "out"
+    convert(src, out)
+    assert {entry["name"] for entry in load_manifest(out)["layers"]} >= set(stacked)
+    assert verify(out, gpus=None, workers=1, source_dir=src).ok
 
 
 #: dynamic rules that say what EXTRA says (k_proj 8-bit, o_proj not quantized), as a tool that leaves both writes them
