@@ -35,7 +35,7 @@ from .compressed_tensors import QUANT_METHOD, block_of, module_names, not_quanti
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
 from .gptq import (AUTOROUND_SOURCE_KEYS, CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan,
-                   count_layers, is_lm_head)
+                   QuantConfig, count_layers, is_lm_head)
 from .experts import (ExpertGroup, expert_group_summary, group_experts, plain_experts, set_problems,
                       stacked_count_problems, stated_expert_count)
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
@@ -720,7 +720,7 @@ def _marlin_quant_config(original: dict, plan: ConversionPlan) -> dict:
     if "format" in original:
         updated["format"] = label
     config = plan.checkpoint.config
-    if getattr(config, "autoround", False):  # AutoRound's native format: its own keys say Marlin too, the source's
+    if _autoround_source(plan):  # AutoRound's native format: its own keys say Marlin too, the source's
         for key in ("quant_method", config.packing_key):  # values live on under source_<key>
             if key and key in config.as_read:
                 updated[AUTOROUND_SOURCE_KEYS[key]] = config.as_read[key]
@@ -804,8 +804,14 @@ AUTOROUND_CONFIG_FILE = "quantization_config.json"
 def autoround_config_copy(plan: ConversionPlan) -> bool:
     """Whether IN_DIR holds AutoRound's ``quantization_config.json`` for an AutoRound source: it is not copied (it
     says quant_method "auto-round" and a GPTQ packing), and a note says so."""
-    return getattr(plan.checkpoint.config, "autoround", False) and \
-        os.path.lexists(plan.checkpoint.path / AUTOROUND_CONFIG_FILE)
+    return _autoround_source(plan) and os.path.lexists(plan.checkpoint.path / AUTOROUND_CONFIG_FILE)
+
+
+def _autoround_source(plan: ConversionPlan) -> bool:
+    """Whether the source is AutoRound's native format (a GPTQ config whose quant_method is AutoRound's; a
+    compressed-tensors source never is)."""
+    config = plan.checkpoint.config
+    return isinstance(config, QuantConfig) and config.autoround
 
 
 def _passthrough_entries(plan: ConversionPlan, digests: dict[str, str], out_shard: dict[str, str]) -> list[dict]:
