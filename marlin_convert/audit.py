@@ -603,9 +603,10 @@ def _excluded_problems(name: str, section: dict, config: QuantConfig, manifest: 
     output config's rules) too, or a loader would look for their Marlin tensors (an expert beside converted siblings,
     whatever the source's config says: :func:`_plain_expert_problems`): a GPTQ source's modules that its
     ``dynamic`` rules (``quantization_defaults``, in their order) exclude with a ``-:`` rule (the same rules in another
-    order can resolve such a module to a ``+:`` rule first); a compressed-tensors source's plain linears that its
-    config leaves unquantized (:func:`marlin_convert.compressed_tensors.not_quantized`), for which the converter
-    writes ``-:`` rules (where ``section`` states ``dynamic``)."""
+    order can resolve such a module to a ``+:`` rule first) or its ``extra_config`` with an entry of bits 16; a
+    compressed-tensors source's plain linears that its config leaves unquantized
+    (:func:`marlin_convert.compressed_tensors.not_quantized`), for which the converter writes ``-:`` rules (where
+    ``section`` states ``dynamic``)."""
     where = "the manifest's quantization_defaults"
     # (``beside``: the experts held to more than this, by _plain_expert_problems)
     plain = [module for module in _plain_linears(manifest) if module not in beside]

@@ -223,8 +223,9 @@ def _unservable(settings: dict, quantized: bool) -> list[tuple[str, str]]:
 @dataclass(frozen=True)
 class ModuleSettings:
     """What the config says about one module: the defaults, overridden by ``rule`` (the first matching
-    ``dynamic`` key, or None). ``quantized`` is False when that rule is a ``-:`` exclusion. ``sym`` is None when
-    no file states it (the stored zero points then decide)."""
+    ``dynamic`` key, AutoRound's ``extra_config`` entry, or its ``block_name_to_quantize`` leaving the module out;
+    None: the defaults alone). ``quantized`` is False when that rule is a ``-:`` exclusion, an entry of bits 16 or the
+    blocks. ``sym`` is None when no file states it (the stored zero points then decide)."""
 
     bits: int
     group_size: int
@@ -288,8 +289,8 @@ class QuantConfig:
 
     @property
     def format_stated(self) -> bool:
-        """Whether a config states the format (``checkpoint_format``, or GPTQModel's ``format``); where none does,
-        ``checkpoint_format`` is GPTQ's default ``gptq`` (v1 zeros)."""
+        """Whether a config states the format (``checkpoint_format``, GPTQModel's ``format``, or AutoRound's packing
+        key); where none does, ``checkpoint_format`` is GPTQ's default ``gptq`` (v1 zeros)."""
         return self.defaults().get("checkpoint_format") is not None or self.packing_key is not None
 
     @property
@@ -307,9 +308,12 @@ class QuantConfig:
         return str(self.as_read.get(self.format_key, self.checkpoint_format))
 
     def settings_for(self, module: str) -> ModuleSettings:
-        """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``). Raises
+        """The settings of module ``module`` (a layer prefix such as ``model.layers.0.mlp.down_proj``): by ``dynamic``,
+        or by AutoRound's ``extra_config`` and ``block_name_to_quantize`` where the config states them. Raises
         :class:`InputError` where config.json lists the ``dynamic`` rules in another order than quantize_config.json
-        and this module resolves differently under the two orders."""
+        and this module resolves differently under the two orders, where ``dynamic`` and ``extra_config`` (or the
+        blocks) give it different settings, and where ``extra_config`` resolves it ambiguously
+        (:meth:`_resolve_extra`)."""
         settings = self._resolve(module, self.dynamic)
         if self.dynamic_other_order:
             other = self._resolve(module, self.dynamic_other_order)
@@ -395,7 +399,9 @@ class QuantConfig:
 
     def defaults(self) -> dict:
         """The global settings exactly as the files wrote them, null where absent (the manifest's
-        ``quantization_defaults``): ``checkpoint_format``, or GPTQModel's ``format`` where only that is written."""
+        ``quantization_defaults``): ``checkpoint_format``, or GPTQModel's ``format`` where only that is written;
+        ``extra_config`` where stated; from AutoRound's native format its ``quant_method``, packing key (where
+        stated) and ``block_name_to_quantize``."""
         keys = ("bits", "group_size", "desc_act", "sym", "checkpoint_format", "dynamic")
         defaults = {key: self.as_read.get(key) for key in keys}
         if defaults["checkpoint_format"] is None:
@@ -412,7 +418,9 @@ class QuantConfig:
     def resolved_defaults(self) -> dict:
         """The global settings as this reader takes them, absent ones filled in (group size -1, desc_act false,
         checkpoint_format "gptq"; ``sym`` stays null), and the ``dynamic`` rules as written, in order ({} for none;
-        the manifest's ``quantization_defaults`` has the same object): ``inspect``'s plan."""
+        the manifest's ``quantization_defaults`` has the same object), so ``extra_config`` where stated; from
+        AutoRound's native format its ``quant_method``, ``packing_format`` (its default where none is stated) and
+        blocks: ``inspect``'s plan."""
         resolved = {"bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act, "sym": self.sym,
                     "checkpoint_format": self.checkpoint_format, "dynamic": self.as_read.get("dynamic") or {}}
         if "extra_config" in self.as_read:
@@ -596,8 +604,8 @@ def _same_rules(first, second) -> bool:
 
 
 def _difference(key: str, first, second) -> str:
-    """What differs between two statements of a layout setting, for the error (``dynamic``: the first rule that one
-    file has and the other lacks or states otherwise)."""
+    """What differs between two statements of a layout setting, for the error (``dynamic``, ``extra_config``: the
+    first rule or entry that one file has and the other lacks or states otherwise)."""
     if key in ("dynamic", "extra_config") and isinstance(first, dict) and isinstance(second, dict):
         what = "rule" if key == "dynamic" else "entry"
         for rule in list(first) + [rule for rule in second if rule not in first]:
