@@ -325,12 +325,12 @@ class QuantConfig:
                          "order")
         extra = self._resolve_extra(module) if self.extra_config else None
         if extra is None and self.blocks is not None and not self.blocks.holds(module):
-            extra = ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act, self.blocks, quantized=False)
+            extra = self._defaults_by(self.blocks, quantized=False)
         if extra is None and not self.extra_config:
             return settings
         if not self.dynamic:
             return settings if extra is None else extra
-        said = extra or ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act)
+        said = extra or self._defaults_by(None)
         if _layout(settings) != _layout(said):
             dynamic = settings.origin if settings.rule else "no dynamic rule (the config's defaults)"
             entry = extra.origin if extra else "no extra_config entry (the config's defaults)"
@@ -389,13 +389,18 @@ class QuantConfig:
 
     def _resolve(self, module: str, rules: tuple[DynamicRule, ...]) -> ModuleSettings:
         for rule in rules:
-            if config_regex_match(rule.pattern, module):
+            if rule.matches(module):
                 if rule.excluded:
-                    return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act, rule, quantized=False)
+                    return self._defaults_by(rule, quantized=False)
                 o = rule.overrides
                 return ModuleSettings(o.get("bits", self.bits), o.get("group_size", self.group_size),
                                       o.get("sym", self.sym), o.get("desc_act", self.desc_act), rule)
-        return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act)
+        return self._defaults_by(None)
+
+    def _defaults_by(self, rule: DynamicRule | BlockScope | None, quantized: bool = True) -> ModuleSettings:
+        """The config's defaults as a module's settings, from ``rule`` (None: the defaults alone), which leaves the
+        module unquantized where ``quantized`` is False."""
+        return ModuleSettings(self.bits, self.group_size, self.sym, self.desc_act, rule, quantized=quantized)
 
     def defaults(self) -> dict:
         """The global settings exactly as the files wrote them, null where absent (the manifest's
