@@ -445,16 +445,17 @@ def _defaults_problems(name: str, section: dict, manifest: dict) -> list[str]:
     else:
         written, where = section, ""
         keys = [key for key in defaults if key != "checkpoint_format"]
+    autoround = "quant_method" in defaults  # (recorded from AutoRound's native format alone)
     problems = []
     for key in keys:
-        if "quant_method" in defaults and key in AUTOROUND_SOURCE_KEYS:  # (AutoRound's own: kept as source_<key>)
+        if autoround and key in AUTOROUND_SOURCE_KEYS:  # (AutoRound's own: kept as source_<key>)
             said, stated = defaults[key], written.get(AUTOROUND_SOURCE_KEYS[key])
             if json.dumps(said) != json.dumps(stated):
                 problems.append(f"{name}: {AUTOROUND_SOURCE_KEYS[key]} is {json.dumps(stated)[:80]}, the manifest's "
                                 f"quantization_defaults.{key} is {json.dumps(said)[:80]}")
             continue
         if key not in written:  # not stated there (an output of a release before 768ff4f kept config.json's own keys)
-            if "quant_method" in defaults and defaults[key] is not None:  # (AutoRound's own: none is that old)
+            if autoround and defaults[key] is not None:  # (AutoRound's own: none is that old)
                 problems.append(f"{name}: {where}{key} is missing, the manifest's quantization_defaults.{key} is "
                                 f"{json.dumps(defaults[key])[:80]}")
             continue
