@@ -17,7 +17,7 @@ def set_quant_config(directory: Path, **changes) -> None:
     (directory / "quantize_config.json").write_text(json.dumps(quantize))
 
 
-def resign(out: Path, name: str) -> None:
+def rerecord(out: Path, name: str) -> None:
     """Record file ``name`` of the converted ``out`` again in its manifest (size and SHA-256), as a careful forger
     would after editing it."""
     path = out / "marlin_manifest.json"

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from edit_checkpoint import resign, set_quant_config
+from edit_checkpoint import rerecord, set_quant_config
 from make_gptq_checkpoint import TensorSpec, tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
@@ -220,7 +220,7 @@ def test_verify_fails_an_output_whose_extra_config_was_edited(tmp_path):
     config = json.loads((out / "config.json").read_text())
     del config["quantization_config"]["extra_config"][K_PROJ]  # a loader would build k_proj 4-bit
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    resign(out, "config.json")
+    rerecord(out, "config.json")
     for source in (None, src):
         report = verify(out, gpus=None, workers=1, source_dir=source)
         assert not report.ok

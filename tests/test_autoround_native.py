@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from edit_checkpoint import resign
+from edit_checkpoint import rerecord
 from make_gptq_checkpoint import TensorSpec, qwen3_moe, tiny_llama, with_quantized_lm_head, write_checkpoint
 
 from marlin_convert.cli.app import main
@@ -236,7 +236,7 @@ def test_verify_fails_an_output_whose_autoround_keys_were_edited(tmp_path, key, 
         else:
             section[key] = value
         (out / name).write_text(json.dumps(data, indent=2))
-        resign(out, name)
+        rerecord(out, name)
     for source in (None, src):
         report = verify(out, gpus=None, workers=1, source_dir=source)
         assert not report.ok

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edit_checkpoint import set_quant_config
+from edit_checkpoint import rerecord, set_quant_config
 from make_gptq_checkpoint import tiny_llama, with_quantized_lm_head, write_checkpoint
 
 from marlin_convert.cli.app import main
@@ -579,13 +579,6 @@ def test_a_source_that_differs_in_a_copied_tensor_or_file_fails(tmp_path, conver
     assert found in captured.out + captured.err, captured
 
 
-def _rerecord(out, name) -> None:
-    """Re-record file ``name``'s size and digest in the manifest, as a careful forger would."""
-    data = (out / name).read_bytes()
-    _edit_manifest(out, lambda m: m["files"][name].update(bytes=len(data),
-                                                          sha256="sha256:" + hashlib.sha256(data).hexdigest()))
-
-
 @pytest.mark.parametrize("change, found", [
     ({"bits": 8}, "bits 8 (the config); it was converted with 4"),
     ({"group_size": 32}, "group_size 32 (the config); it was converted with 64"),
@@ -598,7 +591,7 @@ def test_configs_that_give_a_converted_layer_other_settings_fail(out, capsys, ch
     with the files' digests re-recorded (they passed: only the format keys were compared)."""
     set_quant_config(out, **change)
     for name in ("config.json", "quantize_config.json"):
-        _rerecord(out, name)
+        rerecord(out, name)
     report = verify(out, gpus=None, workers=1)
     assert not report.ok
     for name in ("config.json", "quantize_config.json"):
@@ -654,7 +647,7 @@ def test_an_output_config_that_states_fewer_keys_than_the_defaults_passes(out):
     for key in ("desc_act", "sym"):
         del config["quantization_config"][key]
     path.write_text(json.dumps(config))
-    _rerecord(out, "config.json")
+    rerecord(out, "config.json")
     report = verify(out, gpus=None, workers=1)
     assert report.ok, report.problems
 
@@ -674,7 +667,7 @@ def test_dynamic_rules_reordered_so_an_excluded_module_resolves_quantized_fail(t
     swapped = {"+:.*self_attn.*": {}, "-:.*o_proj": {}, **{k: v for k, v in rules.items() if k != "-:.*o_proj"}}
     set_quant_config(out, dynamic=swapped)
     for name in ("config.json", "quantize_config.json"):
-        _rerecord(out, name)
+        rerecord(out, name)
     for source_dir in (None, src):
         report = verify(out, gpus=None, workers=1, source_dir=source_dir)
         assert any("says module 'model.layers.0.self_attn.o_proj' is quantized" in p and '"-:.*o_proj"' in p
@@ -691,7 +684,7 @@ def test_an_lm_head_flag_false_beside_a_kept_lm_head_fails(tmp_path):
     assert verify(out, gpus=None, workers=1).ok
     set_quant_config(out, lm_head=False)
     for name in ("config.json", "quantize_config.json"):
-        _rerecord(out, name)
+        rerecord(out, name)
     report = verify(out, gpus=None, workers=1)
     assert any("lm_head is false, but layer 'lm_head' is kept in GPTQ form" in p for p in report.problems), \
         report.problems
