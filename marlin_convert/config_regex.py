@@ -196,7 +196,8 @@ def compile_config_search(text: str, where: str) -> re.Pattern:
         lazy = first[0] is sre_constants.MIN_REPEAT
         form = flags + ("(?s:.*?)" if lazy else "(?s:.*)") + body[3 if lazy else 2:]
     else:
-        form = f"{flags}(?s:.*?)(?:{body})"
+        end = "\n" if parsed.state.flags & re.VERBOSE else ""  # (under (?x), a "#" comment ends at a newline only)
+        form = f"{flags}(?s:.*?)(?:{body}{end})"
     return compile_config_regex(form, f"{where} (matched anywhere in a module name, as {form!r})")
 
 

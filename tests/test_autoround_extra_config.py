@@ -13,6 +13,7 @@ from edit_checkpoint import rerecord, set_quant_config
 from make_gptq_checkpoint import TensorSpec, tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
+from marlin_convert.config_regex import compile_config_search, config_regex_match
 from marlin_convert.convert import build_plan, convert
 from marlin_convert.errors import InputError
 from marlin_convert.manifest import load_manifest
@@ -246,3 +247,12 @@ def test_a_key_whose_search_over_a_long_name_could_run_for_hours_is_refused_and_
     plan = build_plan(src)
     assert _layers(plan)["model.layers.0.self_attn.q_proj"].settings.rule.key.startswith("(?i)")
     assert _layers(plan)[UP_PROJ].settings.group_size == 32
+
+
+@pytest.mark.parametrize("key", [r"(?x) layers\.1\.mlp\.up_proj  # by name", r"(?x) .* layers\.1\.mlp\.up_proj # x"])
+def test_a_verbose_key_ending_in_a_comment_matches_as_re_search_would(key):
+    """Under (?x) a ``#`` comments out the rest of the key: the form matched anywhere must not lose its closing
+    parenthesis to it (it was refused as "missing )")."""
+    pattern = compile_config_search(key, "w")
+    assert config_regex_match(pattern, UP_PROJ) and re.search(key, UP_PROJ)
+    assert not config_regex_match(pattern, K_PROJ)
