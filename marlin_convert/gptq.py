@@ -535,6 +535,11 @@ AUTOROUND_HINT = ("export it with AutoRound's format \"auto_round\" for symmetri
                   "auto_round:auto_gptq) or format \"auto_gptq\"; marlin-convert reads GPTQ tensor layouts only")
 
 
+def _is_autoround(method) -> bool:
+    """Whether a config's ``quant_method`` (any JSON value) names AutoRound's own format, in any case."""
+    return isinstance(method, str) and method.lower() in AUTOROUND_METHODS
+
+
 def autoround_zero_label(packing: str) -> str | None:
     """The GPTQ format label (zero format) of an AutoRound ``packing_format``, None where it is no GPTQ tensor layout.
 
@@ -658,8 +663,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
         sources.append(f"{CONFIG_FILE}:quantization_config")
     other_order: tuple[DynamicRule, ...] = ()
     if quantize_json is not None:
-        said_autoround = any(isinstance(section.get("quant_method"), str) and section["quant_method"].lower()
-                             in AUTOROUND_METHODS for section in (merged, quantize_json))
+        said_autoround = any(_is_autoround(section.get("quant_method")) for section in (merged, quantize_json))
         # (AutoRound's older releases state the packing under backend: a layout key there, a kernel name elsewhere)
         for key in LAYOUT_KEYS + (("backend",) if said_autoround else ()):  # both files state the same settings
             if key in merged and key in quantize_json and _stated(key, merged[key]) != _stated(key, quantize_json[key]):
@@ -689,7 +693,7 @@ def load_quant_config(in_dir: Path) -> tuple[QuantConfig, dict | None, dict | No
             hint="give a GPTQ or compressed-tensors checkpoint directory (with its config.json or quantize_config.json)",
         )
     method = merged.get("quant_method", "gptq")
-    autoround = isinstance(method, str) and method.lower() in AUTOROUND_METHODS
+    autoround = _is_autoround(method)
     if not autoround and (not isinstance(method, str) or method.lower() != "gptq"):
         close = difflib.get_close_matches(method.lower(), KNOWN_METHODS, n=1, cutoff=0.6) \
             if isinstance(method, str) else []
