@@ -1912,11 +1912,6 @@ int launch_wgmma(const Launch& L, bool& launched, bool cluster_only = false) {
 // Hopper: MARLIN_CONVERT_WGMMA's value where the wgmma kernels can run (marlin_gemm.cu), else 0.
 int wgmma_variant();
 
-// MARLIN_CONVERT_WGMMA = 8 / 9 (benchmark only): the dequantize-to-shared kernels (marlin_gemm_dqs.cuh) where they
-// apply.
-template <class K, bool GROUPED>
-int launch_dqs(const Launch& L, bool& launched, int producers);
-
 // m > 32, 4-bit kinds: the wgmma kernel where wgmma_variant allows it (1: the default, where wgmma_pays, and at m =
 // 65..128 in a cluster where launch_config's kClusterMinK allows; 2..4 a fixed configuration wherever it fits).
 // launched = false: the caller takes the mma.sync kernels.
@@ -1933,7 +1928,6 @@ int try_wgmma(const Launch& L, bool& launched) {
       if (L.m <= 64 || L.m > 128 || wgmma_cluster_variant() == 0) return MARLIN_OK;
       cluster_only = true;
     }
-    if (wg == 8 || wg == 9) return launch_dqs<K, GROUPED>(L, launched, wg - 8);
     if (wg == 2) return launch_wgmma<K, 8, 3, GROUPED>(L, launched);
     if (wg == 3) return launch_wgmma<K, 4, 6, GROUPED>(L, launched);
     if (wg == 4) return launch_wgmma<K, 4, 4, GROUPED>(L, launched);
@@ -1953,7 +1947,6 @@ int try_wgmma(const Launch& L, bool& launched) {
 }  // namespace marlin_convert
 
 #include "marlin_gemm_direct.cuh"  // the direct-load kernel for m <= 32 on Hopper (try_direct)
-#include "marlin_gemm_dqs.cuh"     // the dequantize-to-shared wgmma kernel (MARLIN_CONVERT_WGMMA = 8, an experiment)
 
 namespace marlin_convert {
 namespace detail {

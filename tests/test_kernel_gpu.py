@@ -716,30 +716,6 @@ def test_wgmma_kernel(torch, monkeypatch, kind, variant, m, k, n, group, act_ord
               split_k=split_k, calls=2, bits=bits, asym=asym, dtype=dtype)
 
 
-# The dequantize-to-shared wgmma kernels (MARLIN_CONVERT_WGMMA = 8; 9 its warp-specialized form;
-# kernel/marlin_gemm_dqs.cuh, experiments of issue #11): 4-bit symmetric fp16 / bf16, grouped (group 64, 128, 256,
-# act-order) and channelwise; one chunk of k (64), two (the copies' prologue only), many; partial and several 128-row
-# chunks (m = 33, 100, 200); 256 .. 2560 columns. Where they do not apply (zero points, n % 256, k % 64, group 32) the
-# same call runs another kernel: checked by the launch.
-DQS_SHAPES = [(128, 64, 256, -1, False), (128, 128, 512, 64, False), (33, 1024, 256, 128, False),
-              (100, 4096, 2560, 128, False), (200, 2048, 768, 256, True), (64, 1536, 1024, -1, False),
-              (128, 8192, 256, 128, True), (128, 1040, 256, -1, False), (96, 2048, 512, 32, False)]
-
-
-@pytest.mark.parametrize("variant", ["8", "9"])
-@pytest.mark.parametrize("kind", FOUR_BIT_KINDS, ids=_kind_id)
-@pytest.mark.parametrize("m,k,n,group,act_order", DQS_SHAPES)
-def test_dqs_kernel(torch, monkeypatch, variant, kind, m, k, n, group, act_order):
-    monkeypatch.setenv("MARLIN_CONVERT_WGMMA", variant)
-    dtype, bits, asym = kind
-    _run_case(torch, m, k, n, group, act_order, seed=zlib.crc32(repr(("dqs", m, k, n, group, kind)).encode()),
-              calls=2, bits=bits, asym=asym, dtype=dtype)
-    if torch.cuda.get_device_capability() == (9, 0):
-        applies = not asym and k % 64 == 0 and (group == -1 or group % 64 == 0)
-        name = "wgmma-dqs " if variant == "8" else "wgmma-dqs-ws "
-        assert _last_launch(torch).startswith(name) == applies, _last_launch(torch)
-
-
 # The 64-row wgmma kernel (m = 33..64) in stream-K (MARLIN_CONVERT_STREAM_K = 1: one block per SM, every block the
 # same number of stages across tile boundaries, a tile's contributors adding into C under its lock): with 132 SMs, 10
 # tiles of 32 stages over blocks of 3 (blocks with two segments), 3 tiles of 25 stages of 4 x 6 with group 64 and
