@@ -35,7 +35,7 @@ from .compressed_tensors import QUANT_METHOD, block_of, module_names, not_quanti
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
 from .gptq import (AUTOROUND_SOURCE_KEYS, CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan,
-                   QuantConfig, count_layers, is_lm_head)
+                   QuantConfig, count_layers, is_lm_head, with_unused_rules)
 from .experts import (ExpertGroup, expert_group_summary, group_experts, plain_experts, set_problems,
                       stacked_count_problems, stated_expert_count)
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
@@ -219,11 +219,12 @@ def _find_unquantized_experts(groups: list[ExpertGroup], checkpoint: Checkpoint)
     plain = plain_experts(groups, checkpoint.plain_linear_modules())
     for module, (quantized, origin) in (quantized_by_config(checkpoint, list(plain)) if plain else {}).items():
         group, expert, projection = plain[module]
-        if quantized:
-            raise InputError(f"layer '{group.base}': expert {expert} of '{projection}' is stored unquantized "
-                             f"('{module}.weight'), but {origin} quantizes it",
-                             hint="say in the config that it is not quantized (GPTQModel: a '-:' dynamic rule; "
-                                  "compressed-tensors: an ignore entry), or store it quantized")
+        if quantized:  # (a '-:' rule with a typo leaves it so: the hint names the rules that match nothing)
+            raise with_unused_rules(checkpoint, InputError(
+                f"layer '{group.base}': expert {expert} of '{projection}' is stored unquantized ('{module}.weight'), "
+                f"but {origin} quantizes it",
+                hint="say in the config that it is not quantized (GPTQModel: a '-:' dynamic rule; compressed-tensors: "
+                     "an ignore entry), or store it quantized"))
         group.unquantized.setdefault(projection, {})[expert] = origin
 
 

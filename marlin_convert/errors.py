@@ -26,6 +26,11 @@ class InputError(MarlinConvertError):
     """The input directory is not a readable, consistent GPTQ checkpoint."""
 
 
+class SettingsMismatchError(InputError):
+    """A layer's stored tensors contradict the settings the config resolves for it (bits, group size): its shapes
+    are what other settings would give."""
+
+
 class UnsupportedLayerError(MarlinConvertError):
     """A quantized layer is valid GPTQ but has no Marlin form here (bits, asymmetry, shape limits)."""
 

@@ -24,8 +24,8 @@ from typing import ClassVar
 import numpy as np
 
 from . import layout, strict_json
-from .config_regex import compile_config_regex, compile_config_search, config_regex_match
-from .errors import InputError
+from .config_regex import MAX_MATCHED_NAME, compile_config_regex, compile_config_search, config_regex_match
+from .errors import InputError, SettingsMismatchError
 from .fileio import dead_link, outside_link, read_inside
 from .safetensors_io import DTYPE_NAMES, HeldShards, SafetensorsFile, TensorInfo, read_header, read_tensor
 from .spec import QuantSpec
@@ -1041,10 +1041,12 @@ def find_quantized_prefixes(checkpoint: Checkpoint) -> list[str]:
 
 
 def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None,
-                  needs: str = "a GPTQ linear needs qweight, qzeros and scales", meaning: str = "") -> TensorInfo:
+                  needs: str = "a GPTQ linear needs qweight, qzeros and scales", meaning: str = "",
+                  mismatch: type[InputError] = InputError) -> TensorInfo:
     """The header entry of tensor ``name``, which must exist (else ``needs`` says why it should) with one of
     ``dtypes`` and, unless ``shape`` is None, that shape (``meaning``, when given, follows the expected shape in the
-    message). Raises :class:`InputError` naming the shard."""
+    message). Raises :class:`InputError` naming the shard (``mismatch`` for another shape: a
+    :class:`SettingsMismatchError` where the layer's settings decide the shape)."""
     if name not in checkpoint.location:  # named with the shard of the layer's packed weights, else the checkpoint
         prefix = name.rpartition(".")[0]
         anchor = next((checkpoint.location[f"{prefix}.{packed}"] for packed in ("qweight", "weight_packed")
@@ -1057,7 +1059,7 @@ def expect_tensor(checkpoint: Checkpoint, name: str, dtypes: tuple[str, ...], sh
         wanted = " or ".join(DTYPE_NAMES.get(d, d) for d in dtypes)
         raise InputError(f"{where}: tensor '{name}' has dtype {DTYPE_NAMES.get(info.dtype, info.dtype)}, expected {wanted}")
     if shape is not None and info.shape != shape:
-        raise InputError(f"{where}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}"
+        raise mismatch(f"{where}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}"
                          + (f" ({meaning})" if meaning else ""))
     return info
 
@@ -1096,8 +1098,9 @@ def _check_siblings(checkpoint: Checkpoint, prefix: str, suffix: str, num_expert
                   or (settings.rule is not None and "group_size" in settings.rule.overrides))
         says = (f"{settings.origin} says group size {settings.group_size}" if stated else
                 f"{settings.origin} states no group_size (so -1, channelwise)")
-        raise InputError(f"{where}: tensor '{name}' has {_rows(rows)}: that is {meaning} for K = {k} (qweight's "
-                         f"{_rows(k * settings.bits // 32)} at {settings.bits} bits), but {says} ({_rows(expected)})")
+        raise SettingsMismatchError(f"{where}: tensor '{name}' has {_rows(rows)}: that is {meaning} for K = {k} "
+                                    f"(qweight's {_rows(k * settings.bits // 32)} at {settings.bits} bits), but "
+                                    f"{says} ({_rows(expected)})")
 
 
 def _stored_bits_hint(rows: int, g_idx_k: int | None) -> str:
@@ -1175,19 +1178,21 @@ def plan_layer(checkpoint: Checkpoint, prefix: str) -> LayerPlan:
     g_idx_shape = checkpoint.info(f"{prefix}.g_idx").shape if has_g_idx else None
     g_idx_k = g_idx_shape[-1] if has_g_idx and len(g_idx_shape) == len(lead) + 1 else None
     if rows * 32 % bits:
-        raise InputError(f"{where}: tensor '{qweight.name}' has {rows} rows of int32: {rows * 32} bits per column "
-                         f"are not a whole number of {bits}-bit values ({settings.origin} says bits = {bits})"
-                         + _stored_bits_hint(rows, g_idx_k))
+        raise SettingsMismatchError(f"{where}: tensor '{qweight.name}' has {rows} rows of int32: {rows * 32} bits per "
+                                    f"column are not a whole number of {bits}-bit values ({settings.origin} says "
+                                    f"bits = {bits})" + _stored_bits_hint(rows, g_idx_k))
     if g_idx_k is not None and g_idx_k != k:
-        raise InputError(f"{checkpoint.location[prefix + '.g_idx'].path}: tensor '{prefix}.g_idx' has shape "
-                         f"{list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of packed {bits}-bit "
-                         f"values are K = {k} ({settings.origin} says bits = {bits})"
-                         + _stored_bits_hint(rows, g_idx_k))
+        raise SettingsMismatchError(f"{checkpoint.location[prefix + '.g_idx'].path}: tensor '{prefix}.g_idx' has "
+                                    f"shape {list(g_idx_shape)}, expected {[*lead, k]}: qweight's {rows} rows of "
+                                    f"packed {bits}-bit values are K = {k} ({settings.origin} says bits = {bits})"
+                                    + _stored_bits_hint(rows, g_idx_k))
     for suffix in ("scales", "qzeros", "g_idx"):
         _check_siblings(checkpoint, prefix, suffix, num_experts, k, settings)
     groups = num_groups(k, settings.group_size)
     scales = expect_tensor(checkpoint, f"{prefix}.scales", SCALE_DTYPES, (*lead, groups, n))
-    expect_tensor(checkpoint, f"{prefix}.qzeros", ("I32",), (*lead, groups, -(-n * bits // 32)))
+    expect_tensor(checkpoint, f"{prefix}.qzeros", ("I32",), (*lead, groups, -(-n * bits // 32)),
+                  meaning=f"N = {n} zero points of {bits} bits packed in int32 words; {settings.origin} says bits = "
+                          f"{bits}", mismatch=SettingsMismatchError)
     if has_g_idx:
         expect_tensor(checkpoint, f"{prefix}.g_idx", ("I32",), (*lead, k))
     act_order = (check_g_idx(checkpoint, f"{prefix}.g_idx", k, settings.group_size, num_experts) if has_g_idx
@@ -1304,7 +1309,77 @@ def plan_layers(checkpoint: Checkpoint) -> list[LayerPlan]:
         for module in checkpoint.plain_linear_modules():
             if not config.left_unquantized_by_default(module):
                 config.settings_for(module)
-    return [plan_layer(checkpoint, p) for p in prefixes]
+    plans = []
+    for prefix in prefixes:
+        try:
+            plans.append(plan_layer(checkpoint, prefix))
+        except SettingsMismatchError as exc:
+            with_unused_rules(checkpoint, exc)
+            raise
+    return plans
+
+
+#: how many of the config's unused rules a hint or a note names (the others are counted)
+UNUSED_SHOWN = 3
+
+
+def stored_module_names(checkpoint: Checkpoint) -> list[str]:
+    """The modules ``checkpoint`` stores, as the config's rules are matched against them: the prefix ``P`` of every
+    tensor ``P.<name>`` (quantized or plain linears, norms, embeddings; per-expert or stacked, as stored, whatever a
+    conversion makes of them), and for a stacked 3-D quantized layer ``<parent>.<projection>`` its experts'
+    per-expert names ``<parent>.<e>.<projection>``, which the rules are resolved for too
+    (:func:`_check_rules_for_stacked_experts`). Names longer than MAX_MATCHED_NAME are left out: no rule is matched
+    against them (a quantized layer of such a name is refused)."""
+    names = dict.fromkeys(name.rpartition(".")[0] for name in checkpoint.location)
+    for prefix in find_quantized_prefixes(checkpoint):
+        shape = checkpoint.info(f"{prefix}.qweight").shape
+        if len(shape) == 3:
+            parent, _, projection = prefix.rpartition(".")
+            names.update(dict.fromkeys(f"{parent}.{expert}.{projection}" for expert in range(shape[0])))
+    return [name for name in names if name and len(name) <= MAX_MATCHED_NAME]
+
+
+def unused_rules(checkpoint: Checkpoint) -> list[DynamicRule | ExtraEntry]:
+    """The config's ``dynamic`` rules and AutoRound ``extra_config`` entries that match no module the checkpoint
+    stores (:func:`stored_module_names`), in the config's order: a typo in one (``gate_prj``) leaves it silently
+    unused. A rule that matches a stored module counts as used whether or not an earlier one wins there, and whatever
+    the module is stored as (a ``-:`` rule for a plain ``.weight`` decides nothing the conversion does, but says what
+    a loader does). None for a compressed-tensors checkpoint, whose config has neither."""
+    config = checkpoint.config
+    if not isinstance(config, QuantConfig) or not (config.dynamic or config.extra_config):
+        return []
+    names = stored_module_names(checkpoint)
+    stored = set(names)
+    # GPTQModel writes a rule for lm_head, and AutoRound an entry, on their own (the user wrote neither); where no
+    # lm_head is stored at all (tied to the embeddings, as with lm_head false it often is) such a rule names nothing
+    # by design, not by a typo, and a note on every such checkpoint would teach users to skip the notes
+    no_head = not any(is_lm_head(name) for name in names)
+    return [rule for rule in (*config.dynamic, *config.extra_config)
+            if not (isinstance(rule, ExtraEntry) and rule.key in stored)  # (by name: a per-layer entry, no scan)
+            and not (no_head and rule.matches("lm_head"))
+            and not any(rule.matches(name) for name in names)]
+
+
+def describe_unused(rules: list[DynamicRule | ExtraEntry]) -> str:
+    """``rules`` (:func:`unused_rules`, at least one) in words: the first :data:`UNUSED_SHOWN` by kind and key as
+    written, and how many more."""
+    shown = ", ".join(f"{rule.kind} '{rule.key}'" for rule in rules[:UNUSED_SHOWN])
+    if len(rules) == 1:
+        return f"{shown} matches no module in the checkpoint"
+    more = f" (and {len(rules) - UNUSED_SHOWN} more)" if len(rules) > UNUSED_SHOWN else ""
+    return f"{len(rules)} rules of the config match no module in the checkpoint: {shown}{more}"
+
+
+def with_unused_rules(checkpoint: Checkpoint, error: InputError) -> InputError:
+    """``error``, a layer whose stored tensors contradict the settings the config resolves for it, with a hint naming
+    the config's rules that match no stored module (:func:`unused_rules`), where there are any: a rule meant for the
+    layer but mistyped is the likely cause, and the error alone names only the rule that did apply."""
+    unused = unused_rules(checkpoint)
+    if unused:
+        meant = "it was" if len(unused) == 1 else "they were"
+        said = f"{describe_unused(unused)} (a typo? the modules {meant} meant for take other settings)"
+        error.hint = f"{error.hint}; {said}" if error.hint else said
+    return error
 
 
 def quantized_by_config(checkpoint: Checkpoint, modules: list[str]) -> dict[str, tuple[bool, str]]:
