@@ -1,9 +1,13 @@
 """``dynamic`` rules and AutoRound ``extra_config`` entries that match no module the checkpoint stores: a typo there
 (``gate_prj`` for ``gate_proj``) was silently unused and surfaced, if at all, as a bare shape error. Now a shape error
-of a layer whose tensors contradict its resolved settings names them in its hint."""
+of a layer whose tensors contradict its resolved settings names them in its hint, and a plan that goes through says
+so in a note (the report, ``inspect``, ``--dry-run`` and the manifest). "Matches" is decided against the source's own
+module names, per-expert or stacked, and any stored module counts, plain ones too."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,11 +15,19 @@ from edit_checkpoint import set_quant_config
 from make_gptq_checkpoint import TensorSpec, qwen3_moe, tiny_llama, write_checkpoint
 
 from marlin_convert.cli.app import main
-from marlin_convert.convert import build_plan
+from marlin_convert.convert import build_plan, convert
 from marlin_convert.errors import InputError, SettingsMismatchError
+from marlin_convert.manifest import load_manifest
 
 TYPO = r"+:model\.layers\.\d+\.mlp\.gate_prj"
+TYPO_NOTE = (f"dynamic rule '{TYPO}' matches no module in the checkpoint: no module takes its settings from it (a "
+             "typo in a module name?)")
 BASE = "model.layers.0.mlp.experts"
+GPTQMODEL_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gptqmodel"
+
+
+def _unused_notes(notes: list[str]) -> list[str]:
+    return [note for note in notes if "no module in the checkpoint" in note]
 
 
 def _tiny(path: Path, **spec) -> Path:
@@ -94,3 +106,121 @@ def test_an_expert_stored_plain_beside_a_mistyped_exclusion_names_it_after_the_e
     assert raised.value.hint.startswith("say in the config that it is not quantized")
     assert raised.value.hint.endswith(f"; dynamic rule '{rule}' matches no module in the checkpoint (a typo? the "
                                       "modules it was meant for take other settings)")
+
+
+# ------------------------------------------------------------------------------------------------ the note
+
+
+def test_a_conversion_notes_the_rules_that_match_no_module(tmp_path, capsys):
+    src = _tiny(tmp_path / "in")
+    # used: a rule for stored quantized layers, one excluding the plain lm_head, one excluding the plain embedding
+    set_quant_config(src, dynamic={TYPO: {"bits": 8}, r"+:.*\.down_proj": {"sym": True}, "-:lm_head": {},
+                                   r"-:model\.embed_tokens": {}})
+    assert _unused_notes(build_plan(src).notes) == [TYPO_NOTE]
+    for args in (["inspect", str(src)], [str(src), str(tmp_path / "dry"), "--dry-run"]):
+        assert main(args) == 0
+        assert f"note: {TYPO_NOTE}" in capsys.readouterr().out.splitlines()
+    out = tmp_path / "out"
+    assert _unused_notes(convert(src, out, workers=1).notes) == [TYPO_NOTE]
+    assert _unused_notes(load_manifest(out)["notes"]) == [TYPO_NOTE]
+
+
+def test_an_extra_config_entry_that_names_no_module_is_noted(tmp_path):
+    src = _tiny(tmp_path / "in")
+    set_quant_config(src, extra_config={"model.layers.0.self_attn.k_proj": {"bits": 4},
+                                        "model.layers.2.self_attn.k_proj": {"bits": 4}})  # (there is no layer 2)
+    assert _unused_notes(build_plan(src).notes) == [
+        "extra_config entry 'model.layers.2.self_attn.k_proj' matches no module in the checkpoint: no module takes "
+        "its settings from it (a typo in a module name?)"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_rule_gptqmodel_adds_is_not_noted_where_no_lm_head_is_stored(tmp_path, tied):
+    """GPTQModel writes ``"lm_head": {...}`` itself; with the lm_head tied to the embeddings (not stored) the rule
+    names nothing by design. Where one is stored under a longer name (``model.lm_head``), the rule, matched from the
+    name's start, applies to nothing: noted."""
+    spec = tiny_llama(num_layers=1)
+    head = next(tensor for tensor in spec.extras if tensor.name == "lm_head.weight")
+    if tied:
+        spec.extras.remove(head)
+    else:
+        head.name = "model.lm_head.weight"
+    spec.dynamic = {"lm_head": {"bits": 8, "group_size": 32}}
+    notes = _unused_notes(build_plan(write_checkpoint(tmp_path / "in", spec)).notes)
+    assert notes == ([] if tied else ["dynamic rule 'lm_head' matches no module in the checkpoint: no module takes "
+                                      "its settings from it (a typo in a module name?)"])
+
+
+# ------------------------------------------------------------------------------------ every rule matches
+# Each case also runs with a mistyped rule (or entry) added last: the note then names that one alone, so every other
+# rule was counted as used.
+
+
+def _with_typo(rules: dict, typo: bool, key: str = TYPO) -> dict:
+    return {**rules, key: {}} if typo else rules
+
+
+def _expected(typo: bool, kind: str = "dynamic rule", key: str = TYPO) -> list[str]:
+    return [f"{kind} '{key}' matches no module in the checkpoint: no module takes its settings from it (a typo in a "
+            "module name?)"] if typo else []
+
+
+PER_EXPERT_RULES = {r"+:.*mlp\.experts\.\d+\.down_proj": {"group_size": 32}, r"-:.*mlp\.gate$": {}}
+
+
+@pytest.mark.parametrize("typo", [False, True])
+@pytest.mark.parametrize("stack", [False, True])
+def test_rules_for_per_expert_names_are_used_with_or_without_stacking_them(tmp_path, stack, typo):
+    """With --stack-experts the output's entry is ``<base>.down_proj``, which the rule does not match: what counts is
+    the source's per-expert names. The router's exclusion matches its plain weight."""
+    src = _moe(tmp_path / "in", _with_typo(PER_EXPERT_RULES, typo))
+    plan = build_plan(src, stack_experts=stack)
+    assert (f"{BASE}.down_proj" in {output.prefix for output in plan.outputs}) == stack
+    assert _unused_notes(plan.notes) == _expected(typo)
+
+
+@pytest.mark.parametrize("typo", [False, True])
+def test_rules_for_a_stacked_tensor_and_for_its_experts_names_are_used(tmp_path, typo):
+    """A stacked 3-D source: a rule for its own name, and one for an expert's per-expert name with its settings (the
+    converter resolves the experts' names too, and would refuse such a rule giving other settings)."""
+    rules = {r"+:.*mlp\.experts\.1\..*": {"group_size": 32}, r"+:.*experts\.down_proj": {"group_size": 32}}
+    plan = build_plan(_moe(tmp_path / "in", _with_typo(rules, typo), stacked=True), stack_experts=True)
+    assert [layer.spec.num_experts for layer in plan.layers if ".experts." in layer.prefix] == [4, 4]
+    assert _unused_notes(plan.notes) == _expected(typo)
+
+
+@pytest.mark.parametrize("typo", [False, True])
+def test_autoround_entries_that_each_match_a_module_are_not_noted(tmp_path, typo):
+    """As AutoRound writes them: one module 8-bit by its name, one left unquantized (bits 16, its plain weight
+    stored), the lm_head stated unquantized, a regex for another's group size."""
+    spec = tiny_llama(num_layers=2, group_size=64)
+    for linear in list(spec.linears):
+        if linear.name == "model.layers.0.self_attn.k_proj":
+            linear.bits = 8
+        elif linear.name == "model.layers.1.self_attn.o_proj":
+            spec.linears.remove(linear)
+            spec.extras.append(TensorSpec(f"{linear.name}.weight", (linear.out_features, linear.in_features),
+                                          "float16"))
+        elif linear.name == "model.layers.1.mlp.up_proj":
+            linear.group_size = 32
+    entries = {"model.layers.0.self_attn.k_proj": {"bits": 8}, "model.layers.1.self_attn.o_proj": {"bits": 16},
+               "lm_head": {"bits": 16, "data_type": "float"}, r".*layers\.1\.mlp\.up_proj.*": {"group_size": 32}}
+    typo_key = r".*layers\.1\.mlp\.up_prj.*"
+    spec.quantization_extra = {"provider": "auto-round", "data_type": "int",
+                               "extra_config": _with_typo(entries, typo, typo_key)}
+    plan = build_plan(write_checkpoint(tmp_path / "in", spec))
+    assert {layer.prefix: layer.spec.bits for layer in plan.layers}["model.layers.0.self_attn.k_proj"] == 8
+    assert _unused_notes(plan.notes) == _expected(typo, "extra_config entry", typo_key)
+
+
+@pytest.mark.parametrize("typo", [False, True])
+@pytest.mark.parametrize("case", ["dynamic_lm_head", "qwen3_moe"])
+def test_gptqmodels_own_rules_are_not_noted(tmp_path, case, typo):
+    """GPTQModel's output (dynamic_lm_head: an exclusion of the plain o_proj, two overrides and its own lm_head
+    rule)."""
+    src = tmp_path / case
+    shutil.copytree(GPTQMODEL_FIXTURES / case, src)
+    rules = json.loads((src / "quantize_config.json").read_text()).get("dynamic") or {}
+    assert len(rules) == (4 if case == "dynamic_lm_head" else 0)
+    set_quant_config(src, dynamic=_with_typo(rules, typo))
+    assert _unused_notes(build_plan(src).notes) == _expected(typo)
