@@ -638,8 +638,11 @@ BATCH_TASKS = 256
 
 
 def _run_batch(positions: list[int]) -> list[JobResult]:
+    """Run the tasks at ``positions``, each shard they read opened once for them all, in this process: the
+    descriptors are opened here, after the fork, and closed before the batch's results go back."""
     checkpoint, tasks = _WORKER_TASKS
-    results = [run_job(tasks[p][0], checkpoint, tasks[p][1]) for p in positions]
+    with checkpoint.shards_held_open():
+        results = [run_job(tasks[p][0], checkpoint, tasks[p][1]) for p in positions]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for result in results:
         result.peak_rss = peak

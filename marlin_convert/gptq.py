@@ -781,7 +781,8 @@ class Checkpoint:
     @contextmanager
     def shards_held_open(self):
         """Within: :meth:`read` opens each shard once (:class:`~marlin_convert.safetensors_io.HeldShards`, with the
-        same checks), not once per tensor; every descriptor is closed on leaving (before any worker is forked)."""
+        same checks), not once per tensor; every descriptor is closed on leaving. Planning's are closed before any
+        worker is forked; each worker holds its own while it runs a batch of jobs."""
         if self.held is not None:  # (held already by an enclosing block)
             yield
             return

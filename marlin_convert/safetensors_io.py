@@ -2,7 +2,8 @@
 
 Reading: :func:`read_header` parses and checks a file's header without touching the data; :func:`read_tensor`
 reads one tensor's bytes with a single positioned read into a fresh numpy array, through a fresh checked open of its
-file or, for many small reads (planning's), through :class:`HeldShards`, which opens each file once.
+file or, for many small reads (planning's, a conversion worker's batch of jobs), through :class:`HeldShards`, which
+opens each file once.
 
 Writing: :class:`ShardWriter` is told every tensor's name, dtype and shape up front, writes the header first,
 and then takes the tensors in any order at their known offsets (positioned writes), so several threads can
@@ -212,15 +213,16 @@ def open_as_read(path: Path, identity: tuple | None) -> int:
 class HeldShards:
     """Shards kept open across many small reads, each opened once rather than once per tensor: planning reads every
     layer's g_idx and qzeros, 24,704 tensors of 4 shards for 16 layers of 256 experts, and one checked open costs
-    more than such a read. At most ``limit`` descriptors at a time (the one read least recently is closed first,
-    and opened again if it is needed again; fewer where the process runs out of descriptors); a context manager that
-    closes them all.
+    more than such a read; each conversion worker holds its own for a batch of jobs (opened after the fork). At most
+    ``limit`` descriptors at a time (the one read least recently is closed first, and opened again if it is needed
+    again; fewer where the process runs out of descriptors); a context manager that closes them all.
 
     The checks stay those of a fresh open: each shard is opened by :func:`open_as_read` (a regular file inside its
     directory, the one whose header was read), and before every read the open file is held to that header's
     identity again (``fstat``: size, modification and status-change times), so a shard written to while held is
-    refused at its next read. What is read is the file opened, whatever is put at its path later; the check before
-    publishing (:func:`changed_since_read`) and the conversion's own opens see such a swap."""
+    refused at its next read. A shard renamed over, moved away or unlinked is refused too: its status-change time
+    moves with the rename or unlink, and the error then says what is at the path now. The check before publishing
+    (:func:`changed_since_read`) looks at the path once more after the last read."""
 
     def __init__(self, limit: int = 16) -> None:
         self.limit = limit
