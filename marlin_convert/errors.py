@@ -59,3 +59,19 @@ class KernelUnavailableError(MarlinConvertError):
 
 class KernelError(MarlinConvertError):
     """The kernel rejected its arguments (shape limits, workspace too small, wrong dtype)."""
+
+
+#: how the dynamic loader says a shared library could not be mapped for want of address space (``ulimit -v``): an
+#: ImportError of a module imported late (numpy's BLAS, pydantic's core) that is memory refused, not a bug
+_UNMAPPED = ("failed to map segment from shared object", "cannot allocate memory")
+
+
+def memory_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is memory the system refused: a MemoryError, or an ImportError of a shared library that could
+    not be mapped (:data:`_UNMAPPED`), itself or as its cause."""
+    while exc is not None:
+        if isinstance(exc, MemoryError) or (isinstance(exc, ImportError)
+                                            and any(text in str(exc).lower() for text in _UNMAPPED)):
+            return True
+        exc = exc.__cause__
+    return False

@@ -8,7 +8,7 @@ import signal
 import traceback
 from concurrent.futures.process import BrokenProcessPool
 
-from ..errors import MarlinConvertError
+from ..errors import MarlinConvertError, memory_refused
 from ..workers import LIMIT_HINT, thread_refused
 from ._signals import say, signal_word
 
@@ -92,8 +92,9 @@ def error_message(exc: BaseException) -> str:
         return "interrupted"
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         return f"{exc.filename if exc.filename is not None else 'standard output or a file'}: {exc.strerror or exc}"
-    if isinstance(exc, MemoryError):
-        return f"out of memory: {exc}" if str(exc) else "out of memory"
+    if memory_refused(exc):  # (a MemoryError, or a shared library imported late that could not be mapped)
+        text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        return f"out of memory: {text}" if text else "out of memory"
     if thread_refused(exc):  # (one the library did not meet itself: multiprocessing's queue feeders, say)
         return f"cannot start a thread: {exc}"
     if isinstance(exc, BrokenProcessPool):
@@ -112,7 +113,7 @@ def exit_code(exc: BaseException) -> int:
         return 128 + signal.SIGINT
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         return 2
-    if isinstance(exc, _OUT_OF_RESOURCES) or thread_refused(exc):
+    if isinstance(exc, _OUT_OF_RESOURCES) or memory_refused(exc) or thread_refused(exc):
         return 2
     return 3
 
@@ -124,7 +125,7 @@ def error_hint(exc: BaseException) -> str | None:
         return exc.hint or None
     if exit_code(exc) == 3:
         return f"this is a bug in marlin-convert; set {DEBUG_VARIABLE}=1 for the traceback and report it"
-    if isinstance(exc, _OUT_OF_RESOURCES):
+    if isinstance(exc, _OUT_OF_RESOURCES) or memory_refused(exc):
         return "free memory, or run with fewer --workers (each holds one layer or expert at a time)"
     if thread_refused(exc):
         return LIMIT_HINT

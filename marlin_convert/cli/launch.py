@@ -9,9 +9,11 @@ else is :func:`marlin_convert.cli.app.run`.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
+from ..errors import memory_refused
 from ._signals import (HANDLED, child_signal, first_signal, in_forked_child, is_repeat, register_exit_now, say,
                        signal_word, take_first)
 from ._stale_report import replace_stale_report
@@ -21,6 +23,50 @@ register_exit_now()
 
 #: arguments after which verify runs no kernel (or nothing at all), so no GPU process is started early
 _NO_KERNEL = {"--skip-kernel", "-h", "--help"}
+
+#: numpy's OpenBLAS starts a thread per core as numpy is imported, reserving memory for each, though nothing here
+#: multiplies matrices on the CPU; where the system refuses such a thread (a ``ulimit -v``, the process limit) OpenBLAS
+#: sends the process SIGINT ("Error: interrupted", exit 130, with no Ctrl-C) or exits 1 with its own message. One
+#: thread (unless the environment sets a number) starts none.
+_BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+
+
+#: the least address space (``ulimit -v``) in which the modules load: below it numpy's OpenBLAS, refused the buffer it
+#: reserves as it loads, ends the process itself (exit 1, "OpenBLAS error: Memory allocation still failed"), before
+#: any error could be reported (about 80-105 MiB with numpy 2.4); nothing converts or verifies in less anyway
+MIN_ADDRESS_SPACE = 128 << 20
+
+
+def _too_little_address_space() -> str | None:
+    """The ``Error:`` line's text where the address-space limit is below :data:`MIN_ADDRESS_SPACE`, else None."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError, AttributeError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft >= MIN_ADDRESS_SPACE:
+        return None
+    return (f"out of memory: the address-space limit (ulimit -v) is {soft >> 10} KiB, and loading marlin-convert's "
+            f"modules (numpy) needs at least {MIN_ADDRESS_SPACE >> 20} MiB")
+
+
+def _load_failure(exc: BaseException) -> tuple[str, str]:
+    """The ``Error:`` line's text and the hint for an exception raised while the command line's modules (numpy among
+    them) were imported: memory refused (``ulimit -v``: a MemoryError, or a shared library that cannot be mapped) or
+    an installation that is broken. Its innermost cause says why in one line (numpy's own ImportError is a page of
+    advice around "Original error was: ...")."""
+    cause = exc
+    while cause.__cause__ is not None or (cause.__context__ is not None and not cause.__suppress_context__):
+        cause = cause.__cause__ or cause.__context__
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(cause).__name__
+    if memory_refused(exc) or memory_refused(cause):
+        return (f"out of memory while loading marlin-convert's modules: {reason}",
+                "raise the memory limit (ulimit -v) or free memory")
+    return (f"cannot load marlin-convert's modules: {type(cause).__name__}: {reason}",
+            "a memory limit (ulimit -v) too small to load numpy, or a broken installation: raise the limit, or "
+            "reinstall ('pip install -e .' in a fresh virtual environment)")
 
 
 class _Terminated(BaseException):
@@ -73,12 +119,28 @@ def run() -> None:
     for signum in HANDLED:  # (one the process was started ignoring stays ignored: `cmd &` for SIGINT, `nohup`)
         if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(signum, _take_signal)
+    os.environ.setdefault(_BLAS_THREADS, "1")
+    too_little = _too_little_address_space()
+    if too_little is not None:
+        say(f"Error: {too_little}")
+        say("Hint: raise the memory limit (ulimit -v)")
+        _amend_report(2, too_little)
+        sys.exit(2)
     try:
         if early:
             from ..gpu_workers import prestart
 
             prestart()
-        from .app import run as run_app
+        try:
+            from .app import run as run_app
+        except (ImportError, MemoryError, OSError) as exc:
+            if os.environ.get("MARLIN_CONVERT_DEBUG"):
+                raise
+            message, hint = _load_failure(exc)
+            say(f"Error: {message}"[:2000])
+            say(f"Hint: {hint}")
+            _amend_report(2, message)
+            sys.exit(2)
 
         taken = first_signal()
         if taken is not None:  # taken during the imports, its exception dropped by Python (:mod:`._signals`)

@@ -1,0 +1,89 @@
+"""The machine's limits met before or around the command: a small address space (``ulimit -v``) while the command
+line's modules load, numpy's OpenBLAS threads, small files read whole, a report that cannot be written once the output
+is in place, and a dry run's check of the files a conversion copies. Found by an attack round on resource limits."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from make_gptq_checkpoint import tiny_llama, write_checkpoint
+
+from marlin_convert.cli.app import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def src(tmp_path):
+    return write_checkpoint(tmp_path / "in", tiny_llama(num_layers=1))
+
+
+def _console_script(args, code="", preexec_fn=None):
+    """The console script (``marlin-convert``: :func:`marlin_convert.cli.launch.run`) with ``args``, ``code`` run first
+    in its process."""
+    script = f"import sys\n{code}\nsys.argv = ['marlin-convert', *sys.argv[1:]]\n" \
+             "from marlin_convert.cli.launch import run\nrun()\n"
+    env = {key: value for key, value in os.environ.items() if key not in ("OPENBLAS_NUM_THREADS",
+                                                                          "MARLIN_CONVERT_DEBUG")}
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=env, preexec_fn=preexec_fn)
+
+
+def _one_error(proc, *fragments):
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def test_an_address_space_too_small_to_load_numpy_is_one_error_line(src):
+    """``ulimit -v`` of 64 MiB: numpy's import failed, a Traceback (MemoryError, or numpy's page of advice around
+    "failed to map segment from shared object"), exit 1; between about 80 and 105 MiB OpenBLAS ended the process itself
+    with "OpenBLAS error: Memory allocation still failed", exit 1. Now refused before the import: exit 2, one line."""
+    limit = 64 << 20
+    proc = _console_script(["inspect", str(src)],
+                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    _one_error(proc, "out of memory", "ulimit -v")
+    assert "OpenBLAS" not in proc.stderr
+
+
+def test_modules_that_cannot_be_loaded_are_one_error_line(src):
+    """An import the command line needs that fails (numpy unloadable: a broken installation, or a shared library the
+    address space cannot map) escaped the console script as a Traceback, exit 1."""
+    proc = _console_script(["inspect", str(src)], code="sys.modules['numpy'] = None")
+    _one_error(proc, "cannot load marlin-convert's modules", "Error", "numpy")
+
+
+def test_a_shared_library_that_cannot_be_mapped_mid_command_is_out_of_memory(src, capsys, monkeypatch):
+    """A module imported late (pydantic's core, while the command ran) whose shared library the address space could not
+    map: 'internal error: ImportError ... failed to map segment from shared object' and 'this is a bug', exit 3."""
+    import marlin_convert.cli.inspect as inspect_module
+
+    def unmapped(*args, **kwargs):
+        raise ImportError("/venv/lib/_pydantic_core.so: failed to map segment from shared object")
+
+    monkeypatch.setattr(inspect_module, "build_plan", unmapped)
+    assert main(["inspect", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert "Error: out of memory: /venv/lib/_pydantic_core.so: failed to map segment" in err, err
+    assert "internal error" not in err and "bug" not in err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts this process's threads in /proc")
+def test_numpy_starts_no_blas_threads(src):
+    """numpy's OpenBLAS started a thread per core as it loaded, though nothing here multiplies matrices on the CPU;
+    where the system refused one (the process limit, a small ulimit -v) OpenBLAS sent the process SIGINT: 'Error:
+    interrupted', exit 130, with no Ctrl-C. The console script now asks it for one thread (none started)."""
+    count = "import atexit, os\natexit.register(lambda: print('tasks', len(os.listdir('/proc/self/task')), " \
+            "file=sys.stderr, flush=True))"
+    proc = _console_script(["inspect", str(src)], code=count)
+    assert proc.returncode == 0, proc.stderr
+    assert "tasks 1" in proc.stderr.splitlines(), proc.stderr
+
