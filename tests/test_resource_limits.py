@@ -87,3 +87,24 @@ def test_numpy_starts_no_blas_threads(src):
     assert proc.returncode == 0, proc.stderr
     assert "tasks 1" in proc.stderr.splitlines(), proc.stderr
 
+
+def test_a_small_config_is_read_without_reserving_the_whole_file_limit(src):
+    """read_inside read a config with read(256 MiB + 1), which reserves that much before reading 400 bytes: with 128 MiB
+    of address space to spare (``ulimit -v`` of 300 MB, or a machine that does not overcommit memory) `inspect` of a
+    tiny checkpoint ran out of memory."""
+    code = f"""
+import re, resource, sys
+from pathlib import Path
+from marlin_convert.fileio import read_inside
+with open('/proc/self/status') as f:
+    used = int(re.search(r'VmSize:\\s*(\\d+) kB', f.read()).group(1)) * 1024
+limit = used + (128 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+data = read_inside(Path({str(src / 'config.json')!r}))
+print(len(data))
+"""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("reads VmSize from /proc")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) == (src / "config.json").stat().st_size
