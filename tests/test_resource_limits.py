@@ -108,3 +108,26 @@ print(len(data))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) == (src / "config.json").stat().st_size
+
+
+def test_a_report_that_cannot_be_written_once_the_output_is_in_place_says_so(src, tmp_path, capsys, monkeypatch):
+    """--json on a full disk (or in a directory made read-only while the run worked): the conversion had finished and
+    moved OUT_DIR into place, but the run said only 'Error: --json r.json: cannot write: No space left on device',
+    exit 2 (which the README's table reads as "nothing written"), and printed no summary: the manifest digest was lost.
+    Now the summary is printed and the line says OUT_DIR is finished and in place."""
+    import errno
+
+    import marlin_convert.cli._output as output_module
+
+    def disk_full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(output_module, "_write_report", disk_full)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q", "--json", str(tmp_path / "r.json")]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "cannot write: No space left on device" in errors[0], captured.err
+    assert f"the conversion itself is complete: {out} is finished and in place" in errors[0], errors[0]
+    assert "manifest sha256:" in captured.out, captured.out
+    assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
