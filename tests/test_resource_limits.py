@@ -4,6 +4,7 @@ is in place, and a dry run's check of the files a conversion copies. Found by an
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
@@ -131,3 +132,24 @@ def test_a_report_that_cannot_be_written_once_the_output_is_in_place_says_so(src
     assert f"the conversion itself is complete: {out} is finished and in place" in errors[0], errors[0]
     assert "manifest sha256:" in captured.out, captured.out
     assert main(["verify", str(out), "--skip-kernel", "-q"]) == 0
+
+
+def test_a_dry_run_stops_where_a_file_to_copy_cannot_be_read(src, tmp_path, capsys):
+    """A broken link (or an unreadable file) among the files a conversion copies stops the real run before anything is
+    written, but --dry-run planned past it: exit 0, "dry run: nothing written", and the real run then failed at once."""
+    (src / "chat_template.jinja").symlink_to(tmp_path / "missing")
+    out = tmp_path / "out"
+    report = tmp_path / "plan.json"
+    assert main([str(src), str(out), "--dry-run", "-q", "--json", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert "Error: " in err and "chat_template.jinja: broken link" in err, err
+    data = json.loads(report.read_text())
+    assert data["ok"] is False and data["exit_code"] == 2 and "broken link" in data["error"]
+    assert main([str(src), str(out), "-q"]) == 2 and not out.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
+def test_a_dry_run_stops_where_a_file_to_copy_is_unreadable(src, tmp_path, capsys):
+    (src / "tokenizer.json").chmod(0)
+    assert main([str(src), str(tmp_path / "out"), "--dry-run", "-q"]) == 2
+    assert "tokenizer.json: cannot read: Permission denied" in capsys.readouterr().err

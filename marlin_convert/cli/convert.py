@@ -17,9 +17,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, plan_refusal
-from ..errors import OutputError
+from ..convert import DEFAULT_WORKERS, build_plan, convert as run_conversion, plan_refusal, produced_names
+from ..errors import InputError, OutputError
 from ..outdir import check_free_space, check_out_dir
+from ..outfiles import select_extra_files
 from ..sources import FORM_NAMES, check_in_dir
 from ..workers import MAX_WORKERS, check_workers
 from ._errors import Interrupted, InterruptedAfterPublish
@@ -48,8 +49,9 @@ StackOpt = Annotated[bool, typer.Option(
     "dynamic rule leaves an expert unquantized or gives it other settings is refused, naming the expert.")]
 DryRunOpt = Annotated[bool, typer.Option(
     "--dry-run", help="Show the plan (like 'inspect') and write nothing; exits 2 where the same command without "
-    "--dry-run would stop before writing (OUT_DIR not usable: not empty, inside IN_DIR, a mount point, or in a directory "
-    "that cannot be written; too little free disk space for the tensors; layers with no Marlin form).")]
+    "--dry-run would stop before writing (OUT_DIR not usable: not empty, inside IN_DIR, a mount point, or in a "
+    "directory that cannot be written; too little free disk space for the tensors; a file it copies that cannot be "
+    "read; layers with no Marlin form).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Also write the report as JSON to this file ('-': print it on stdout instead of the table).")]
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", metavar="N", help=f"Worker processes that repack, hash and copy tensors, 1 to {MAX_WORKERS} (default: one "
@@ -92,10 +94,11 @@ def convert(
         refusal = plan_refusal(plan, skip_incompatible)
         output = plan_output(plan, quiet=quiet, refusing=refusal is not None)
         output.lines.append(f"dry run: nothing written ({out_dir} left as it was)")
-        if refusal is None:  # the real run's last check before it writes
+        if refusal is None:  # the real run's last checks before it writes: the files it copies, the free space
             try:
+                select_extra_files(in_dir, produced_names(plan))  # (an unreadable one, a broken link: it stops there)
                 check_free_space(Path(os.path.abspath(out_dir)), plan.tensor_bytes_out)
-            except OutputError as exc:
+            except (InputError, OutputError) as exc:
                 refusal = exc
         output.set_outcome(0 if refusal is None else 2)
         if refusal is not None:  # the plan, and why the run would stop, as a failed run's report says it
