@@ -153,3 +153,29 @@ def test_a_dry_run_stops_where_a_file_to_copy_is_unreadable(src, tmp_path, capsy
     (src / "tokenizer.json").chmod(0)
     assert main([str(src), str(tmp_path / "out"), "--dry-run", "-q"]) == 2
     assert "tokenizer.json: cannot read: Permission denied" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_a_verify_report_that_cannot_be_written_still_shows_the_verdict(src, tmp_path, capsys, monkeypatch, tamper):
+    """verify --json on a full disk: 'Error: --json FILE: cannot write: ...', exit 2, and neither the table nor the
+    verdict was printed, so a failing layer went unnamed. Now both are printed and the line says the verdict."""
+    import errno
+
+    import marlin_convert.cli._output as output_module
+
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "-q"]) == 0
+    if tamper:
+        (out / "tokenizer.json").write_text("{}")
+    capsys.readouterr()
+
+    def disk_full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(output_module, "_write_report", disk_full)
+    assert main(["verify", str(out), "--skip-kernel", "-q", "--json", str(tmp_path / "r.json")]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("Error:")]
+    verdict = "FAILED" if tamper else "passed"
+    assert len(errors) == 1 and f"verify itself {verdict}" in errors[0], captured.err
+    assert captured.out.splitlines()[-2].startswith(f"{verdict}:"), captured.out

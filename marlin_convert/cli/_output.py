@@ -159,6 +159,16 @@ class Output:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from exc
         _written_report[:] = [path, self.data]
 
+    def write_json_once_done(self, path: str | Path | None, done: str, hint: str | None = None) -> None:
+        """:meth:`write_json` once the command's work is done (``done`` says what it did: an output in place, a
+        verdict): a report that cannot be written (a full disk) still fails the command, exit 2, but after the table
+        and summary are printed, and its line says ``done`` (alone it read as nothing done, and the summary was
+        lost)."""
+        try:
+            self.write_json(path)
+        except OutputError as exc:
+            self.render_then_raise(OutputError(f"{exc.message}; {done} (its summary is above)", hint=hint))
+
 
 def _write_report(path: str | Path, text: str) -> None:
     """``text`` to the --json file ``path``: through a stream (:func:`_written_through`), else as a new file renamed

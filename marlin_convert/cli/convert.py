@@ -132,13 +132,9 @@ def convert(
         f"manifest {report.manifest_sha256} (keep it apart from the checkpoint: 'verify --manifest-sha256' "
         "checks it)",
     ]
-    try:
-        output.write_json(json_file)  # first: a closed stdout must not lose it
-    except OutputError as exc:  # OUT_DIR is in place all the same: the summary (its digest) and a line that says so
-        output.render_then_raise(OutputError(f"{exc.message}; the conversion itself is complete: {out_dir} is "
-                                             "finished and in place (its summary is above)",
-                                             hint="keep the manifest digest above; 'marlin-convert verify' checks "
-                                             "the output"))
+    # first: a closed stdout must not lose it (one that cannot be written: OUT_DIR is in place all the same)
+    output.write_json_once_done(json_file, f"the conversion itself is complete: {out_dir} is finished and in place",
+                                hint="keep the manifest digest above; 'marlin-convert verify' checks the output")
     output.render()
     signum = deferred_signal()
     if signum is not None:  # arrived while the finished output was moved into place, or after

@@ -191,7 +191,8 @@ def verify(
     output.lines.append(summary)
     output.lines.append(f"manifest {report.manifest_sha256}")
     raise_if_signalled(Interrupted)  # (a signal whose exception Python dropped: no report of success)
-    output.write_json(json_file)  # first: a closed stdout must not lose it
+    # first: a closed stdout must not lose it (one that cannot be written: the verdict is printed all the same)
+    output.write_json_once_done(json_file, f"verify itself {'passed' if report.ok else 'FAILED'}")
     output.render_then_raise(None if report.ok else _failure(report))
 
 
