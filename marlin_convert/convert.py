@@ -35,7 +35,7 @@ from .compressed_tensors import QUANT_METHOD, block_of, module_names, not_quanti
 from .errors import InputError, OutputError, UnsupportedLayerError
 from .fileio import name_text
 from .gptq import (AUTOROUND_SOURCE_KEYS, CONFIG_FILE, INDEX_FILE, QUANTIZE_CONFIG_FILE, Checkpoint, LayerPlan,
-                   QuantConfig, count_layers, describe_unused, is_lm_head, unused_rules, with_unused_rules)
+                   QuantConfig, count_layers, is_lm_head, unused_rule_notes, unused_rules, with_unused_rules)
 from .experts import (ExpertGroup, expert_group_summary, group_experts, plain_experts, set_problems,
                       stacked_count_problems, stated_expert_count)
 from .manifest import (MANIFEST_FILE, MANIFEST_VERSION, MARLIN_KINDS, layer_outputs_names, manifest_digest,
@@ -402,10 +402,7 @@ def build_plan(in_dir: Path, skip_incompatible: bool = False, stack_experts: boo
     if refused and not skip_incompatible:
         raise refusal_error(refused, len(layers))
     notes = plan_notes(checkpoint, layers)
-    unused = unused_rules(checkpoint)
-    if unused:  # (matched against the source's own module names: --stack-experts renames its experts afterwards)
-        notes.append(f"{describe_unused(unused)}: no module takes its settings from "
-                     f"{'it' if len(unused) == 1 else 'them'} (a typo in a module name?)")
+    notes += unused_rule_notes(unused_rules(checkpoint))
     outputs, taken = _stack_groups(groups, by_prefix) if stack_experts else ([], set())
     notes += legacy_loader_notes(layers, taken)
     if stack_experts and not groups:

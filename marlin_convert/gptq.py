@@ -1371,6 +1371,26 @@ def describe_unused(rules: list[DynamicRule | ExtraEntry]) -> str:
     return f"{len(rules)} rules of the config match no module in the checkpoint: {shown}{more}"
 
 
+def unused_rule_notes(rules: list[DynamicRule | ExtraEntry]) -> list[str]:
+    """The plan's notes on ``rules`` (:func:`unused_rules`; matched against the source's own module names:
+    --stack-experts renames its experts afterwards). An override that matches nothing is likely a typo. An exclusion
+    (``-:``, or an entry of bits 16) that matches nothing changes nothing, and producers and users write them by design
+    for parts of a model family a checkpoint does not store (``-:.*visual.*`` on a text-only checkpoint, ``-:.*mtp.*``
+    where the MTP layers are dropped, a MoE router's ``-:.*mlp\\.gate$`` on a dense model): it is noted as such, not
+    as a typo."""
+    notes = []
+    overrides = [rule for rule in rules if not rule.excluded]
+    if overrides:
+        notes.append(f"{describe_unused(overrides)}: no module takes its settings from "
+                     f"{'it' if len(overrides) == 1 else 'them'} (a typo in a module name?)")
+    exclusions = [rule for rule in rules if rule.excluded]
+    if exclusions:
+        notes.append(f"{describe_unused(exclusions)}: {'it excludes' if len(exclusions) == 1 else 'they exclude'} "
+                     "nothing here (usual for parts of the model family this checkpoint does not store: a vision "
+                     "tower, MTP layers, a MoE router; a typo only if a module meant to stay unquantized is converted)")
+    return notes
+
+
 def with_unused_rules(checkpoint: Checkpoint, error: InputError) -> InputError:
     """``error``, a layer whose stored tensors contradict the settings the config resolves for it, with a hint naming
     the config's rules that match no stored module (:func:`unused_rules`), where there are any: a rule meant for the

@@ -224,3 +224,29 @@ def test_gptqmodels_own_rules_are_not_noted(tmp_path, case, typo):
     assert len(rules) == (4 if case == "dynamic_lm_head" else 0)
     set_quant_config(src, dynamic=_with_typo(rules, typo))
     assert _unused_notes(build_plan(src).notes) == _expected(typo)
+
+
+# ------------------------------------------------------------------------- exclusions written by design
+
+EXCLUDES_NOTHING = ("nothing here (usual for parts of the model family this checkpoint does not store: a vision tower, "
+                    "MTP layers, a MoE router; a typo only if a module meant to stay unquantized is converted)")
+
+
+@pytest.mark.parametrize("key", ["dynamic", "extra_config"])
+def test_exclusions_for_parts_a_checkpoint_does_not_store_are_not_called_typos(tmp_path, key):
+    """Real configs exclude parts of the model family that a given checkpoint does not store: a text-only
+    checkpoint's ``-:.*visual.*`` and ``-:.*mtp.*`` (GPTQModel scripts for Qwen3.5-style models), a router's
+    ``-:.*\\.mlp\\.gate$`` on a dense model; AutoRound's bits-16 entries for a vision tower or MTP layer. They change
+    nothing: the note says so, and keeps 'a typo in a module name?' for an override that matches nothing."""
+    src = _tiny(tmp_path / "in")
+    if key == "dynamic":
+        rules = {r"-:.*visual.*": {}, r"-:.*mtp.*": {}, r"-:.*\.mlp\.gate$": {}, TYPO: {"bits": 4}}
+        excluded = r"3 rules of the config match no module in the checkpoint: dynamic rule '-:.*visual.*', " \
+                   r"dynamic rule '-:.*mtp.*', dynamic rule '-:.*\.mlp\.gate$': they exclude "
+        set_quant_config(src, dynamic=rules)
+        expected = [TYPO_NOTE, excluded + EXCLUDES_NOTHING]
+    else:
+        set_quant_config(src, provider="auto-round", extra_config={"model.visual.blocks.0.attn.qkv": {"bits": 16}})
+        expected = ["extra_config entry 'model.visual.blocks.0.attn.qkv' matches no module in the checkpoint: it "
+                    f"excludes {EXCLUDES_NOTHING}"]
+    assert _unused_notes(build_plan(src).notes) == expected
