@@ -250,3 +250,26 @@ def test_exclusions_for_parts_a_checkpoint_does_not_store_are_not_called_typos(t
         expected = ["extra_config entry 'model.visual.blocks.0.attn.qkv' matches no module in the checkpoint: it "
                     f"excludes {EXCLUDES_NOTHING}"]
     assert _unused_notes(build_plan(src).notes) == expected
+
+
+def test_extra_config_entries_naming_no_stored_module_are_found_without_a_scan_each(tmp_path, monkeypatch):
+    """An AutoRound config of per-module entries none of whose names is stored (another prefix: a 48-layer MoE's
+    500 such entries each matched against 18,771 names took 8 s): an entry with no regex character is a module
+    name whose pieces between the dots are literal, so one whose piece is in no stored name is unused without being
+    matched name by name. Entries that match a stored name as a regular expression (re.search) still count as used."""
+    import marlin_convert.gptq as gptq
+
+    src = _tiny(tmp_path / "in")
+    missing = {f"model.language_model.layers.{i}.self_attn.{p}_proj": {"bits": 4} for i in range(2) for p in "qkvo"}
+    used = {"layers.0.mlp.down_proj": {"bits": 4}, "model.layers.1.self_attn.q": {"bits": 4}}  # (a suffix, a prefix)
+    set_quant_config(src, extra_config={**missing, **used})
+    checkpoint = gptq.open_checkpoint(src)
+    calls, matched = [], gptq.config_regex_match
+
+    def counted(pattern, module):
+        calls.append(module)
+        return matched(pattern, module)
+
+    monkeypatch.setattr(gptq, "config_regex_match", counted)
+    assert [rule.key for rule in gptq.unused_rules(checkpoint)] == list(missing)
+    assert len(calls) <= 2 * len(gptq.stored_module_names(checkpoint)), len(calls)  # (the two used ones' scans)
