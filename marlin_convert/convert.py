@@ -599,7 +599,8 @@ def run_job(job: Job, checkpoint: Checkpoint, writer: ShardWriter) -> JobResult:
     if job.kind == "copy":  # hashed while copied: the digests of passthrough tensors and of kept layers' tensors
         name = job.output.name
         result.written[name], result.digests[name] = writer.copy_range(name, job.source_path, job.source.begin,
-                                                                       job.source.nbytes, job.source_identity)
+                                                                       job.source.nbytes, job.source_identity,
+                                                                       checkpoint.held)
         result.consumed = job.source.nbytes
         return result
     layer = job.layer

@@ -245,14 +245,19 @@ class HeldShards:
         return fd
 
     def _open(self, file: SafetensorsFile) -> int:
-        """A fresh :func:`open_as_read` of ``file``'s shard, room made first. Where the process's descriptors run
-        out (EMFILE, ENFILE: a low ``ulimit -n``), the held ones give way, least recently read first, and the limit
-        comes down to what fits: planning then needs no more descriptors than one open per read did."""
+        """A fresh :func:`open_as_read` of ``file``'s shard, room made first (:meth:`open_beside`)."""
+        return self.open_beside(file.path, file.identity)
+
+    def open_beside(self, path: Path, identity: tuple | None) -> int:
+        """:func:`open_as_read` of ``path``, for this object to hold or for a caller's own use beside it (a copy
+        job's). Where the process's descriptors run out (EMFILE, ENFILE: a low ``ulimit -n``), the held ones give
+        way, least recently read first, and the limit comes down to what fits: planning and a conversion worker's
+        batch then need no more descriptors than one open per read did."""
         while True:
             while len(self._fds) >= self.limit:
                 os.close(self._fds.pop(next(iter(self._fds))))
             try:
-                return open_as_read(file.path, file.identity)
+                return open_as_read(path, identity)
             except OSError as exc:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._fds:
                     raise
@@ -451,14 +456,16 @@ class ShardWriter:
         return data.nbytes
 
     def copy_range(self, name: str, source: Path, begin: int, nbytes: int,
-                   identity: tuple | None = None) -> tuple[int, str]:
+                   identity: tuple | None = None, held: HeldShards | None = None) -> tuple[int, str]:
         """Copy ``nbytes`` at absolute offset ``begin`` of file ``source`` (the file whose header had ``identity``:
         :func:`open_as_read`) into declared tensor ``name``, hashing them on the way. Returns the bytes written and
-        their ``"sha256:..."`` digest."""
+        their ``"sha256:..."`` digest. ``held``: the shards this process holds open, which give way to this open
+        where descriptors run out (:meth:`HeldShards.open_beside`)."""
         position = self._position(name, 0, nbytes)
         digest = hashlib.sha256()
         try:
-            src = open(open_as_read(source, identity), "rb", buffering=0)
+            src = open(open_as_read(source, identity) if held is None else held.open_beside(source, identity), "rb",
+                       buffering=0)
         except OSError as exc:
             raise InputError(f"{source}: cannot read: {exc.strerror or exc}") from exc
         with src:

@@ -580,3 +580,24 @@ def test_a_shard_changed_while_a_worker_holds_it_open_stops_the_conversion(tmp_p
     with pytest.raises(InputError, match=rf"model\.safetensors: changed since its header was read: {said}"):
         convert(src, tmp_path / "out", workers=workers)
     assert not (tmp_path / "out").exists() and _descriptors_on(src) == []
+
+
+def test_a_conversion_whose_worker_holds_shards_still_copies_where_descriptors_run_out(tmp_path, monkeypatch):
+    """A copy job opens its shard itself, beside the ones its worker holds for the batch: where that open runs out of
+    descriptors (EMFILE: `ulimit -n 14` for 8 shards, which one open per job fitted) the held shards give way to it as
+    they do to one of their own (it failed: "cannot read: Too many open files", exit 2)."""
+    import errno
+
+    import marlin_convert.safetensors_io as safetensors_io
+
+    src = write_checkpoint(tmp_path / "in", _small_qwen(num_experts=4, num_layers=3, shards=4))
+    open_as_read = safetensors_io.open_as_read
+
+    def one_at_a_time(path, identity):  # (what one open per read needed: a single shard open at a time)
+        if _descriptors_on(src):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return open_as_read(path, identity)
+
+    monkeypatch.setattr(safetensors_io, "open_as_read", one_at_a_time)
+    report = convert(src, tmp_path / "out", workers=1)
+    assert report.passthrough_tensors and _descriptors_on(src) == []
