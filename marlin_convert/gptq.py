@@ -1345,7 +1345,7 @@ def unused_rules(checkpoint: Checkpoint) -> list[DynamicRule | ExtraEntry]:
     stores (:func:`stored_module_names`), in the config's order: a typo in one (``gate_prj``) leaves it silently
     unused. A rule that matches a stored module counts as used whether or not an earlier one wins there, and whatever
     the module is stored as (a ``-:`` rule for a plain ``.weight`` decides nothing the conversion does, but says what
-    a loader does). None for a compressed-tensors checkpoint, whose config has neither."""
+    a loader does). Empty for a compressed-tensors checkpoint, whose config has neither."""
     config = checkpoint.config
     if not isinstance(config, QuantConfig) or not (config.dynamic or config.extra_config):
         return []
