@@ -234,7 +234,7 @@ class HeldShards:
         key = (file.path, file.identity)
         fd = self._fds.pop(key, None)
         if fd is None:
-            fd = self._open(file)
+            fd = self.open_beside(file.path, file.identity)
         else:
             try:
                 _check_opened(fd, file.path, file.identity, held=True)
@@ -243,10 +243,6 @@ class HeldShards:
                 raise
         self._fds[key] = fd  # (re-inserted: now the most recently read)
         return fd
-
-    def _open(self, file: SafetensorsFile) -> int:
-        """A fresh :func:`open_as_read` of ``file``'s shard, room made first (:meth:`open_beside`)."""
-        return self.open_beside(file.path, file.identity)
 
     def open_beside(self, path: Path, identity: tuple | None) -> int:
         """:func:`open_as_read` of ``path``, for this object to hold or for a caller's own use beside it (a copy

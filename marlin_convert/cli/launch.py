@@ -98,6 +98,16 @@ def _amend_report(code: int, message: str) -> None:
         replace_stale_report(code, message)
 
 
+def _exit(code: int, message: str, hint: str | None = None):
+    """End the process before or after main(): the ``Error:`` line (and the hint), the report file amended
+    (:func:`_amend_report`), exit ``code``."""
+    say(f"Error: {message}"[:2000])
+    if hint:
+        say(f"Hint: {hint}")
+    _amend_report(code, message)
+    sys.exit(code)
+
+
 def _unraisable(previous):
     """sys.unraisablehook that prints nothing for the exception of a signal of :data:`HANDLED` this process took, where
     Python dropped it (raised in an import lock's callback or an at-fork hook: "Exception ignored in ..."); the signal
@@ -122,10 +132,7 @@ def run() -> None:
     os.environ.setdefault(_BLAS_THREADS, "1")
     too_little = _too_little_address_space()
     if too_little is not None:
-        say(f"Error: {too_little}")
-        say("Hint: raise the memory limit (ulimit -v)")
-        _amend_report(2, too_little)
-        sys.exit(2)
+        _exit(2, too_little, "raise the memory limit (ulimit -v)")
     try:
         if early:
             from ..gpu_workers import prestart
@@ -136,25 +143,16 @@ def run() -> None:
         except (ImportError, MemoryError, OSError) as exc:
             if os.environ.get("MARLIN_CONVERT_DEBUG"):
                 raise
-            message, hint = _load_failure(exc)
-            say(f"Error: {message}"[:2000])
-            say(f"Hint: {hint}")
-            _amend_report(2, message)
-            sys.exit(2)
+            _exit(2, *_load_failure(exc))
 
         taken = first_signal()
         if taken is not None:  # taken during the imports, its exception dropped by Python (:mod:`._signals`)
             raise KeyboardInterrupt() if taken == signal.SIGINT else _Terminated(taken)
         run_app()
     except KeyboardInterrupt:  # Ctrl-C during the imports, or right after main() (main() turns one during the command
-        say("Error: interrupted")  # into the same line and exit code)
-        _amend_report(130, "interrupted")
-        sys.exit(130)
+        _exit(130, "interrupted")  # into the same line and exit code)
     except _Terminated as exc:  # SIGTERM / SIGHUP likewise (once app.run has the exit code, signals are only noted)
-        word = signal_word(exc.signum)
-        say(f"Error: {word}")
-        _amend_report(128 + exc.signum, word)
-        sys.exit(128 + exc.signum)
+        _exit(128 + exc.signum, signal_word(exc.signum))
     finally:  # run_app leaves through sys.exit (SystemExit): this runs then too
         if early:
             from ..gpu_workers import discard_prestarted
